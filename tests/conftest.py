@@ -1,0 +1,59 @@
+"""Shared fixtures: the demo model and a runner for real engine jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="session")
+def demo_model() -> str:
+    from vllm_adaptive_spec.demo_model import ensure_demo_model
+
+    return str(ensure_demo_model())
+
+
+@pytest.fixture(scope="session")
+def demo_tokenizer(demo_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo_model)
+
+
+@dataclass
+class EngineRun:
+    token_ids: list[list[int]]
+    texts: list[str]
+    log: str
+
+
+def run_engine_job(tmp_path: Path, job: dict, env: dict[str, str] | None = None) -> EngineRun:
+    """Run tests/engine_job.py in a fresh process; fail with its log on error."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    job_file, out_file = tmp_path / "job.json", tmp_path / "out.json"
+    job_file.write_text(json.dumps(job))
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "engine_job.py"), str(job_file), str(out_file)],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        pytest.fail(f"engine job failed (exit {proc.returncode}):\n{log[-6000:]}")
+    result = json.loads(out_file.read_text())
+    return EngineRun(result["token_ids"], result["texts"], log)
+
+
+def chat_token_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

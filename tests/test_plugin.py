@@ -1,0 +1,83 @@
+"""The entry point: loads in every vLLM process, changes nothing unselected,
+and refuses an unsupported vLLM with one clear line."""
+
+from __future__ import annotations
+
+import logging
+import re
+from importlib.metadata import entry_points
+
+import pytest
+
+from conftest import chat_token_ids, run_engine_job
+from vllm_adaptive_spec import adapter, plugin
+from vllm_adaptive_spec.prompts import load_prompts, one_per_category
+
+REGISTERED = re.compile(r"\(([\w-]+) pid=(\d+)\).*vllm-adaptive-spec \S+ registered")
+
+
+def test_entry_point_is_declared():
+    found = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "adaptive_spec"]
+    assert [ep.value for ep in found] == ["vllm_adaptive_spec.plugin:register"]
+    assert found[0].load() is plugin.register
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "not-a-version"])
+def test_unsupported_version_is_refused(version):
+    problem = adapter.compatibility_problem(version)
+    assert problem == (
+        f"vllm-adaptive-spec needs vLLM {adapter.SUPPORTED_VLLM} but found vLLM {version}; "
+        "the adaptive_tree method is not registered"
+    )
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.32.0.post1"])
+def test_supported_version_is_accepted(version):
+    assert adapter.compatibility_problem(version) is None
+
+
+def test_missing_hook_is_refused(monkeypatch):
+    monkeypatch.setattr(adapter, "REQUIRED_HOOKS", adapter.REQUIRED_HOOKS + ("vllm.config:NoSuchHook",))
+    problem = adapter.compatibility_problem("0.32.0")
+    assert "vllm.config:NoSuchHook" in problem and "not registered" in problem
+
+
+def test_register_on_unsupported_vllm_logs_one_line_and_installs_nothing(monkeypatch, caplog):
+    installed = []
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(adapter, "installed_vllm_version", lambda: "0.31.0")
+    monkeypatch.setattr(adapter, "install", lambda: installed.append(True))
+    with caplog.at_level(logging.INFO, logger="vllm.adaptive_spec"):
+        assert plugin.register() is False
+    assert installed == []
+    assert [r.getMessage() for r in caplog.records] == [adapter.compatibility_problem("0.31.0")]
+    assert caplog.records[0].levelno == logging.WARNING
+
+
+def test_register_never_raises(monkeypatch, caplog):
+    def broken():
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(adapter, "install", broken)
+    with caplog.at_level(logging.ERROR, logger="vllm.adaptive_spec"):
+        assert plugin.register() is False
+    assert "failed to register" in caplog.text and "boom" in caplog.text
+
+
+@pytest.mark.engine
+def test_loads_in_engine_processes_and_changes_nothing_unselected(demo_model, demo_tokenizer, tmp_path):
+    prompts = one_per_category(load_prompts())[:4]
+    job = {
+        "model": demo_model,
+        "dtype": "float32",
+        "prompt_token_ids": [chat_token_ids(demo_tokenizer, p.messages) for p in prompts],
+        "max_tokens": 32,
+    }
+    with_plugin = run_engine_job(tmp_path / "with", job)
+    without_plugin = run_engine_job(tmp_path / "without", job, env={"VLLM_PLUGINS": "none-but-stock"})
+
+    processes = {name for name, _ in REGISTERED.findall(with_plugin.log)}
+    assert {"EngineCore", "VllmWorker-0"} <= processes, f"registered only in {processes}"
+    assert not REGISTERED.search(without_plugin.log)
+    assert with_plugin.token_ids == without_plugin.token_ids

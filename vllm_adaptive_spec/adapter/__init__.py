@@ -1,0 +1,66 @@
+"""The one adapter that touches vLLM internals.
+
+Every import of a vLLM internal and every patch of a vLLM object lives under
+this package. :func:`compatibility_problem` checks, at load time, the installed
+vLLM version and that every hook the adapter uses exists; when either check
+fails the plugin refuses with one clear line and registers nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from packaging.version import InvalidVersion, Version
+
+SUPPORTED_VLLM = "0.32.0"
+
+# "module:attribute.path" of every vLLM internal the adapter relies on.
+REQUIRED_HOOKS: tuple[str, ...] = (
+    "vllm.engine.arg_utils:EngineArgs.create_speculative_config",
+    "vllm.config.speculative:SpeculativeConfig",
+    "vllm.plugins:load_general_plugins",
+)
+
+
+def installed_vllm_version() -> str:
+    from vllm import __version__
+
+    return __version__
+
+
+def compatibility_problem(version: str | None = None) -> str | None:
+    """Why the plugin cannot run on the installed vLLM, or None if it can."""
+    found = installed_vllm_version() if version is None else version
+    try:
+        release = Version(found).release[:3]
+    except InvalidVersion:
+        release = None
+    if release != Version(SUPPORTED_VLLM).release:
+        return (
+            f"vllm-adaptive-spec needs vLLM {SUPPORTED_VLLM} but found vLLM {found}; "
+            "the adaptive_tree method is not registered"
+        )
+    missing = [hook for hook in REQUIRED_HOOKS if not _hook_exists(hook)]
+    if missing:
+        return (
+            f"vllm-adaptive-spec cannot find the vLLM {found} internals it hooks "
+            f"({', '.join(missing)}); the adaptive_tree method is not registered"
+        )
+    return None
+
+
+def _hook_exists(hook: str) -> bool:
+    module_name, _, path = hook.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError:
+        return False
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def install() -> None:
+    """Install the plugin's hooks into this process's vLLM (idempotent)."""

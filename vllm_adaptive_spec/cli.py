@@ -1,0 +1,29 @@
+"""The ``vllm-adaptive-spec`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="vllm-adaptive-spec")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("demo-model", help="print the demo model's directory, converting it first if needed")
+    commands.add_parser("demo", help="run the demo (options: vllm-adaptive-spec demo --help)", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+
+    if args.command == "demo-model":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        from vllm_adaptive_spec.demo_model import ensure_demo_model
+
+        print(ensure_demo_model())
+    elif args.command == "demo":
+        from vllm_adaptive_spec.demo import main as demo_main
+
+        demo_main(rest)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
