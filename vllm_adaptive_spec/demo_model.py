@@ -88,7 +88,7 @@ def _convert(gguf_path: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src_dir, name = str(gguf_path.parent), gguf_path.name
-    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
     if not tokenizer.chat_template:
         raise RuntimeError(f"{gguf_path} carries no chat template")

@@ -19,6 +19,14 @@ REQUIRED_HOOKS: tuple[str, ...] = (
     "vllm.engine.arg_utils:EngineArgs.create_speculative_config",
     "vllm.config.speculative:SpeculativeConfig",
     "vllm.plugins:load_general_plugins",
+    "vllm.v1.attention.backends.registry:register_backend",
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend.get_impl_cls",
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder._set_isa_to_layers",
+    "vllm.v1.worker.cpu_worker:CPUWorker.init_device",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids",
+    "vllm.v1.sample.rejection_sampler:apply_sampling_constraints",
 )
 
 
@@ -64,3 +72,6 @@ def _hook_exists(hook: str) -> bool:
 
 def install() -> None:
     """Install the plugin's hooks into this process's vLLM (idempotent)."""
+    from vllm_adaptive_spec.adapter import config_hook
+
+    config_hook.install()

@@ -1,0 +1,88 @@
+"""Route ``method="adaptive_tree"`` through vLLM's stock config.
+
+``EngineArgs.create_speculative_config`` is the only place vLLM builds a
+``SpeculativeConfig``; the wrapper validates the plugin's keys there, hands
+vLLM a native method that loads what the drafter needs (retrieval ->
+``custom_class`` with the plugin's proposer), selects the plugin's worker and
+carries the tree settings, as a plain dict, in
+``VllmConfig.additional_config["adaptive_tree"]`` (it survives pickling to the
+engine core and workers, where plugins load only after unpickling).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from vllm_adaptive_spec.config import METHOD, TreeConfig, TreeConfigError, parse_tree_config
+
+ADDITIONAL_CONFIG_KEY = "adaptive_tree"
+PROPOSER_CLASS = "vllm_adaptive_spec.adapter.proposer.TreeProposer"
+CPU_WORKER = "vllm_adaptive_spec.adapter.worker.TreeCPUWorker"
+NATIVE_METHOD = {"retrieval": "custom_class"}
+
+
+def tree_config_of(vllm_config) -> TreeConfig | None:
+    """The tree settings of an engine, or None when adaptive_tree is not selected."""
+    data = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+    return None if data is None else TreeConfig.from_dict(data)
+
+
+def install() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_speculative_config
+    if getattr(original, "_adaptive_tree_wrapper", False):
+        return
+
+    @functools.wraps(original)
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        spec = self.speculative_config
+        method = (spec or {}).get("method")
+        if spec is None or method != METHOD:
+            if spec is not None and "tree" in spec:
+                raise TreeConfigError(
+                    f"speculative_config['tree'] is only valid with method={METHOD!r}, got method={method!r}"
+                )
+            return original(self, target_model_config, target_parallel_config)
+
+        tree = parse_tree_config(spec)
+        _check_engine_args(self)
+        native = {k: v for k, v in spec.items() if k != "tree"}
+        native["method"] = NATIVE_METHOD[tree.drafter]
+        if native["method"] == "custom_class":
+            native["model"] = PROPOSER_CLASS
+        self.speculative_config = native
+        try:
+            result = original(self, target_model_config, target_parallel_config)
+        finally:
+            self.speculative_config = spec
+        self.additional_config = {**(self.additional_config or {}), ADDITIONAL_CONFIG_KEY: tree.to_dict()}
+        target_parallel_config.worker_cls = _worker_class()
+        # The tree hooks live in the V1 model runner; every process must agree.
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        return result
+
+    create_speculative_config._adaptive_tree_wrapper = True
+    EngineArgs.create_speculative_config = create_speculative_config
+
+
+def _worker_class() -> str:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        raise TreeConfigError(
+            f"method={METHOD!r} runs on vLLM's CPU platform in this release; "
+            f"the CUDA attention backend for trees is not wired in yet (platform: {current_platform.device_name})"
+        )
+    return CPU_WORKER
+
+
+def _check_engine_args(args) -> None:
+    """Refuse engine settings the tree path does not support yet."""
+    if args.pipeline_parallel_size > 1:
+        raise TreeConfigError(f"method={METHOD!r} does not support pipeline parallelism (pipeline_parallel_size > 1)")
+    if args.kv_transfer_config is not None:
+        raise TreeConfigError(f"method={METHOD!r} does not support KV connectors (kv_transfer_config)")
+    if args.worker_cls not in ("auto", CPU_WORKER):
+        raise TreeConfigError(f"method={METHOD!r} needs its own worker; remove worker_cls={args.worker_cls!r}")

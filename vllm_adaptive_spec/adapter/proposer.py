@@ -1,0 +1,117 @@
+"""The tree proposer: vLLM's drafter object for ``adaptive_tree``.
+
+vLLM builds it as the ``custom_class`` proposer (``TreeProposer(vllm_config)``);
+the tree runner calls :meth:`propose_trees` with what the stock proposer call
+lacks (request ids, sampling parameters). It keeps each request's last tree,
+so the runner can lay out the draft tokens vLLM schedules as that tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_adaptive_spec.adapter.config_hook import tree_config_of
+from vllm_adaptive_spec.growth import grow
+from vllm_adaptive_spec.tree import DraftTree
+
+
+@dataclass
+class TreeStats:
+    """Counters since the engine started (read with ``LLM.collective_rpc``)."""
+
+    steps: int = 0
+    trees_verified: int = 0
+    nodes_verified: int = 0
+    tokens_accepted: int = 0
+    draft_passes: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        trees = max(self.trees_verified, 1)
+        return {
+            "steps": self.steps,
+            "trees_verified": self.trees_verified,
+            "nodes_verified": self.nodes_verified,
+            "tokens_accepted": self.tokens_accepted,
+            "draft_passes": self.draft_passes,
+            "tau": 1.0 + self.tokens_accepted / trees,
+            "nodes_per_tree": self.nodes_verified / trees,
+        }
+
+
+def can_draft(sampling_params, num_output_tokens: int) -> bool:
+    """Whether a request may get a tree: its sampling must be exactly what the
+    tree verifier reproduces. Requests with history-dependent processing
+    (penalties, bad words, min_tokens, logit bias, min_p, structured output,
+    thinking budget) are served without speculation instead."""
+    sp = sampling_params
+    if sp is None:
+        return False
+    return (
+        sp.presence_penalty == 0.0
+        and sp.frequency_penalty == 0.0
+        and sp.repetition_penalty == 1.0
+        and sp.min_p == 0.0
+        and not sp.logit_bias
+        and not sp.bad_words
+        and sp.structured_outputs is None
+        and sp.thinking_token_budget is None
+        and num_output_tokens >= sp.min_tokens
+    )
+
+
+class TreeProposer:
+    def __init__(self, vllm_config) -> None:
+        self.config = tree_config_of(vllm_config)
+        if self.config is None:
+            raise ValueError("TreeProposer is only used with method='adaptive_tree'")
+        self.drafter = self.config.make_drafter()
+        self.policy = self.config.make_policy()
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.trees: dict[str, DraftTree] = {}
+        self.stats = TreeStats()
+
+    def load_model(self, *args, **kwargs) -> None:
+        """The retrieval drafter has no weights."""
+
+    def propose(self, *args, **kwargs):
+        raise RuntimeError("TreeProposer is driven by the adaptive_tree model runner (propose_trees)")
+
+    def forget(self, request_ids) -> None:
+        for request_id in request_ids:
+            self.trees.pop(request_id, None)
+            self.drafter.forget(request_id)
+
+    def propose_trees(
+        self,
+        request_ids: list[str],
+        sampled_token_ids: list[list[int]],
+        num_tokens: np.ndarray,
+        token_ids: np.ndarray,
+        eligible: list[bool],
+    ) -> list[list[int]]:
+        """One tree per request (empty when it may not draft); returns each
+        tree's tokens, breadth-first, as vLLM's draft token ids."""
+        budgets, active, contexts = [], [], []
+        for i, request_id in enumerate(request_ids):
+            length = int(num_tokens[i])
+            budget = min(self.config.budget, self.max_model_len - length - 1)
+            if not sampled_token_ids[i] or not eligible[i] or budget <= 0:
+                self.trees.pop(request_id, None)
+                continue
+            active.append(i)
+            budgets.append(budget)
+            contexts.append(token_ids[i, :length])
+        drafts: list[list[int]] = [[] for _ in request_ids]
+        if not active:
+            return drafts
+        self.drafter.prepare([request_ids[i] for i in active], contexts)
+        trees, stats = grow(self.drafter, self.policy, torch.tensor(budgets), self.drafter.max_depth)
+        if getattr(self.drafter, "is_model", False):
+            self.stats.draft_passes += stats.draft_passes
+        for i, tree in zip(active, trees):
+            self.trees[request_ids[i]] = tree
+            drafts[i] = tree.tokens
+        return drafts

@@ -1,0 +1,142 @@
+"""The tree hooks of vLLM's V1 model runner, as a mixin over the platform's runner.
+
+Per engine step:
+
+1. ``_prepare_inputs``: after vLLM lays out the batch (sequential positions,
+   hence sequential KV slots ``p0 + i``), each request's scheduled drafts are
+   matched to its tree (a breadth-first prefix, as the scheduler may cut the
+   list), node positions become ``p0 + depth``, and the step's layout is
+   published for the attention impl.
+2. the forward: tree rows attend to the prefix, their ancestors and themselves.
+3. ``rejection_sampler`` is the :class:`TreeVerifier`; right after acceptance
+   the accepted nodes' KV moves to slots ``p0 + 1 .. p0 + a`` in every layer,
+   so vLLM's "first ``a`` drafts were accepted" bookkeeping holds.
+4. ``propose_draft_token_ids``: the proposer grows the next trees.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.kv_compaction import compact_kv
+from vllm_adaptive_spec.adapter import step as tree_step
+from vllm_adaptive_spec.adapter.proposer import TreeProposer, can_draft
+from vllm_adaptive_spec.adapter.verifier import TreeVerifier
+from vllm_adaptive_spec.tree import DraftTree
+from vllm_adaptive_spec.verify import Acceptance
+
+SUPPORTED_LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
+
+
+class TreeRunnerMixin:
+    """Mixed in before ``GPUModelRunner`` or ``CPUModelRunner``; ``kv_views``
+    maps one layer's KV cache to ``[num_blocks, block_size, H, D]`` K and V views."""
+
+    kv_views = None
+
+    def __init__(self, vllm_config, device) -> None:
+        super().__init__(vllm_config, device)
+        mode = vllm_config.model_config.logprobs_mode
+        if mode not in SUPPORTED_LOGPROBS_MODES:
+            raise ValueError(
+                f"adaptive_tree supports logprobs_mode {SUPPORTED_LOGPROBS_MODES}, got {mode!r}"
+            )
+        if self.uses_mrope:
+            raise ValueError("adaptive_tree does not support M-RoPE models yet")
+        self.rejection_sampler = TreeVerifier(self.sampler, mode, self._after_acceptance)
+
+    @property
+    def tree_proposer(self) -> TreeProposer:
+        return self.drafter
+
+    def _update_states(self, scheduler_output):
+        result = super()._update_states(scheduler_output)
+        gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+        self.tree_proposer.forget(gone)
+        return result
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        tree_step.publish(self._layout_trees(scheduler_output, num_scheduled_tokens))
+        return result
+
+    def _layout_trees(self, scheduler_output, num_scheduled_tokens) -> tree_step.TreeStep | None:
+        scheduled = scheduler_output.scheduled_spec_decode_tokens
+        if not scheduled:
+            return None
+        batch_indices, trees, starts, lengths = [], [], [], []
+        query_start = self.query_start_loc.np
+        for req_id, drafts in scheduled.items():
+            if not drafts:
+                continue
+            index = self.input_batch.req_id_to_index[req_id]
+            stored = self.tree_proposer.trees.get(req_id)
+            tree = stored.prefix(len(drafts)) if stored is not None else None
+            if tree is None or tree.tokens != list(drafts):
+                tree = DraftTree.chain(list(drafts))
+            batch_indices.append(index)
+            trees.append(tree)
+            starts.append(int(query_start[index]))
+            lengths.append(int(num_scheduled_tokens[index]))
+        if not trees:
+            return None
+        order = sorted(range(len(trees)), key=lambda k: batch_indices[k])
+        step = tree_step.build_step(
+            [batch_indices[k] for k in order],
+            [trees[k] for k in order],
+            [starts[k] for k in order],
+            [lengths[k] for k in order],
+            self.device,
+        )
+        self._set_depth_positions(step)
+        return step
+
+    def _set_depth_positions(self, step: tree_step.TreeStep) -> None:
+        """Node rows get position ``p0 + depth`` (the root row keeps ``p0``)."""
+        depths = step.tree_batch.depths()
+        rows, offsets = [], []
+        for k, tree in enumerate(step.trees):
+            end = int(step.query_start_loc[k + 1])
+            n = len(tree)
+            rows.append(step.query_rows[end - n:end])
+            offsets.append(depths[k, :n] - torch.arange(1, n + 1))
+        rows_t = torch.cat(rows)
+        self.positions[rows_t] += torch.cat(offsets).to(self.positions.device, self.positions.dtype)
+
+    def _after_acceptance(self, step: tree_step.TreeStep, acceptance: Acceptance) -> None:
+        """Move each accepted path's KV into consecutive slots after the root."""
+        proposer = self.tree_proposer
+        proposer.stats.steps += 1
+        proposer.stats.trees_verified += len(step.trees)
+        proposer.stats.nodes_verified += int(step.tree_batch.num_nodes.sum())
+        proposer.stats.tokens_accepted += int(acceptance.num_accepted.sum())
+
+        path = acceptance.path
+        width = path.shape[1]
+        ends = step.query_start_loc[1:].to(torch.long)
+        first_node = step.query_rows[ends - 1] - step.tree_batch.num_nodes + 1
+        depth = torch.arange(width, device=path.device).unsqueeze(0)
+        live = (path >= 0) & (path != depth)
+        if not bool(live.any()):
+            return
+        slot_mapping = self.input_batch.block_table[0].slot_mapping.gpu
+        src = slot_mapping[(first_node.unsqueeze(1) + path.clamp(min=0)).flatten()].view_as(path)
+        dst = slot_mapping[(first_node.unsqueeze(1) + depth).flatten()].view_as(path)
+        src = torch.where(live, src, -1).to(torch.int64)
+        dst = torch.where(live, dst, -1).to(torch.int64)
+        for kv_cache in self.kv_caches:
+            key_cache, value_cache = type(self).kv_views(kv_cache)
+            compact_kv(key_cache, value_cache, src, dst)
+
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        batch = self.input_batch
+        req_ids = batch.req_ids
+        eligible = [
+            can_draft(self.requests[r].sampling_params, len(self.requests[r].output_token_ids)) for r in req_ids
+        ]
+        return self.tree_proposer.propose_trees(
+            req_ids, sampled_token_ids, batch.num_tokens_no_spec, batch.token_ids_cpu, eligible
+        )
+
+    def adaptive_tree_stats(self) -> dict[str, float]:
+        return self.tree_proposer.stats.as_dict()

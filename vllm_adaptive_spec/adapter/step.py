@@ -1,0 +1,78 @@
+"""The tree layout of the current target step, shared by the runner (which
+builds it), the attention impl and the verifier (which read it).
+
+vLLM's attention metadata has no channel for a per-request mask, so the
+runner publishes the step here before the forward and clears it after
+verification. Dummy and profiling runs see ``None`` and stay causal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_adaptive_spec.tree import DraftTree, TreeBatch
+
+
+@dataclass
+class TreeStep:
+    """Requests of this step that carry a draft tree, in batch order.
+
+    ``batch_indices`` [Bt]: their rows in vLLM's input batch; ``trees``: their
+    (possibly truncated) trees; ``tree_batch``: the same, padded;
+    ``query_rows`` [Tt]: the flattened query rows of those requests;
+    ``query_start_loc`` [Bt + 1]: offsets into ``query_rows``;
+    ``query_mask`` [Tt, W]: which of its request's query rows each row sees.
+    """
+
+    batch_indices: torch.Tensor
+    trees: list[DraftTree]
+    tree_batch: TreeBatch
+    query_rows: torch.Tensor
+    query_start_loc: torch.Tensor
+    query_mask: torch.Tensor
+
+
+_current: TreeStep | None = None
+
+
+def publish(step: TreeStep | None) -> None:
+    global _current
+    _current = step
+
+
+def current() -> TreeStep | None:
+    return _current
+
+
+def build_step(
+    batch_indices: list[int],
+    trees: list[DraftTree],
+    query_starts: list[int],
+    query_lens: list[int],
+    device: torch.device,
+) -> TreeStep:
+    """Lay out the trees of one step. A request's tree occupies the last
+    ``1 + n`` of its query rows (root, then nodes); earlier rows (if any) are
+    causal, and every tree row sees them all."""
+    tree_batch = TreeBatch.from_trees(trees)
+    row_masks = tree_batch.row_mask()
+    width = max(query_lens)
+    masks, rows, starts = [], [], [0]
+    for b, (start, length, tree) in enumerate(zip(query_starts, query_lens, trees)):
+        offset = length - 1 - len(tree)
+        mask = torch.ones(length, width, dtype=torch.bool).tril()
+        size = 1 + len(tree)
+        mask[offset:, offset:offset + size] = row_masks[b, :size, :size]
+        masks.append(mask)
+        rows.append(torch.arange(start, start + length))
+        starts.append(starts[-1] + length)
+    return TreeStep(
+        batch_indices=torch.tensor(batch_indices, dtype=torch.long, device=device),
+        trees=trees,
+        tree_batch=tree_batch,
+        query_rows=torch.cat(rows).to(device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        query_mask=torch.cat(masks).to(device),
+    )

@@ -1,0 +1,110 @@
+"""The tree verifier: a drop-in for vLLM's ``RejectionSampler``.
+
+Same call and same output layout (``[num_reqs, max_spec_len + 1]``: the
+accepted path, the bonus token, then -1), so vLLM's bookkeeping and scheduler
+stay untouched. Each request has ``1 + n`` logits rows (root, then its nodes).
+
+* Requests without a tree keep vLLM's own sampler (penalties, bad words and
+  every other processor apply exactly as without speculation).
+* Tree rows are processed as vLLM's rejection sampler processes draft rows
+  (allowed-token mask, temperature, top-k, top-p, through vLLM's own
+  ``apply_sampling_constraints``), then each row draws its target token
+  (argmax, or one exponential-race sample with the request's generator when
+  seeded) and ``verify.accept`` walks the tree (ALGORITHMS.md section 1).
+* Logprobs of a committed token come from its parent's row.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.rejection_sampler import apply_sampling_constraints
+
+from vllm_adaptive_spec.adapter import step as tree_step
+from vllm_adaptive_spec.verify import PAD, Acceptance, accept, sample_with_noise
+
+
+def row_target_tokens(logits: torch.Tensor, cu_rows: torch.Tensor, rows_per_request: torch.Tensor, sampling_metadata) -> torch.Tensor:
+    """One target token per logits row ``[R, V]``: argmax for greedy requests,
+    a sample from the processed distribution otherwise."""
+    request_of_row = torch.repeat_interleave(torch.arange(rows_per_request.shape[0], device=logits.device), rows_per_request)
+    processed = logits.to(torch.float32).clone()
+    if sampling_metadata.allowed_token_ids_mask is not None:
+        processed.masked_fill_(sampling_metadata.allowed_token_ids_mask[request_of_row], float("-inf"))
+    greedy = processed.argmax(dim=-1)
+    if sampling_metadata.all_greedy:
+        return greedy
+    processed = apply_sampling_constraints(processed, cu_rows, sampling_metadata)
+    probs = processed.softmax(dim=-1, dtype=torch.float32)
+    noise = torch.empty_like(probs).exponential_()
+    starts = cu_rows - rows_per_request
+    for request, generator in sampling_metadata.generators.items():
+        start, end = int(starts[request]), int(cu_rows[request])
+        noise[start:end].exponential_(generator=generator)
+    sampled = sample_with_noise(probs, noise)
+    if sampling_metadata.all_random:
+        return sampled
+    is_greedy = (sampling_metadata.temperature < 1e-5)[request_of_row]
+    return torch.where(is_greedy, greedy, sampled)
+
+
+class TreeVerifier(torch.nn.Module):
+    """``on_accept(step, acceptance)`` runs right after acceptance (KV
+    compaction and statistics), in the same engine step."""
+
+    def __init__(self, sampler, logprobs_mode: str, on_accept: Callable[[tree_step.TreeStep, Acceptance], None]):
+        super().__init__()
+        self.sampler = sampler
+        self.logprobs_mode = logprobs_mode
+        self.on_accept = on_accept
+
+    def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
+        device = logits.device
+        num_drafts = torch.tensor(metadata.num_draft_tokens, dtype=torch.long, device=device)
+        rows_per_request = num_drafts + 1
+        cu_rows = torch.cumsum(rows_per_request, 0)
+        starts = cu_rows - rows_per_request
+        batch, width = num_drafts.shape[0], int(num_drafts.max()) + 1
+
+        plain = self.sampler(
+            logits=logits[metadata.bonus_logits_indices],
+            sampling_metadata=sampling_metadata,
+            predict_bonus_token=True,
+        )
+        output = torch.full((batch, width), PAD, dtype=torch.int32, device=device)
+        output[:, 0] = plain.sampled_token_ids[:, 0].to(torch.int32)
+
+        step = tree_step.current()
+        if step is not None and step.trees:
+            tree_rows = row_target_tokens(logits, cu_rows, rows_per_request, sampling_metadata)
+            tree_batch = step.tree_batch
+            indices = step.batch_indices
+            offsets = torch.arange(tree_batch.width + 1, device=device)
+            local = torch.minimum(offsets.unsqueeze(0), num_drafts[indices].unsqueeze(1))
+            acceptance = accept(tree_batch, tree_rows[starts[indices].unsqueeze(1) + local])
+            output[indices] = acceptance.output_tokens.to(torch.int32)
+            self.on_accept(step, acceptance)
+        else:
+            acceptance = None
+
+        logprobs = None
+        if sampling_metadata.max_num_logprobs is not None:
+            logprobs = self._logprobs(logits, starts, output, step, acceptance, sampling_metadata.max_num_logprobs)
+        tree_step.publish(None)
+        return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
+
+    def _logprobs(self, logits, starts, output, step, acceptance, num_logprobs):
+        """Logprobs of every output slot, from the row that emitted it: slot 0
+        from the root row, slot ``j`` from the row of the ``j``-th path node."""
+        batch, width = output.shape
+        rows = starts.unsqueeze(1).expand(batch, width).clone()
+        if acceptance is not None:
+            path_rows = torch.where(acceptance.path >= 0, acceptance.path + 1, 0)
+            emitted = torch.cat([torch.zeros_like(path_rows[:, :1]), path_rows], dim=1)[:, :width]
+            rows[step.batch_indices, : emitted.shape[1]] += emitted
+        selected = logits[rows.flatten()].to(torch.float32)
+        values = selected if self.logprobs_mode == "raw_logits" else self.sampler.compute_logprobs(selected)
+        tokens = output.flatten().to(torch.int64).clamp(min=0)
+        return self.sampler.gather_logprobs(values, num_logprobs, tokens)

@@ -1,0 +1,124 @@
+"""The ``adaptive_tree`` speculative config: parsing and validation.
+
+User contract::
+
+    {"method": "adaptive_tree", "num_speculative_tokens": N,
+     "model": "<draft model dir, when the drafter needs one>",
+     "tree": {"drafter": "...", "policy": "...", "<parameter>": value, ...}}
+
+``num_speculative_tokens`` is the node budget per request per step. Every
+error names the offending key and the valid choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_adaptive_spec.drafters import DRAFTER_POLICIES, DRAFTERS
+from vllm_adaptive_spec.policies import POLICIES
+
+METHOD = "adaptive_tree"
+MAX_BUDGET = 128  # vLLM's rejection-sampler layout caps drafts per request at 128.
+DRAFTERS_NEEDING_MODEL: frozenset[str] = frozenset()
+
+
+class TreeConfigError(ValueError):
+    """A bad ``adaptive_tree`` speculative config."""
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    drafter: str
+    policy: str
+    budget: int
+    drafter_params: dict[str, Any] = field(default_factory=dict)
+    policy_params: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict (it travels in ``VllmConfig.additional_config``)."""
+        return {
+            "drafter": self.drafter,
+            "policy": self.policy,
+            "budget": self.budget,
+            "drafter_params": dict(self.drafter_params),
+            "policy_params": dict(self.policy_params),
+        }
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> "TreeConfig":
+        return TreeConfig(**data)
+
+    def make_drafter(self):
+        return DRAFTERS[self.drafter](**self.drafter_params)
+
+    def make_policy(self):
+        return POLICIES[self.policy](**self.policy_params)
+
+
+def _choices(values) -> str:
+    return ", ".join(repr(v) for v in sorted(values))
+
+
+def parse_tree_config(spec: dict[str, Any]) -> TreeConfig:
+    """Validate a user's speculative config with ``method == "adaptive_tree"``."""
+    budget = spec.get("num_speculative_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET:
+        raise TreeConfigError(
+            f"speculative_config['num_speculative_tokens'] must be an integer from 1 to {MAX_BUDGET} "
+            f"(the node budget per request per step), got {budget!r}"
+        )
+    tree = spec.get("tree")
+    if not isinstance(tree, dict):
+        raise TreeConfigError(
+            "speculative_config['tree'] must be a dict with at least 'drafter' "
+            f"(one of {_choices(DRAFTERS)}), got {tree!r}"
+        )
+    drafter = tree.get("drafter")
+    if drafter not in DRAFTERS:
+        raise TreeConfigError(
+            f"speculative_config['tree']['drafter'] must be one of {_choices(DRAFTERS)}, got {drafter!r}"
+        )
+    allowed_policies = DRAFTER_POLICIES[drafter]
+    policy = tree.get("policy", allowed_policies[0])
+    if policy not in allowed_policies:
+        raise TreeConfigError(
+            f"speculative_config['tree']['policy'] must be one of {_choices(allowed_policies)} "
+            f"with drafter {drafter!r}, got {policy!r}"
+        )
+    if drafter in DRAFTERS_NEEDING_MODEL and not spec.get("model"):
+        raise TreeConfigError(f"speculative_config['model'] is required with tree drafter {drafter!r}")
+    if drafter not in DRAFTERS_NEEDING_MODEL and spec.get("model") is not None:
+        raise TreeConfigError(
+            f"speculative_config['model'] is not used by tree drafter {drafter!r}; remove it"
+        )
+
+    drafter_schema, policy_schema = DRAFTERS[drafter].PARAMS, POLICIES[policy].PARAMS
+    known = {"drafter", "policy", *drafter_schema, *policy_schema}
+    unknown = sorted(set(tree) - known)
+    if unknown:
+        raise TreeConfigError(
+            f"speculative_config['tree'] has unknown key(s) {unknown}; with drafter {drafter!r} and "
+            f"policy {policy!r} the valid keys are {_choices(known)}"
+        )
+    params = []
+    for schema in (drafter_schema, policy_schema):
+        values = {}
+        for name, param in schema.items():
+            value = tree.get(name, param.default)
+            wrong_type = isinstance(value, bool) and param.kind is not bool
+            if param.kind is float and isinstance(value, int) and not wrong_type:
+                value = float(value)
+            if wrong_type or not isinstance(value, param.kind) or not param.check(value):
+                raise TreeConfigError(
+                    f"speculative_config['tree'][{name!r}] must be {param.rule}, got {value!r}"
+                )
+            values[name] = value
+        params.append(values)
+    config = TreeConfig(drafter, policy, budget, params[0], params[1])
+    try:
+        config.make_drafter()
+        config.make_policy()
+    except ValueError as exc:
+        raise TreeConfigError(f"speculative_config['tree']: {exc}") from exc
+    return config

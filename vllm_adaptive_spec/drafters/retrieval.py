@@ -1,0 +1,137 @@
+"""The retrieval drafter (ALGORITHMS.md section 7, Talon, seed 001).
+
+Each request keeps a token-level suffix index over its prompt and output so
+far: for every n-gram length ``k <= l_max``, where each n-gram ended. To draft,
+the longest suffix of the context (``l_max`` down to ``l_min`` tokens) that
+occurred before is matched; the tokens that followed its most recent
+``max_matches`` occurrences (up to ``max_depth`` each) are merged into a trie
+whose counts give the draft probabilities: ``q`` of a child is its count share
+among its siblings. A policy then picks the tree from that trie.
+
+Decision: only the longest matching suffix is used (longer matches predict
+better and the spec matches "length l_max down to 1"); the index is updated
+incrementally, since a request's tokens are append-only.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_adaptive_spec.growth import Candidates
+from vllm_adaptive_spec.policies import Param
+
+ROOT_HANDLE = -1
+
+
+@dataclass
+class _Index:
+    tokens: list[int] = field(default_factory=list)
+    # ends[k][ngram] = positions where that k-gram ended, oldest first.
+    ends: list[dict[tuple[int, ...], list[int]]] = field(default_factory=list)
+
+    def extend(self, new_tokens: list[int], l_max: int) -> None:
+        if not self.ends:
+            self.ends = [defaultdict(list) for _ in range(l_max + 1)]
+        tokens = self.tokens
+        for token in new_tokens:
+            tokens.append(token)
+            end = len(tokens) - 1
+            for k in range(1, min(l_max, len(tokens)) + 1):
+                self.ends[k][tuple(tokens[-k:])].append(end)
+
+
+@dataclass
+class _Trie:
+    """Children per node: ``children[node] = [(token, count, child), ...]``,
+    sorted by descending count (ties: first seen first)."""
+
+    children: list[list[tuple[int, int, int]]]
+
+
+class RetrievalDrafter:
+    """Suffix-index drafter; one trie per request per step."""
+
+    name = "retrieval"
+    PARAMS = {
+        "l_max": Param(int, 8, "an integer >= 1", lambda v: v >= 1),
+        "l_min": Param(int, 1, "an integer >= 1 and <= l_max", lambda v: v >= 1),
+        "max_matches": Param(int, 32, "an integer >= 1", lambda v: v >= 1),
+        "max_depth": Param(int, 16, "an integer >= 1", lambda v: v >= 1),
+    }
+
+    def __init__(self, l_max: int = 8, l_min: int = 1, max_matches: int = 32, max_depth: int = 16) -> None:
+        if l_min > l_max:
+            raise ValueError(f"l_min ({l_min}) must not exceed l_max ({l_max})")
+        self.l_max, self.l_min = l_max, l_min
+        self.max_matches, self.max_depth = max_matches, max_depth
+        self._indexes: dict[str, _Index] = {}
+        self._tries: list[_Trie] = []
+
+    def forget(self, request_id: str) -> None:
+        self._indexes.pop(request_id, None)
+
+    def prepare(self, request_ids: list[str], contexts: list[list[int]]) -> None:
+        """Update each request's index with its context and build this step's tries."""
+        self._tries = []
+        for request_id, context in zip(request_ids, contexts):
+            index = self._indexes.get(request_id)
+            if index is None or len(index.tokens) > len(context) or (
+                index.tokens and index.tokens[-1] != context[len(index.tokens) - 1]
+            ):
+                index = self._indexes[request_id] = _Index()
+            index.extend(context[len(index.tokens):], self.l_max)
+            self._tries.append(self._build_trie(index))
+
+    def _build_trie(self, index: _Index) -> _Trie:
+        tokens = index.tokens
+        last = len(tokens) - 1
+        starts: list[int] = []
+        for k in range(min(self.l_max, len(tokens)), self.l_min - 1, -1):
+            ends = index.ends[k].get(tuple(tokens[-k:]), [])
+            starts = [end + 1 for end in ends if end < last][-self.max_matches:]
+            if starts:
+                break
+        counts: list[dict[int, list[int]]] = [{}]  # node -> token -> [count, child]
+        for start in reversed(starts):  # most recent first: ties go to it
+            node = 0
+            for token in tokens[start:start + self.max_depth]:
+                entry = counts[node].get(token)
+                if entry is None:
+                    entry = counts[node][token] = [0, len(counts)]
+                    counts.append({})
+                entry[0] += 1
+                node = entry[1]
+        children = [
+            sorted(((tok, c, child) for tok, (c, child) in node.items()), key=lambda e: -e[1])
+            for node in counts
+        ]
+        return _Trie(children)
+
+    def expand(self, handles: torch.Tensor, live: torch.Tensor) -> Candidates:
+        batch, width = handles.shape
+        rows: list[list[list[tuple[int, float, int]]]] = []
+        fanout = 1
+        for b in range(batch):
+            trie = self._tries[b]
+            row = []
+            for f in range(width):
+                if not live[b, f]:
+                    row.append([])
+                    continue
+                node = int(handles[b, f]) + 1  # the root handle -1 is trie node 0
+                kids = trie.children[node]
+                total = sum(c for _, c, _ in kids)
+                row.append([(tok, c / total, child - 1) for tok, c, child in kids])
+                fanout = max(fanout, len(kids))
+            rows.append(row)
+        tokens = torch.full((batch, width, fanout), -1, dtype=torch.long)
+        q = torch.zeros(batch, width, fanout)
+        out_handles = torch.full((batch, width, fanout), ROOT_HANDLE, dtype=torch.long)
+        for b, row in enumerate(rows):
+            for f, kids in enumerate(row):
+                for c, (tok, share, child) in enumerate(kids):
+                    tokens[b, f, c], q[b, f, c], out_handles[b, f, c] = tok, share, child
+        return Candidates(tokens, q, out_handles)

@@ -1,0 +1,139 @@
+"""Growing draft trees layer by layer for a whole batch.
+
+A drafter proposes, for every frontier node of every request, its candidate
+children (top-``C`` tokens and draft probabilities, with an opaque *handle*
+the drafter uses to expand that child later). A policy picks the next layer
+among them, or stops. :func:`grow` runs that loop and returns one
+:class:`~vllm_adaptive_spec.tree.DraftTree` per request, breadth-first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from vllm_adaptive_spec.tree import ROOT, DraftTree
+
+
+@dataclass
+class Candidates:
+    """Children of the frontier: ``tokens``/``q``/``handles`` [B, F, C]; a
+    candidate with ``q == 0`` does not exist. Children of one frontier node are
+    sorted by descending ``q`` and carry distinct tokens."""
+
+    tokens: torch.Tensor
+    q: torch.Tensor
+    handles: torch.Tensor
+
+
+@dataclass
+class Layer:
+    """What a policy sees: the candidates, the frontier's path probabilities
+    ``parent_p`` [B, F] (0 on empty slots), the candidates' ``depth`` (1 for
+    children of the root), the nodes already in each tree ``size`` [B] and the
+    node ``budget`` [B]."""
+
+    candidates: Candidates
+    parent_p: torch.Tensor
+    depth: int
+    size: torch.Tensor
+    budget: torch.Tensor
+
+    @property
+    def p(self) -> torch.Tensor:
+        """[B, F, C] path probability of every candidate, ``p(parent) * q``."""
+        return self.parent_p.unsqueeze(-1) * self.candidates.q
+
+
+class Drafter(Protocol):
+    def expand(self, handles: torch.Tensor, live: torch.Tensor) -> Candidates:
+        """Candidates for the frontier nodes ``handles`` [B, F] (``live`` marks
+        real nodes; a handle of -1 is the root)."""
+
+
+class Policy(Protocol):
+    def select(self, layer: Layer) -> torch.Tensor:
+        """[B, F, C] bool: the candidates that form the next layer (none: stop)."""
+
+    def finish(self, p: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+        """[B, M] bool: which grown nodes (path probabilities ``p``) to keep."""
+
+
+@dataclass
+class GrowthStats:
+    draft_passes: int = 0
+
+
+def grow(drafter: Drafter, policy: Policy, budget: torch.Tensor, max_depth: int) -> tuple[list[DraftTree], GrowthStats]:
+    """Grow one tree per request (``budget`` [B] nodes at most each)."""
+    batch = budget.shape[0]
+    stats = GrowthStats()
+    tokens, parents, q, p, handles = [], [], [], [], []  # per layer, [B, L] each
+    size = torch.zeros(batch, dtype=torch.long)
+    frontier_handles = torch.full((batch, 1), ROOT, dtype=torch.long)
+    frontier_index = torch.full((batch, 1), ROOT, dtype=torch.long)
+    frontier_p = torch.ones(batch, 1)
+    frontier_live = (budget > 0).unsqueeze(1)
+    for depth in range(1, max_depth + 1):
+        if not bool(frontier_live.any()):
+            break
+        candidates = drafter.expand(frontier_handles, frontier_live)
+        stats.draft_passes += 1
+        parent_p = torch.where(frontier_live, frontier_p, 0.0)
+        layer = Layer(candidates, parent_p, depth, size.clone(), budget)
+        chosen = policy.select(layer) & (candidates.q > 0) & frontier_live.unsqueeze(-1)
+        chosen = chosen.flatten(1)
+        count = chosen.sum(1)
+        if not bool(count.any()):
+            break
+        # Chosen candidates, in (frontier, candidate) order, packed to the left.
+        width = int(count.max())
+        order = torch.sort((~chosen).to(torch.int8), dim=1, stable=True).indices[:, :width]
+        live = torch.arange(width).unsqueeze(0) < count.unsqueeze(1)
+        fanout = candidates.q.shape[-1]
+        parent_slot = order // fanout
+        tokens.append(candidates.tokens.flatten(1).gather(1, order))
+        q.append(candidates.q.flatten(1).gather(1, order))
+        p.append(layer.p.flatten(1).gather(1, order))
+        handles.append(candidates.handles.flatten(1).gather(1, order))
+        parents.append(frontier_index.gather(1, parent_slot))
+        new_index = size.unsqueeze(1) + torch.arange(width).unsqueeze(0)
+        tokens[-1], parents[-1] = tokens[-1].masked_fill(~live, -1), parents[-1].masked_fill(~live, ROOT)
+        q[-1], p[-1] = q[-1].masked_fill(~live, 0.0), p[-1].masked_fill(~live, 0.0)
+        size = size + count
+        frontier_handles, frontier_index = handles[-1], new_index
+        frontier_p, frontier_live = p[-1], live
+    return _assemble(tokens, parents, q, p, policy, budget), stats
+
+
+def _assemble(tokens, parents, q, p, policy: Policy, budget: torch.Tensor) -> list[DraftTree]:
+    batch = budget.shape[0]
+    if not tokens:
+        return [DraftTree() for _ in range(batch)]
+    # Layers are packed per request; gather each request's nodes in order.
+    all_p = torch.cat(p, dim=1)
+    valid = torch.cat([t >= 0 for t in tokens], dim=1)
+    keep = policy.finish(all_p, valid, budget) & valid
+    all_tokens, all_parents, all_q = (torch.cat(x, dim=1).tolist() for x in (tokens, parents, q))
+    trees = []
+    for b in range(batch):
+        # Slot -> node index in the grown tree (layers are left-packed, so the
+        # valid slots of a request, in slot order, are its nodes in BFS order).
+        slots = [s for s, v in enumerate(valid[b].tolist()) if v]
+        kept = keep[b].tolist()
+        new_index: dict[int, int] = {}
+        tree = DraftTree()
+        for node, slot in enumerate(slots):
+            if not kept[slot]:
+                continue
+            parent = all_parents[b][slot]
+            if parent != ROOT and parent not in new_index:
+                continue
+            new_index[node] = len(tree)
+            tree.tokens.append(all_tokens[b][slot])
+            tree.parents.append(ROOT if parent == ROOT else new_index[parent])
+            tree.q.append(all_q[b][slot])
+        trees.append(tree)
+    return trees

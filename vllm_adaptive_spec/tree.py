@@ -1,0 +1,116 @@
+"""Draft trees: one request's tree, and a batch of them as padded tensors.
+
+Layout (ALGORITHMS.md section 0): nodes are flattened breadth-first, every
+parent before its children; a node's parent is the index of another node, or
+-1 for a child of the root (the last committed token). Siblings carry distinct
+tokens. Verification runs over ``1 + n`` rows per request: row 0 is the root,
+row ``i + 1`` is node ``i``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+ROOT = -1
+
+
+@dataclass
+class DraftTree:
+    """One request's tree: ``tokens[i]`` drawn from the distribution after
+    ``parents[i]`` with draft probability ``q[i]``."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    q: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def depths(self) -> list[int]:
+        depth: list[int] = []
+        for parent in self.parents:
+            depth.append(1 if parent == ROOT else depth[parent] + 1)
+        return depth
+
+    def prefix(self, n: int) -> "DraftTree":
+        """The first ``n`` nodes: a valid tree, since parents come first."""
+        return DraftTree(self.tokens[:n], self.parents[:n], self.q[:n])
+
+    @staticmethod
+    def chain(tokens: list[int]) -> "DraftTree":
+        return DraftTree(list(tokens), list(range(-1, len(tokens) - 1)), [1.0] * len(tokens))
+
+    def validate(self) -> None:
+        """Raise ValueError unless the tree is breadth-first with distinct siblings."""
+        if not len(self.tokens) == len(self.parents) == len(self.q):
+            raise ValueError("tokens, parents and q differ in length")
+        seen: set[tuple[int, int]] = set()
+        for i, (token, parent) in enumerate(zip(self.tokens, self.parents)):
+            if not ROOT <= parent < i:
+                raise ValueError(f"node {i} has parent {parent}: parents must come first")
+            if (parent, token) in seen:
+                raise ValueError(f"node {i} repeats token {token} among its siblings")
+            seen.add((parent, token))
+        depths = self.depths()
+        if depths != sorted(depths):
+            raise ValueError("nodes are not in breadth-first order")
+
+
+@dataclass
+class TreeBatch:
+    """A batch of trees padded to width ``W``: ``tokens``/``parents`` [B, W]
+    (padding: token -1, parent -1), ``num_nodes`` [B]."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    num_nodes: torch.Tensor
+
+    @staticmethod
+    def from_trees(trees: list[DraftTree], width: int | None = None, device=None) -> "TreeBatch":
+        width = max([len(t) for t in trees] + [0]) if width is None else width
+        tokens = torch.full((len(trees), width), -1, dtype=torch.long)
+        parents = torch.full((len(trees), width), ROOT, dtype=torch.long)
+        for b, tree in enumerate(trees):
+            n = len(tree)
+            tokens[b, :n] = torch.tensor(tree.tokens, dtype=torch.long)
+            parents[b, :n] = torch.tensor(tree.parents, dtype=torch.long)
+        num_nodes = torch.tensor([len(t) for t in trees], dtype=torch.long)
+        return TreeBatch(tokens.to(device), parents.to(device), num_nodes.to(device))
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+    def valid(self) -> torch.Tensor:
+        """[B, W] bool: which slots hold a node."""
+        slots = torch.arange(self.width, device=self.tokens.device)
+        return slots.unsqueeze(0) < self.num_nodes.unsqueeze(1)
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[B, W, W] bool: ``mask[b, i, j]`` iff node j is node i or one of its
+        ancestors. One gather per tree level (pointer chasing), batched."""
+        batch, width = self.tokens.shape
+        valid = self.valid()
+        mask = torch.zeros(batch, width, width, dtype=torch.bool, device=self.tokens.device)
+        rows = torch.arange(width, device=self.tokens.device).expand(batch, width)
+        current = torch.where(valid, rows, torch.full_like(rows, ROOT))
+        while bool((current != ROOT).any()):
+            live = current != ROOT
+            mask |= torch.nn.functional.one_hot(current.clamp(min=0), width).bool() & live.unsqueeze(2)
+            current = torch.where(live, self.parents.gather(1, current.clamp(min=0)), current)
+        return mask
+
+    def depths(self) -> torch.Tensor:
+        """[B, W] long: depth of each node (1 for children of the root), 0 on padding."""
+        return self.ancestor_mask().sum(-1)
+
+    def row_mask(self) -> torch.Tensor:
+        """[B, 1 + W, 1 + W] bool over verification rows (row 0 = root): every
+        row sees the root, itself and its ancestors."""
+        batch, width = self.tokens.shape
+        mask = torch.zeros(batch, width + 1, width + 1, dtype=torch.bool, device=self.tokens.device)
+        mask[:, :, 0] = True
+        mask[:, 1:, 1:] = self.ancestor_mask()
+        return mask
