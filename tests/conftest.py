@@ -36,9 +36,18 @@ def demo_tokenizer(demo_model):
 
 @dataclass
 class EngineRun:
-    token_ids: list[list[int]]
-    texts: list[str]
+    token_ids: list[list[int] | None]
+    texts: list[str | None]
+    finish_reasons: list[str | None]
+    metrics: dict
+    tree_stats: dict | None
     log: str
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per step for steps that verified drafts (vLLM's counters)."""
+        drafts = self.metrics.get("vllm:spec_decode_num_drafts", 0)
+        return 1.0 + self.metrics.get("vllm:spec_decode_num_accepted_tokens", 0) / max(drafts, 1)
 
 
 def run_engine_job(tmp_path: Path, job: dict, env: dict[str, str] | None = None) -> EngineRun:
@@ -56,8 +65,7 @@ def run_engine_job(tmp_path: Path, job: dict, env: dict[str, str] | None = None)
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:
         pytest.fail(f"engine job failed (exit {proc.returncode}):\n{log[-6000:]}")
-    result = json.loads(out_file.read_text())
-    return EngineRun(result["token_ids"], result["texts"], log)
+    return EngineRun(**json.loads(out_file.read_text()), log=log)
 
 
 def chat_token_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:

@@ -2,12 +2,16 @@
 
 Usage: python tests/engine_job.py JOB.json OUT.json
 
-JOB keys: model, dtype, prompt_token_ids (list of lists), max_tokens,
-optional speculative_config, temperature, seed, max_num_seqs.
-OUT: {"token_ids": [[...], ...], "texts": [...]}
+JOB keys: model, prompt_token_ids (list of lists), max_tokens; optional:
+dtype, speculative_config, temperature, top_p, top_k, seeds (one per prompt),
+stop, max_num_seqs, max_num_batched_tokens, num_gpu_blocks_override,
+abort_after_steps ({prompt index: engine steps}).
+OUT: token_ids, texts, finish_reasons (per prompt; aborted prompts get None),
+metrics (vLLM's spec-decode counters), tree_stats (the plugin's, when active).
 
-Each engine runs in a fresh process: vLLM's CPU engine spawns its workers, and
-one engine per process keeps the tests' memory and state apart.
+Requests go through ``LLMEngine.add_request``/``step`` so a job can abort some
+of them mid-generation. Each engine runs in a fresh process: vLLM's CPU engine
+spawns its workers, and one engine per process keeps tests apart.
 """
 
 import json
@@ -19,8 +23,8 @@ def main(job_path: str, out_path: str) -> None:
         job = json.load(handle)
 
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
+    extra = {k: job[k] for k in ("max_num_batched_tokens", "num_gpu_blocks_override") if k in job}
     llm = LLM(
         model=job["model"],
         dtype=job.get("dtype", "float32"),
@@ -28,22 +32,63 @@ def main(job_path: str, out_path: str) -> None:
         max_num_seqs=job.get("max_num_seqs", 16),
         enforce_eager=True,
         gpu_memory_utilization=0.4,
-        seed=job.get("seed", 0),
+        seed=0,
         speculative_config=job.get("speculative_config"),
+        disable_log_stats=False,
+        **extra,
     )
-    params = SamplingParams(
-        temperature=job.get("temperature", 0.0),
-        max_tokens=job["max_tokens"],
-        seed=job.get("seed"),
-    )
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompt_token_ids"]]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    result = {
-        "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
-        "texts": [o.outputs[0].text for o in outputs],
+    engine = llm.llm_engine
+    prompts = job["prompt_token_ids"]
+    seeds = job.get("seeds") or [None] * len(prompts)
+    for index, (ids, seed) in enumerate(zip(prompts, seeds)):
+        params = SamplingParams(
+            temperature=job.get("temperature", 0.0),
+            top_p=job.get("top_p", 1.0),
+            top_k=job.get("top_k", 0),
+            max_tokens=job["max_tokens"],
+            seed=seed,
+            stop=job.get("stop"),
+        )
+        engine.add_request(str(index), {"prompt_token_ids": ids}, params)
+
+    aborts = {str(k): v for k, v in job.get("abort_after_steps", {}).items()}
+    finished = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs[0]
+        steps += 1
+        due = [rid for rid, at in aborts.items() if at == steps and rid not in finished]
+        if due:
+            engine.abort_request(due)
+
+    def result(index):
+        out = finished.get(str(index))
+        if out is None:
+            return None, None, None
+        return list(out.token_ids), out.text, out.finish_reason
+
+    rows = [result(i) for i in range(len(prompts))]
+    metrics = {
+        m.name: getattr(m, "value", None)
+        for m in llm.get_metrics()
+        if any(key in m.name for key in ("spec_decode", "preemptions", "prefix_cache"))
     }
+    tree_stats = None
+    if (job.get("speculative_config") or {}).get("method") == "adaptive_tree":
+        tree_stats = llm.collective_rpc("adaptive_tree_stats")[0]
     with open(out_path, "w", encoding="utf-8") as handle:
-        json.dump(result, handle)
+        json.dump(
+            {
+                "token_ids": [r[0] for r in rows],
+                "texts": [r[1] for r in rows],
+                "finish_reasons": [r[2] for r in rows],
+                "metrics": metrics,
+                "tree_stats": tree_stats,
+            },
+            handle,
+        )
 
 
 if __name__ == "__main__":

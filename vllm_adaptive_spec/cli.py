@@ -11,6 +11,9 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("demo-model", help="print the demo model's directory, converting it first if needed")
     commands.add_parser("demo", help="run the demo (options: vllm-adaptive-spec demo --help)", add_help=False)
+    commands.add_parser(
+        "vllm", help="run vLLM's own CLI, e.g. `vllm-adaptive-spec vllm serve MODEL ...`", add_help=False
+    )
     args, rest = parser.parse_known_args(argv)
 
     if args.command == "demo-model":
@@ -19,6 +22,10 @@ def main(argv: list[str] | None = None) -> None:
         from vllm_adaptive_spec.demo_model import ensure_demo_model
 
         print(ensure_demo_model())
+    elif args.command == "vllm":
+        from vllm_adaptive_spec.adapter.cli_shim import run_vllm_cli
+
+        run_vllm_cli(rest)
     elif args.command == "demo":
         from vllm_adaptive_spec.demo import main as demo_main
 

@@ -75,7 +75,7 @@ def parse_tree_config(spec: dict[str, Any]) -> TreeConfig:
             f"(one of {_choices(DRAFTERS)}), got {tree!r}"
         )
     drafter = tree.get("drafter")
-    if drafter not in DRAFTERS:
+    if not isinstance(drafter, str) or drafter not in DRAFTERS:
         raise TreeConfigError(
             f"speculative_config['tree']['drafter'] must be one of {_choices(DRAFTERS)}, got {drafter!r}"
         )

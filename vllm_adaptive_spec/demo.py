@@ -1,10 +1,18 @@
 """The demo: offline ``LLM.chat`` on the demo model over a handful of the
-project's prompts (one per category), printing each answer and tokens/s."""
+project's prompts (one per category), with adaptive-tree speculation and
+without, printing the answers, tau and the speed ratio."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import time
+
+DEFAULT_SPEC = {
+    "method": "adaptive_tree",
+    "num_speculative_tokens": 16,
+    "tree": {"drafter": "retrieval", "policy": "retrieval"},
+}
 
 
 def engine_kwargs(model: str, dtype: str, max_model_len: int) -> dict:
@@ -16,7 +24,34 @@ def engine_kwargs(model: str, dtype: str, max_model_len: int) -> dict:
         enforce_eager=True,
         gpu_memory_utilization=0.4,
         seed=0,
+        disable_log_stats=False,
     )
+
+
+def spec_counters(llm) -> dict[str, float]:
+    return {m.name: getattr(m, "value", 0) for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num")}
+
+
+def run(model: str, dtype: str, messages: list, max_tokens: int, spec: dict | None):
+    """Generate greedily; return (outputs, seconds, tau or None)."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(model, dtype, max_model_len=2048), speculative_config=spec)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    llm.chat(messages[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    before = spec_counters(llm)
+    start = time.perf_counter()
+    outputs = llm.chat(messages, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tau = None
+    if spec is not None:
+        after = spec_counters(llm)
+        drafts = after["vllm:spec_decode_num_drafts"] - before["vllm:spec_decode_num_drafts"]
+        accepted = after["vllm:spec_decode_num_accepted_tokens"] - before["vllm:spec_decode_num_accepted_tokens"]
+        tau = 1 + accepted / max(drafts, 1)
+    del llm
+    gc.collect()
+    return outputs, elapsed, tau
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,23 +67,23 @@ def main(argv: list[str] | None = None) -> None:
 
     model = args.model or str(ensure_demo_model())
     prompts = one_per_category(load_prompts(args.prompts))
+    messages = [p.messages for p in prompts]
 
-    from vllm import LLM, SamplingParams
+    plain, plain_seconds, _ = run(model, args.dtype, messages, args.max_tokens, None)
+    tree, tree_seconds, tau = run(model, args.dtype, messages, args.max_tokens, DEFAULT_SPEC)
 
-    llm = LLM(**engine_kwargs(model, args.dtype, max_model_len=2048))
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    start = time.perf_counter()
-    outputs = llm.chat([p.messages for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-
-    generated = 0
-    for prompt, output in zip(prompts, outputs):
-        completion = output.outputs[0]
-        generated += len(completion.token_ids)
+    generated = sum(len(o.outputs[0].token_ids) for o in tree)
+    for prompt, output in zip(prompts, tree):
         print(f"\n=== {prompt.id} ({prompt.category}) ===")
         print(f"Q: {prompt.messages[-1]['content'][:200]}")
-        print(f"A: {completion.text.strip()}")
-    print(f"\n{len(prompts)} prompts, {generated} tokens in {elapsed:.1f} s: {generated / elapsed:.1f} tok/s")
+        print(f"A: {output.outputs[0].text.strip()}")
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(plain, tree))
+    plain_rate = sum(len(o.outputs[0].token_ids) for o in plain) / plain_seconds
+    tree_rate = generated / tree_seconds
+    print(f"\n{len(prompts)} prompts, {generated} tokens, speculative config: {DEFAULT_SPEC}")
+    print(f"no speculation: {plain_rate:.1f} tok/s")
+    print(f"adaptive_tree:  {tree_rate:.1f} tok/s, tau {tau:.2f} tokens per step")
+    print(f"speed ratio (adaptive_tree / none): {tree_rate / plain_rate:.2f}; identical answers: {same}/{len(prompts)}")
 
 
 if __name__ == "__main__":

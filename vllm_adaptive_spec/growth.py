@@ -54,6 +54,10 @@ class Drafter(Protocol):
 
 
 class Policy(Protocol):
+    # Whether growth continues once a tree holds ``budget`` nodes (then
+    # ``finish`` trims it back, as after a rerank).
+    grows_past_budget: bool
+
     def select(self, layer: Layer) -> torch.Tensor:
         """[B, F, C] bool: the candidates that form the next layer (none: stop)."""
 
@@ -77,6 +81,8 @@ def grow(drafter: Drafter, policy: Policy, budget: torch.Tensor, max_depth: int)
     frontier_p = torch.ones(batch, 1)
     frontier_live = (budget > 0).unsqueeze(1)
     for depth in range(1, max_depth + 1):
+        if not policy.grows_past_budget:
+            frontier_live = frontier_live & (size < budget).unsqueeze(1)
         if not bool(frontier_live.any()):
             break
         candidates = drafter.expand(frontier_handles, frontier_live)

@@ -45,6 +45,7 @@ class ChainPolicy:
 
     name = "chain"
     PARAMS: dict[str, Param] = {}
+    grows_past_budget = False
 
     def __init__(self) -> None:
         pass
@@ -65,6 +66,7 @@ class RetrievalPolicy:
 
     name = "retrieval"
     PARAMS: dict[str, Param] = {}
+    grows_past_budget = True
 
     def __init__(self) -> None:
         pass

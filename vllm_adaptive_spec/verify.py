@@ -43,6 +43,10 @@ def accept(tree: TreeBatch, row_tokens: torch.Tensor, ancestors: torch.Tensor | 
     """Accept paths given each row's target token ``row_tokens`` [B, 1 + W]."""
     batch, width = tree.tokens.shape
     device = tree.tokens.device
+    if width == 0:
+        output = torch.cat([row_tokens[:, :1], row_tokens.new_full((batch, 0), PAD)], dim=1)
+        empty = torch.zeros(batch, dtype=torch.long, device=device)
+        return Acceptance(empty, torch.empty(batch, 0, dtype=torch.long, device=device), output)
     ancestors = tree.ancestor_mask() if ancestors is None else ancestors
     valid = tree.valid()
     expected = row_tokens.gather(1, tree.parents + 1)

@@ -6,9 +6,9 @@ stay untouched. Each request has ``1 + n`` logits rows (root, then its nodes).
 
 * Requests without a tree keep vLLM's own sampler (penalties, bad words and
   every other processor apply exactly as without speculation).
-* Tree rows are processed as vLLM's rejection sampler processes draft rows
-  (allowed-token mask, temperature, top-k, top-p, through vLLM's own
-  ``apply_sampling_constraints``), then each row draws its target token
+* Tree rows are processed as vLLM's sampler processes a row (allowed-token
+  mask, temperature, then top-k and top-p through vLLM's own
+  ``apply_top_k_top_p``), then each row draws its target token
   (argmax, or one exponential-race sample with the request's generator when
   seeded) and ``verify.accept`` walks the tree (ALGORITHMS.md section 1).
 * Logprobs of a committed token come from its parent's row.
@@ -20,10 +20,13 @@ from typing import Callable
 
 import torch
 from vllm.v1.outputs import SamplerOutput
-from vllm.v1.sample.rejection_sampler import apply_sampling_constraints
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
 from vllm_adaptive_spec.adapter import step as tree_step
 from vllm_adaptive_spec.verify import PAD, Acceptance, accept, sample_with_noise
+
+
+_GREEDY_BELOW = 1e-5  # vLLM's sampler treats smaller temperatures as greedy
 
 
 def row_target_tokens(logits: torch.Tensor, cu_rows: torch.Tensor, rows_per_request: torch.Tensor, sampling_metadata) -> torch.Tensor:
@@ -36,7 +39,14 @@ def row_target_tokens(logits: torch.Tensor, cu_rows: torch.Tensor, rows_per_requ
     greedy = processed.argmax(dim=-1)
     if sampling_metadata.all_greedy:
         return greedy
-    processed = apply_sampling_constraints(processed, cu_rows, sampling_metadata)
+    temperature = sampling_metadata.temperature[request_of_row]
+    processed.div_(torch.where(temperature < _GREEDY_BELOW, 1.0, temperature).unsqueeze(1))
+    top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
+    processed = apply_top_k_top_p(
+        processed,
+        None if top_k is None else top_k[request_of_row],
+        None if top_p is None else top_p[request_of_row],
+    )
     probs = processed.softmax(dim=-1, dtype=torch.float32)
     noise = torch.empty_like(probs).exponential_()
     starts = cu_rows - rows_per_request
@@ -46,7 +56,7 @@ def row_target_tokens(logits: torch.Tensor, cu_rows: torch.Tensor, rows_per_requ
     sampled = sample_with_noise(probs, noise)
     if sampling_metadata.all_random:
         return sampled
-    is_greedy = (sampling_metadata.temperature < 1e-5)[request_of_row]
+    is_greedy = temperature < _GREEDY_BELOW
     return torch.where(is_greedy, greedy, sampled)
 
 

@@ -77,10 +77,9 @@ class RetrievalDrafter:
         """Update each request's index with its context and build this step's tries."""
         self._tries = []
         for request_id, context in zip(request_ids, contexts):
+            context = list(context)
             index = self._indexes.get(request_id)
-            if index is None or len(index.tokens) > len(context) or (
-                index.tokens and index.tokens[-1] != context[len(index.tokens) - 1]
-            ):
+            if index is None or context[: len(index.tokens)] != index.tokens:
                 index = self._indexes[request_id] = _Index()
             index.extend(context[len(index.tokens):], self.l_max)
             self._tries.append(self._build_trie(index))

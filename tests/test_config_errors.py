@@ -1,0 +1,72 @@
+"""A bad adaptive_tree config fails at startup, naming the key and the choices."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from vllm_adaptive_spec.config import TreeConfigError
+
+GOOD_TREE = {"drafter": "retrieval", "policy": "retrieval"}
+
+
+def build_config(demo_model, speculative_config):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=demo_model, max_model_len=1024, speculative_config=speculative_config)
+    return args, args.create_engine_config()
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ({"num_speculative_tokens": 8, "tree": {"drafter": "eagle9"}}, r"\['tree'\]\['drafter'\] must be one of 'retrieval', got 'eagle9'"),
+        (
+            {"num_speculative_tokens": 8, "tree": {"drafter": "retrieval", "policy": "talon"}},
+            r"\['tree'\]\['policy'\] must be one of 'chain', 'retrieval' with drafter 'retrieval', got 'talon'",
+        ),
+        (
+            {"num_speculative_tokens": 8, "tree": {**GOOD_TREE, "depth": 3}},
+            r"unknown key\(s\) \['depth'\].*'drafter', 'l_max', 'l_min', 'max_depth', 'max_matches', 'policy'",
+        ),
+        ({"num_speculative_tokens": 8, "tree": {**GOOD_TREE, "l_max": 0}}, r"\['tree'\]\['l_max'\] must be an integer >= 1, got 0"),
+        ({"num_speculative_tokens": 0, "tree": GOOD_TREE}, r"\['num_speculative_tokens'\] must be an integer from 1 to 128"),
+        ({"num_speculative_tokens": 8}, r"\['tree'\] must be a dict"),
+        ({"num_speculative_tokens": 8, "model": "x", "tree": GOOD_TREE}, r"\['model'\] is not used by tree drafter 'retrieval'"),
+    ],
+)
+def test_bad_config_is_refused_before_the_engine_starts(demo_model, spec, message):
+    with pytest.raises(TreeConfigError, match=message):
+        build_config(demo_model, {"method": "adaptive_tree", **spec})
+
+
+def test_tree_key_needs_adaptive_tree(demo_model):
+    with pytest.raises(TreeConfigError, match=r"\['tree'\] is only valid with method='adaptive_tree', got method='ngram'"):
+        build_config(demo_model, {"method": "ngram", "num_speculative_tokens": 4, "tree": GOOD_TREE})
+
+
+def test_good_config_reaches_vllm_as_a_stock_config(demo_model):
+    spec = {"method": "adaptive_tree", "num_speculative_tokens": 8, "tree": dict(GOOD_TREE)}
+    args, config = build_config(demo_model, spec)
+    assert config.speculative_config.method == "custom_class"
+    assert config.speculative_config.num_speculative_tokens == 8
+    assert config.parallel_config.worker_cls == "vllm_adaptive_spec.adapter.worker.TreeCPUWorker"
+    assert config.additional_config["adaptive_tree"]["drafter"] == "retrieval"
+    assert config.additional_config["adaptive_tree"]["drafter_params"]["l_max"] == 8
+    assert args.speculative_config == spec, "the user's dict was changed"
+
+
+def test_llm_startup_fails_with_the_message(demo_model):
+    """The same error through ``LLM(...)``, in a fresh process, before any engine starts."""
+    code = (
+        "from vllm import LLM\n"
+        "if __name__ == '__main__':\n"
+        f"    LLM(model={demo_model!r}, speculative_config={{'method': 'adaptive_tree', "
+        "'num_speculative_tokens': 8, 'tree': {'drafter': 'retrieval', 'policy': 'bogus'}})\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "speculative_config['tree']['policy'] must be one of 'chain', 'retrieval'" in proc.stderr
+    assert "EngineCore" not in proc.stderr, "the engine started before the config was checked"

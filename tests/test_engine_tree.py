@@ -1,0 +1,162 @@
+"""adaptive_tree inside the real vLLM engine on the demo model (CPU, float32).
+
+Greedy output with tree speculation equals vLLM without speculation, token for
+token, at several batch sizes and under chunked prefill, draft truncation,
+preemption, prefix caching, aborts, stop strings and max_tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import chat_token_ids, run_engine_job
+from vllm_adaptive_spec.prompts import load_prompts
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 64
+TREE = {"method": "adaptive_tree", "num_speculative_tokens": 16, "tree": {"drafter": "retrieval", "policy": "retrieval"}}
+
+
+def _prompts():
+    """All prompts whose answers repeat the input, plus one of each other category: 24."""
+    prompts = load_prompts()
+    repeats = [p for p in prompts if p.repeats_input]
+    others = {}
+    for p in prompts:
+        if not p.repeats_input and p.category not in {q.category for q in repeats}:
+            others.setdefault(p.category, p)
+    return repeats + list(others.values())
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    selected = _prompts()
+    assert len(selected) >= 20
+    return selected
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(prompts, demo_tokenizer):
+    """The prompts' token ids, then the longest one again: by the time it runs
+    again its blocks are in the prefix cache."""
+    ids = [chat_token_ids(demo_tokenizer, p.messages) for p in prompts]
+    return ids + [max(ids, key=len)]
+
+
+@pytest.fixture(scope="module")
+def baseline(demo_model, prompt_ids, tmp_path_factory):
+    return run_engine_job(
+        tmp_path_factory.mktemp("baseline"),
+        {"model": demo_model, "prompt_token_ids": prompt_ids, "max_tokens": MAX_TOKENS, "max_num_seqs": 16},
+    )
+
+
+def _mismatches(prompts, expected, got):
+    ids = [p.id for p in prompts] + ["repeated longest prompt"]
+    return [
+        f"{p}: first difference at token {next(i for i, (a, b) in enumerate(zip(e, g + [None])) if a != b)}"
+        for p, e, g in zip(ids, expected, got)
+        if e != g
+    ]
+
+
+@pytest.mark.parametrize("batch_size", [1, 4, 16])
+def test_greedy_tree_equals_no_speculation(batch_size, demo_model, prompts, prompt_ids, baseline, tmp_path):
+    run = run_engine_job(
+        tmp_path,
+        {
+            "model": demo_model,
+            "prompt_token_ids": prompt_ids,
+            "max_tokens": MAX_TOKENS,
+            "max_num_seqs": batch_size,
+            "speculative_config": TREE,
+        },
+    )
+    assert not _mismatches(prompts, baseline.token_ids, run.token_ids)
+    # The trees were really verified, and paid off where answers repeat the prompt.
+    assert run.metrics["vllm:spec_decode_num_drafts"] > 0
+    assert run.tree_stats["nodes_verified"] == run.metrics["vllm:spec_decode_num_draft_tokens"]
+    assert run.tree_stats["tokens_accepted"] == run.metrics["vllm:spec_decode_num_accepted_tokens"]
+    assert run.tau > 1.3, f"tau {run.tau:.2f}"
+    assert run.tree_stats["nodes_per_tree"] > 2, "trees degenerated to chains of one"
+    assert run.metrics["vllm:prefix_cache_hits"] > 0
+
+
+def test_edge_cases_keep_greedy_output(demo_model, prompts, prompt_ids, baseline, tmp_path):
+    """Chunked prefill beside tree decodes, the scheduler cutting drafts under
+    a small token budget, preemption with recompute (a tiny KV cache), aborted
+    requests, a stop string and a max_tokens that ends inside accepted paths."""
+    ids, expected, expected_texts = prompt_ids, baseline.token_ids, baseline.texts
+    aborted = {3: 3, 7: 5}
+    max_tokens, stop = MAX_TOKENS - 3, "\n\n"
+    run = run_engine_job(
+        tmp_path,
+        {
+            "model": demo_model,
+            "prompt_token_ids": ids,
+            "max_tokens": max_tokens,
+            "stop": [stop],
+            "max_num_seqs": 8,
+            "max_num_batched_tokens": 96,
+            "max_model_len": 1024,
+            "num_gpu_blocks_override": 12,
+            "abort_after_steps": aborted,
+            "speculative_config": TREE,
+        },
+    )
+    assert run.metrics["vllm:num_preemptions"] > 0
+    assert run.tau > 1.3
+    checked = 0
+    for i, (want_ids, want_text) in enumerate(zip(expected, expected_texts)):
+        if i in aborted:
+            assert run.finish_reasons[i] in (None, "abort")
+            continue
+        text = run.texts[i]
+        if stop in want_text[: len(text) + len(stop)]:
+            assert text == want_text.split(stop)[0], f"prompt {i}: stop string"
+            assert run.finish_reasons[i] == "stop"
+        else:
+            assert run.token_ids[i] == want_ids[:max_tokens], f"prompt {i}: tokens differ"
+            assert run.finish_reasons[i] == ("length" if len(want_ids) >= max_tokens else "stop")
+        checked += 1
+    assert checked == len(ids) - len(aborted)
+
+
+def _homogeneity_pvalue(a: list[int], b: list[int]) -> float:
+    """Two-sample chi-square test that ``a`` and ``b`` come from one law;
+    values seen fewer than 10 times in all are pooled."""
+    from collections import Counter
+
+    from scipy.stats import chi2_contingency
+
+    total = Counter(a) + Counter(b)
+    common = [v for v, n in total.items() if n >= 10]
+    table = [[Counter(x)[v] for v in common] + [sum(Counter(x)[v] for v in total if v not in common)] for x in (a, b)]
+    if table[0][-1] + table[1][-1] == 0:
+        table = [row[:-1] for row in table]
+    return chi2_contingency(table).pvalue
+
+
+def test_sampling_distribution_unchanged_by_a_large_tree(demo_model, prompts, prompt_ids, tmp_path):
+    """Temperature 1, 32-node trees: the 2nd and 3rd generated tokens (the
+    first ones a tree decides) have the same law as without speculation over
+    300 seeds each (two-sample chi-square, alpha = 1e-3 per position)."""
+    index = next(i for i, p in enumerate(prompts) if p.repeats_input and p.category == "chat")
+    job = {
+        "model": demo_model,
+        "prompt_token_ids": [prompt_ids[index]] * 300,
+        "seeds": list(range(300)),
+        "temperature": 1.0,
+        "max_tokens": 3,
+        "max_num_seqs": 64,
+    }
+    plain = run_engine_job(tmp_path / "plain", job)
+    tree = run_engine_job(
+        tmp_path / "tree",
+        {**job, "seeds": list(range(1000, 1300)), "speculative_config": {**TREE, "num_speculative_tokens": 32}},
+    )
+    assert tree.metrics["vllm:spec_decode_num_accepted_tokens"] > 30, "the trees were rarely accepted"
+    for position in (1, 2):
+        pvalue = _homogeneity_pvalue([t[position] for t in plain.token_ids], [t[position] for t in tree.token_ids])
+        assert pvalue > 1e-3, f"token {position}: p = {pvalue:.2g}"

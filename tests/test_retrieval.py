@@ -1,0 +1,128 @@
+"""The retrieval drafter (ALGORITHMS.md section 7), driven through grow()."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
+from vllm_adaptive_spec.growth import grow
+from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy
+from vllm_adaptive_spec.tree import DraftTree
+
+CONTEXT = [1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 3]
+
+
+def draft(drafter, contexts, budget=100, policy=None, ids=None):
+    ids = ids or [f"r{i}" for i in range(len(contexts))]
+    drafter.prepare(ids, contexts)
+    trees, _ = grow(drafter, policy or RetrievalPolicy(), torch.full((len(contexts),), budget), drafter.max_depth)
+    return trees
+
+
+def paths(tree: DraftTree) -> dict[tuple[int, ...], float]:
+    """Each node as its token path from the root -> q."""
+    out: dict[tuple[int, ...], float] = {}
+    keys: list[tuple[int, ...]] = []
+    for token, parent, q in zip(tree.tokens, tree.parents, tree.q):
+        keys.append((keys[parent] if parent >= 0 else ()) + (token,))
+        out[keys[-1]] = q
+    return out
+
+
+def naive_paths(context, l_max, l_min, max_matches, max_depth) -> dict[tuple[int, ...], float]:
+    """Longest repeated suffix (l_max down to l_min), its latest ``max_matches``
+    earlier occurrences, continuation counts -> q = count share among siblings."""
+    n, starts = len(context), []
+    for k in range(min(l_max, n), l_min - 1, -1):
+        starts = [i + k for i in range(n - k) if context[i:i + k] == context[n - k:]][-max_matches:]
+        if starts:
+            break
+    counts = Counter(tuple(context[s:s + d]) for s in starts for d in range(1, min(max_depth, n - s) + 1))
+    return {path: c / sum(c2 for p2, c2 in counts.items() if p2[:-1] == path[:-1]) for path, c in counts.items()}
+
+
+def test_example_two_continuations():
+    tree = draft(RetrievalDrafter(l_max=3), [CONTEXT])[0]
+    tree.validate()
+    # [1, 2, 3] was followed by 4 9 1 2 3 5 9 1 2 3 and (more recently) by 5 9 1 2 3.
+    assert tree.tokens[:2] == [5, 4] and tree.q[:2] == [0.5, 0.5]
+    assert paths(tree) == pytest.approx(naive_paths(CONTEXT, 3, 1, 32, 16))
+    assert max(tree.depths()) == 10
+    chain = draft(RetrievalDrafter(l_max=3), [CONTEXT], budget=3, policy=ChainPolicy())[0]
+    assert (chain.tokens, chain.parents) == ([5, 9, 1], [-1, 0, 1])
+
+
+def test_longest_suffix_wins():
+    # Suffix [5, 6, 7] was followed by 8; the 1-token suffix [7] also by 9.
+    context = [5, 6, 7, 8, 0, 7, 9, 5, 6, 7]
+    assert paths(draft(RetrievalDrafter(l_max=3), [context])[0]) == {
+        (8,): 1.0, (8, 0): 1.0, (8, 0, 7): 1.0, (8, 0, 7, 9): 1.0, (8, 0, 7, 9, 5): 1.0,
+        (8, 0, 7, 9, 5, 6): 1.0, (8, 0, 7, 9, 5, 6, 7): 1.0,
+    }
+    short = paths(draft(RetrievalDrafter(l_max=1), [context])[0])  # l_max honoured
+    assert {path: q for path, q in short.items() if len(path) == 1} == {(9,): 0.5, (8,): 0.5}
+
+
+def test_l_min():
+    context = [1, 2, 3, 4, 1]  # only the 1-token suffix [1] repeats
+    assert len(draft(RetrievalDrafter(l_min=2), [context])[0]) == 0
+    assert draft(RetrievalDrafter(l_min=1), [context])[0].tokens == [2, 3, 4, 1]
+
+
+def test_max_matches_keeps_most_recent():
+    context = [1, 10, 1, 11, 1, 12, 1, 13, 1]
+    tree = draft(RetrievalDrafter(l_max=1, max_matches=2), [context])[0]
+    assert {path: q for path, q in paths(tree).items() if len(path) == 1} == {(13,): 0.5, (12,): 0.5}
+
+
+def test_max_depth_caps_continuations():
+    tree = draft(RetrievalDrafter(l_max=3, max_depth=2), [CONTEXT])[0]
+    assert (tree.tokens, tree.parents) == ([5, 4, 9, 9], [-1, -1, 0, 1])
+
+
+@pytest.mark.parametrize("context", [[], [7], [1, 2, 3, 4]])
+def test_no_repeated_suffix_gives_empty_tree(context):
+    assert draft(RetrievalDrafter(), [context])[0] == DraftTree()
+
+
+def test_incremental_equals_fresh_and_naive():
+    rng = random.Random(0)
+    params = dict(l_max=3, l_min=2, max_matches=3, max_depth=5)
+    streams = [[rng.randrange(4) for _ in range(80)] for _ in range(2)]
+    incremental, length = RetrievalDrafter(**params), 0
+    while length < 80:
+        length += rng.randint(1, 3)
+        contexts = [s[:length] for s in streams]
+        for budget, policy in ((100, RetrievalPolicy()), (6, RetrievalPolicy()), (4, ChainPolicy())):
+            got = draft(incremental, contexts, budget, policy, ["a", "b"])
+            assert got == draft(RetrievalDrafter(**params), contexts, budget, policy, ["a", "b"])
+        full = draft(incremental, contexts, ids=["a", "b"])
+        for tree, context in zip(full, contexts):
+            assert paths(tree) == pytest.approx(naive_paths(context, **params))
+
+
+@pytest.mark.parametrize(
+    "new_context",
+    [
+        [7, 1, 8, 7],  # the last stored token changed
+        [7],  # shorter than the stored context
+        [7, 2, 7, 7],  # an earlier token changed
+    ],
+)
+def test_non_extension_resets_the_index(new_context):
+    drafter = RetrievalDrafter(l_max=1)
+    draft(drafter, [[7, 1, 7]], ids=["a"])
+    assert draft(drafter, [new_context], ids=["a"]) == draft(RetrievalDrafter(l_max=1), [new_context])
+
+
+def test_forget():
+    drafter = RetrievalDrafter(l_max=1)
+    draft(drafter, [[7, 1, 7]], ids=["a"])
+    drafter.forget("a")
+    drafter.forget("never seen")
+    # Without forget, [7, 2, 7, 7] would be taken as an extension of [7, 1, 7].
+    assert draft(drafter, [[7, 2, 7, 7]], ids=["a"]) == draft(RetrievalDrafter(l_max=1), [[7, 2, 7, 7]])
