@@ -11,7 +11,9 @@ For every batch size and every method this measures, on the same workload:
   drafts (the tree size, or K for a chain);
 * whether each method's greedy output token ids equal those of ``none`` at the
   same batch size ("same as none": prompts identical / prompts; reported, not
-  enforced: verifying many tokens in one forward can flip argmax near-ties).
+  enforced: verifying many tokens in one forward can flip argmax near-ties; in
+  bfloat16 on the CPU that happens for vLLM's own ngram too, so use
+  ``--dtype float32`` for an exact-output check).
 
 Workload: chat prompts from the project's prompt set (``benchmarks/prompts.jsonl``,
 70 prompts, 10 per category), greedy, ``--max-tokens`` each (EOS ends a request
@@ -40,7 +42,7 @@ timestamp) and ``throughput.md`` (the table, also printed) in ``--out``.
 
 Reproduce (from the repository root)::
 
-    # the default run: b = 1,4,16,64, all four methods, 64 tokens (12-13 min on 2 CPU cores)
+    # the default run: b = 1,4,16,64, all four methods, 64 tokens (12 min measured on 2 CPU cores)
     .venv/bin/python benchmarks/throughput.py
     # smoke run: b = 1,4; 8 prompts; 32 tokens (about 4-5 min for three methods)
     .venv/bin/python benchmarks/throughput.py --quick --methods none,ngram,tree-retrieval
@@ -345,6 +347,9 @@ def markdown(report: dict) -> str:
         f"budget={s['budget']}, ngram K={s['ngram_k']}, engine per {s['engine_per']}; "
         f"vLLM {report['vllm_version']}, {report['machine']['cpu_model'] or report['machine']['processor']} "
         f"x{report['machine']['nproc']}; {report['timestamp']}",
+        "",
+        "tau = 1 + accepted / drafts (tokens per step of a drafting request); verified nodes/step = "
+        "draft tokens / drafts; same as none = prompts whose greedy token ids equal none's at that batch size.",
         "",
         "| batch | prompts | method | tok/s | vs none | tau | verified nodes/step | same as none |",
         "|---:|---:|---|---:|---:|---:|---:|---:|",

@@ -47,26 +47,45 @@ def tree_attention_reference(
     query_mask: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Plain torch, one request at a time: gather K/V, mask, softmax in float32."""
-    out = torch.empty_like(query)
-    block_size = key_cache.shape[1]
-    group = query.shape[1] // key_cache.shape[2]
-    starts = query_start_loc.tolist()
-    for b, seq_len in enumerate(seq_lens.tolist()):
-        q0, q1 = starts[b], starts[b + 1]
-        q_len = q1 - q0
-        if q_len == 0:
-            continue
-        pos = torch.arange(seq_len, device=query.device)
-        blocks = block_table[b, pos // block_size].long()
-        keys = key_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)
-        values = value_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)
-        visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=query.device)
-        visible[:, seq_len - q_len :] = query_mask[q0:q1, :q_len]
-        scores = torch.einsum("qhd,khd->hqk", query[q0:q1].float(), keys) * scale
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
-    return out
+    """Plain torch, the whole batch at once: gather every request's cache
+    blocks into a padded ``[B, S, H, D]``, build the ``[B, L, S]`` visibility
+    mask, and run one masked ``scaled_dot_product_attention`` in float32."""
+    batch = seq_lens.shape[0]
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    device = query.device
+    q_lens = query_start_loc.diff().long()
+    num_rows = query.shape[0]
+    max_q, max_s = int(q_lens.max()), int(seq_lens.max())
+    num_blocks = -(-max_s // block_size)
+
+    blocks = block_table[:, :num_blocks].long()
+    keys = key_cache[blocks].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_s]
+    values = value_cache[blocks].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_s]
+
+    request = torch.repeat_interleave(torch.arange(batch, device=device), q_lens, output_size=num_rows)
+    local = torch.arange(num_rows, device=device) - query_start_loc[:-1].long()[request]
+    context = (seq_lens.long() - q_lens)[request].unsqueeze(1)
+    key_pos = torch.arange(max_s, device=device).unsqueeze(0)
+    in_query = key_pos - context
+    mask_width = query_mask.shape[1]
+    own = torch.zeros(num_rows, max_s, dtype=torch.bool, device=device)
+    valid = (in_query >= 0) & (in_query < q_lens[request].unsqueeze(1)) & (in_query < mask_width)
+    own[valid] = query_mask.gather(1, in_query.clamp(0, mask_width - 1))[valid]
+    visible = torch.zeros(batch, max_q, max_s, dtype=torch.bool, device=device)
+    visible[:, :, 0] = True  # padding rows see one key, so their (unused) softmax is defined
+    visible[request, local] = (key_pos < context) | own
+
+    queries = torch.zeros(batch, max_q, *query.shape[1:], dtype=torch.float32, device=device)
+    queries[request, local] = query.float()
+    attended = torch.nn.functional.scaled_dot_product_attention(
+        queries.transpose(1, 2),
+        keys.float().transpose(1, 2),
+        values.float().transpose(1, 2),
+        attn_mask=visible.unsqueeze(1),
+        scale=scale,
+        enable_gqa=True,
+    )
+    return attended.transpose(1, 2)[request, local].to(query.dtype)
 
 
 if triton is not None:

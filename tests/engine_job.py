@@ -31,7 +31,7 @@ def main(job_path: str, out_path: str) -> None:
         max_model_len=job.get("max_model_len", 2048),
         max_num_seqs=job.get("max_num_seqs", 16),
         enforce_eager=True,
-        gpu_memory_utilization=0.4,
+        gpu_memory_utilization=0.15,
         seed=0,
         speculative_config=job.get("speculative_config"),
         disable_log_stats=False,

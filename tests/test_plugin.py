@@ -37,9 +37,17 @@ def test_supported_version_is_accepted(version):
 
 
 def test_missing_hook_is_refused(monkeypatch):
-    monkeypatch.setattr(adapter, "REQUIRED_HOOKS", adapter.REQUIRED_HOOKS + ("vllm.config:NoSuchHook",))
+    monkeypatch.setattr(adapter, "CONFIG_HOOKS", adapter.CONFIG_HOOKS + ("vllm.config:NoSuchHook",))
     problem = adapter.compatibility_problem("0.32.0")
     assert "vllm.config:NoSuchHook" in problem and "not registered" in problem
+
+
+def test_engine_hooks_exist():
+    assert adapter.missing_hooks(adapter.ENGINE_HOOKS) == []
+    assert adapter.missing_hooks(("vllm.config:NoSuchHook", "no.such.module:x")) == [
+        "vllm.config:NoSuchHook",
+        "no.such.module:x",
+    ]
 
 
 def test_register_on_unsupported_vllm_logs_one_line_and_installs_nothing(monkeypatch, caplog):

@@ -29,7 +29,7 @@ def _serve(model: str, port: int, spec: dict) -> subprocess.Popen:
         [
             sys.executable, "-m", "vllm_adaptive_spec.cli", "vllm", "serve", model,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
-            "--enforce-eager", "--gpu-memory-utilization", "0.4", "--speculative-config", json.dumps(spec),
+            "--enforce-eager", "--gpu-memory-utilization", "0.15", "--speculative-config", json.dumps(spec),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

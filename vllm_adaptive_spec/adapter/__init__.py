@@ -14,19 +14,24 @@ from packaging.version import InvalidVersion, Version
 
 SUPPORTED_VLLM = "0.32.0"
 
-# "module:attribute.path" of every vLLM internal the adapter relies on.
-REQUIRED_HOOKS: tuple[str, ...] = (
+# "module:attribute.path" of the vLLM internals the adapter relies on. The
+# config hooks are checked when the plugin loads, in every vLLM process; the
+# engine hooks (heavier modules) when adaptive_tree is selected.
+CONFIG_HOOKS: tuple[str, ...] = (
     "vllm.engine.arg_utils:EngineArgs.create_speculative_config",
     "vllm.config.speculative:SpeculativeConfig",
     "vllm.plugins:load_general_plugins",
+)
+ENGINE_HOOKS: tuple[str, ...] = (
     "vllm.v1.attention.backends.registry:register_backend",
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend.get_impl_cls",
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder._set_isa_to_layers",
     "vllm.v1.worker.cpu_worker:CPUWorker.init_device",
+    "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids",
-    "vllm.v1.sample.rejection_sampler:apply_sampling_constraints",
+    "vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p",
 )
 
 
@@ -48,13 +53,17 @@ def compatibility_problem(version: str | None = None) -> str | None:
             f"vllm-adaptive-spec needs vLLM {SUPPORTED_VLLM} but found vLLM {found}; "
             "the adaptive_tree method is not registered"
         )
-    missing = [hook for hook in REQUIRED_HOOKS if not _hook_exists(hook)]
+    missing = missing_hooks(CONFIG_HOOKS)
     if missing:
         return (
             f"vllm-adaptive-spec cannot find the vLLM {found} internals it hooks "
             f"({', '.join(missing)}); the adaptive_tree method is not registered"
         )
     return None
+
+
+def missing_hooks(hooks: tuple[str, ...]) -> list[str]:
+    return [hook for hook in hooks if not _hook_exists(hook)]
 
 
 def _hook_exists(hook: str) -> bool:

@@ -3,9 +3,10 @@
 The CPU platform always picks ``CPU_ATTN``; the worker re-registers that name
 to :class:`TreeCPUAttentionBackend` when adaptive_tree is selected, so target
 (and draft) layers get :class:`TreeCPUAttentionImpl`. Its C++ kernel takes no
-mask: it runs as usual for the whole batch, then the rows of requests that
-carry a tree are recomputed by ``kernels.tree_attention`` reading the paged
-cache directly, and overwritten.
+mask: in a batch that mixes tree and other rows it runs as usual, then the
+rows of requests that carry a tree are recomputed by ``kernels.tree_attention``
+reading the paged cache directly, and overwritten; when every row belongs to
+a tree (steady decoding) only the tree path runs.
 
 Decision: the builder pins the ``vec``/``vec16`` cache layout (K stored
 transposed per block page, V row-major), the one the reader understands; on
@@ -66,10 +67,17 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             raise ValueError(f"adaptive_tree tree attention does not support {', '.join(found)} yet")
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None):
-        output = super().forward(
-            layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
-        )
         step = tree_step.current()
+        tree_rows_only = (
+            step is not None
+            and attn_metadata is not None
+            and step.query_rows.shape[0] == attn_metadata.num_actual_tokens
+            and output_scale is None
+        )
+        if not tree_rows_only:
+            output = super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+            )
         if step is None or attn_metadata is None or self.attn_type != AttentionType.DECODER:
             return output
         key_cache, value_cache = cache_views(kv_cache)

