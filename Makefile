@@ -14,3 +14,6 @@ demo: env
 
 test: env
 	@$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: env
+	@$(PY) benchmarks/throughput.py
