@@ -81,6 +81,8 @@ def test_greedy_tree_equals_no_speculation(batch_size, demo_model, prompts, prom
     assert run.tau > 1.3, f"tau {run.tau:.2f}"
     assert run.tree_stats["nodes_per_tree"] > 2, "trees degenerated to chains of one"
     assert run.metrics["vllm:prefix_cache_hits"] > 0
+    last = run.tree_stats["last_step"]
+    assert last["trees"] >= 1 and last["nodes"] >= last["trees"] and last["tokens_committed"] >= last["trees"]
 
 
 def test_edge_cases_keep_greedy_output(demo_model, prompts, prompt_ids, baseline, tmp_path):

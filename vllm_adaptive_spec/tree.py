@@ -106,11 +106,12 @@ class TreeBatch:
         """[B, W] long: depth of each node (1 for children of the root), 0 on padding."""
         return self.ancestor_mask().sum(-1)
 
-    def row_mask(self) -> torch.Tensor:
+    def row_mask(self, ancestors: torch.Tensor | None = None) -> torch.Tensor:
         """[B, 1 + W, 1 + W] bool over verification rows (row 0 = root): every
-        row sees the root, itself and its ancestors."""
+        row sees the root, itself and its ancestors (``ancestors``: a
+        precomputed :meth:`ancestor_mask`)."""
         batch, width = self.tokens.shape
         mask = torch.zeros(batch, width + 1, width + 1, dtype=torch.bool, device=self.tokens.device)
         mask[:, :, 0] = True
-        mask[:, 1:, 1:] = self.ancestor_mask()
+        mask[:, 1:, 1:] = self.ancestor_mask() if ancestors is None else ancestors
         return mask

@@ -8,7 +8,7 @@ so the runner can lay out the draft tokens vLLM schedules as that tree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,15 +20,24 @@ from vllm_adaptive_spec.tree import DraftTree
 
 @dataclass
 class TreeStats:
-    """Counters since the engine started (read with ``LLM.collective_rpc``)."""
+    """Counters since the engine started, and the last verification step's
+    (read with ``LLM.collective_rpc("adaptive_tree_stats")``)."""
 
     steps: int = 0
     trees_verified: int = 0
     nodes_verified: int = 0
     tokens_accepted: int = 0
     draft_passes: int = 0
+    last_step: dict[str, int] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, float]:
+    def record_step(self, trees: int, nodes: int, accepted: int) -> None:
+        self.steps += 1
+        self.trees_verified += trees
+        self.nodes_verified += nodes
+        self.tokens_accepted += accepted
+        self.last_step = {"trees": trees, "nodes": nodes, "tokens_committed": accepted + trees}
+
+    def as_dict(self) -> dict:
         trees = max(self.trees_verified, 1)
         return {
             "steps": self.steps,
@@ -38,6 +47,7 @@ class TreeStats:
             "draft_passes": self.draft_passes,
             "tau": 1.0 + self.tokens_accepted / trees,
             "nodes_per_tree": self.nodes_verified / trees,
+            "last_step": dict(self.last_step),
         }
 
 

@@ -93,7 +93,7 @@ class TreeRunnerMixin:
 
     def _set_depth_positions(self, step: tree_step.TreeStep) -> None:
         """Node rows get position ``p0 + depth`` (the root row keeps ``p0``)."""
-        depths = step.tree_batch.depths()
+        depths = step.ancestors.sum(-1).cpu()
         rows, offsets = [], []
         for k, tree in enumerate(step.trees):
             end = int(step.query_start_loc[k + 1])
@@ -105,11 +105,9 @@ class TreeRunnerMixin:
 
     def _after_acceptance(self, step: tree_step.TreeStep, acceptance: Acceptance) -> None:
         """Move each accepted path's KV into consecutive slots after the root."""
-        proposer = self.tree_proposer
-        proposer.stats.steps += 1
-        proposer.stats.trees_verified += len(step.trees)
-        proposer.stats.nodes_verified += int(step.tree_batch.num_nodes.sum())
-        proposer.stats.tokens_accepted += int(acceptance.num_accepted.sum())
+        self.tree_proposer.stats.record_step(
+            len(step.trees), int(step.tree_batch.num_nodes.sum()), int(acceptance.num_accepted.sum())
+        )
 
         path = acceptance.path
         width = path.shape[1]

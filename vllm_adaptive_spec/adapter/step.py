@@ -23,12 +23,14 @@ class TreeStep:
     (possibly truncated) trees; ``tree_batch``: the same, padded;
     ``query_rows`` [Tt]: the flattened query rows of those requests;
     ``query_start_loc`` [Bt + 1]: offsets into ``query_rows``;
-    ``query_mask`` [Tt, W]: which of its request's query rows each row sees.
+    ``query_mask`` [Tt, W]: which of its request's query rows each row sees;
+    ``ancestors`` [Bt, N, N]: the trees' ancestor-or-self masks.
     """
 
     batch_indices: torch.Tensor
     trees: list[DraftTree]
     tree_batch: TreeBatch
+    ancestors: torch.Tensor
     query_rows: torch.Tensor
     query_start_loc: torch.Tensor
     query_mask: torch.Tensor
@@ -57,7 +59,8 @@ def build_step(
     ``1 + n`` of its query rows (root, then nodes); earlier rows (if any) are
     causal, and every tree row sees them all."""
     tree_batch = TreeBatch.from_trees(trees)
-    row_masks = tree_batch.row_mask()
+    ancestors = tree_batch.ancestor_mask()
+    row_masks = tree_batch.row_mask(ancestors)
     width = max(query_lens)
     masks, rows, starts = [], [], [0]
     for b, (start, length, tree) in enumerate(zip(query_starts, query_lens, trees)):
@@ -72,6 +75,7 @@ def build_step(
         batch_indices=torch.tensor(batch_indices, dtype=torch.long, device=device),
         trees=trees,
         tree_batch=tree_batch,
+        ancestors=ancestors.to(device),
         query_rows=torch.cat(rows).to(device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         query_mask=torch.cat(masks).to(device),

@@ -93,7 +93,7 @@ class TreeVerifier(torch.nn.Module):
             indices = step.batch_indices
             offsets = torch.arange(tree_batch.width + 1, device=device)
             local = torch.minimum(offsets.unsqueeze(0), num_drafts[indices].unsqueeze(1))
-            acceptance = accept(tree_batch, tree_rows[starts[indices].unsqueeze(1) + local])
+            acceptance = accept(tree_batch, tree_rows[starts[indices].unsqueeze(1) + local], step.ancestors)
             output[indices] = acceptance.output_tokens.to(torch.int32)
             self.on_accept(step, acceptance)
         else:

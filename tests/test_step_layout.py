@@ -1,0 +1,38 @@
+"""The per-step layout of trees in vLLM's flattened batch (no engine)."""
+
+import torch
+
+from vllm_adaptive_spec.adapter.step import build_step
+from vllm_adaptive_spec.tree import DraftTree
+
+
+def test_layout_of_two_trees_after_a_prefill_chunk():
+    # Batch rows: request 0 = a 3-token prefill chunk (no tree, rows 0-2);
+    # request 1 = root + tree of 3 (rows 3-6); request 2 = root + chain of 2 (rows 7-9).
+    tree = DraftTree(tokens=[5, 6, 7], parents=[-1, -1, 0], q=[0.6, 0.4, 1.0])
+    chain = DraftTree.chain([8, 9])
+    step = build_step([1, 2], [tree, chain], [3, 7], [4, 3], torch.device("cpu"))
+
+    assert step.batch_indices.tolist() == [1, 2]
+    assert step.query_rows.tolist() == [3, 4, 5, 6, 7, 8, 9]
+    assert step.query_start_loc.tolist() == [0, 4, 7]
+    assert step.ancestors.sum(-1).tolist() == [[1, 1, 2], [1, 2, 0]]
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0],  # root of request 1
+            [1, 1, 0, 0],  # node 0
+            [1, 0, 1, 0],  # node 1: not its sibling
+            [1, 1, 0, 1],  # node 2: root, its parent node 0, itself
+            [1, 0, 0, 0],  # root of request 2
+            [1, 1, 0, 0],
+            [1, 1, 1, 0],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(step.query_mask, expected)
+
+
+def test_rows_before_the_root_stay_causal():
+    step = build_step([0], [DraftTree.chain([4])], [0], [3], torch.device("cpu"))
+    # Two earlier rows (e.g. a resumed request), then root and one node.
+    assert step.query_mask.int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
