@@ -42,7 +42,7 @@ timestamp) and ``throughput.md`` (the table, also printed) in ``--out``.
 
 Reproduce (from the repository root)::
 
-    # the default run: b = 1,4,16,64, all four methods, 64 tokens (12 min measured on 2 CPU cores)
+    # the default run: b = 1,4,16,64; none, ngram, tree-retrieval, tree-retrieval-adaptive; 64 tokens (10 min on 2 CPU cores)
     .venv/bin/python benchmarks/throughput.py
     # smoke run: b = 1,4; 8 prompts; 32 tokens (about 4-5 min for three methods)
     .venv/bin/python benchmarks/throughput.py --quick --methods none,ngram,tree-retrieval
@@ -92,8 +92,11 @@ METHODS = {
     },
     "tree-retrieval": lambda args: _tree(args, "retrieval", "retrieval"),
     "chain-retrieval": lambda args: _tree(args, "retrieval", "chain"),
+    "tree-retrieval-adaptive": lambda args: _tree(args, "retrieval", "retrieval", load_budget="adaptive"),
 }
 BASELINE = "none"
+# The default run stays within 15 minutes on 2 CPU cores.
+DEFAULT_METHODS = ("none", "ngram", "tree-retrieval", "tree-retrieval-adaptive")
 
 SPEC_COUNTERS = {
     "drafts": "vllm:spec_decode_num_drafts",
@@ -375,7 +378,11 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)} (default: all)")
+    parser.add_argument(
+        "--methods",
+        default=",".join(DEFAULT_METHODS),
+        help=f"comma list of {', '.join(METHODS)} (default: {','.join(DEFAULT_METHODS)})",
+    )
     parser.add_argument("--batch-sizes", help=f"comma list (default {DEFAULTS['batch_sizes']})")
     parser.add_argument("--num-prompts", help="prompts per pass: N, or auto = min(70, max(8, 2 * batch size)) (default auto)")
     parser.add_argument("--max-tokens", type=int, help=f"per request (default {DEFAULTS['max_tokens']})")

@@ -10,7 +10,7 @@ from vllm_adaptive_spec.config import TreeConfig, TreeConfigError, parse_tree_co
 from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
 from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy
 
-TREE_KEYS = "'drafter', 'l_max', 'l_min', 'max_depth', 'max_matches', 'policy'"
+TREE_KEYS = "'drafter', 'l_max', 'l_min', 'load_budget', 'max_depth', 'max_matches', 'policy'"
 
 
 def spec(budget=4, **tree):
@@ -82,6 +82,7 @@ def test_unknown_tree_key_lists_valid_keys():
     "key, value, rule",
     [
         ("l_max", 0, "an integer >= 1"),
+        ("load_budget", "auto", "one of 'adaptive', 'fixed'"),
         ("l_max", "8", "an integer >= 1"),
         ("l_max", 8.0, "an integer >= 1"),
         ("max_matches", True, "an integer >= 1"),

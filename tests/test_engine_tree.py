@@ -88,7 +88,8 @@ def test_greedy_tree_equals_no_speculation(batch_size, demo_model, prompts, prom
 def test_edge_cases_keep_greedy_output(demo_model, prompts, prompt_ids, baseline, tmp_path):
     """Chunked prefill beside tree decodes, the scheduler cutting drafts under
     a small token budget, preemption with recompute (a tiny KV cache), aborted
-    requests, a stop string and a max_tokens that ends inside accepted paths."""
+    requests, a stop string and a max_tokens that ends inside accepted paths;
+    with the load-following budget, so tree sizes change from step to step."""
     ids, expected, expected_texts = prompt_ids, baseline.token_ids, baseline.texts
     aborted = {3: 3, 7: 5}
     max_tokens, stop = MAX_TOKENS - 3, "\n\n"
@@ -104,11 +105,11 @@ def test_edge_cases_keep_greedy_output(demo_model, prompts, prompt_ids, baseline
             "max_model_len": 1024,
             "num_gpu_blocks_override": 12,
             "abort_after_steps": aborted,
-            "speculative_config": TREE,
+            "speculative_config": {**TREE, "tree": {**TREE["tree"], "load_budget": "adaptive"}},
         },
     )
     assert run.metrics["vllm:num_preemptions"] > 0
-    assert run.tau > 1.3
+    assert run.metrics["vllm:spec_decode_num_accepted_tokens"] > 0
     checked = 0
     for i, (want_ids, want_text) in enumerate(zip(expected, expected_texts)):
         if i in aborted:

@@ -16,10 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_adaptive_spec.drafters import DRAFTER_POLICIES, DRAFTERS
-from vllm_adaptive_spec.policies import POLICIES
+from vllm_adaptive_spec.policies import POLICIES, Param
 
 METHOD = "adaptive_tree"
 MAX_BUDGET = 128  # vLLM's rejection-sampler layout caps drafts per request at 128.
+# Settings of the tree engine itself, beside the drafter's and the policy's.
+ENGINE_PARAMS = {
+    "load_budget": Param(
+        str, "fixed", "one of 'adaptive', 'fixed'", lambda v: v in ("adaptive", "fixed")
+    ),
+}
 DRAFTERS_NEEDING_MODEL: frozenset[str] = frozenset()
 
 
@@ -34,6 +40,7 @@ class TreeConfig:
     budget: int
     drafter_params: dict[str, Any] = field(default_factory=dict)
     policy_params: dict[str, Any] = field(default_factory=dict)
+    load_budget: str = "fixed"
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (it travels in ``VllmConfig.additional_config``)."""
@@ -43,6 +50,7 @@ class TreeConfig:
             "budget": self.budget,
             "drafter_params": dict(self.drafter_params),
             "policy_params": dict(self.policy_params),
+            "load_budget": self.load_budget,
         }
 
     @staticmethod
@@ -94,7 +102,7 @@ def parse_tree_config(spec: dict[str, Any]) -> TreeConfig:
         )
 
     drafter_schema, policy_schema = DRAFTERS[drafter].PARAMS, POLICIES[policy].PARAMS
-    known = {"drafter", "policy", *drafter_schema, *policy_schema}
+    known = {"drafter", "policy", *ENGINE_PARAMS, *drafter_schema, *policy_schema}
     unknown = sorted(set(tree) - known)
     if unknown:
         raise TreeConfigError(
@@ -102,7 +110,7 @@ def parse_tree_config(spec: dict[str, Any]) -> TreeConfig:
             f"policy {policy!r} the valid keys are {_choices(known)}"
         )
     params = []
-    for schema in (drafter_schema, policy_schema):
+    for schema in (drafter_schema, policy_schema, ENGINE_PARAMS):
         values = {}
         for name, param in schema.items():
             value = tree.get(name, param.default)
@@ -115,7 +123,7 @@ def parse_tree_config(spec: dict[str, Any]) -> TreeConfig:
                 )
             values[name] = value
         params.append(values)
-    config = TreeConfig(drafter, policy, budget, params[0], params[1])
+    config = TreeConfig(drafter, policy, budget, params[0], params[1], params[2]["load_budget"])
     try:
         config.make_drafter()
         config.make_policy()

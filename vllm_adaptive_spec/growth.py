@@ -74,7 +74,7 @@ def grow(drafter: Drafter, policy: Policy, budget: torch.Tensor, max_depth: int)
     """Grow one tree per request (``budget`` [B] nodes at most each)."""
     batch = budget.shape[0]
     stats = GrowthStats()
-    tokens, parents, q, p, handles = [], [], [], [], []  # per layer, [B, L] each
+    tokens, parents, q, p = [], [], [], []  # per layer, [B, L] each
     size = torch.zeros(batch, dtype=torch.long)
     frontier_handles = torch.full((batch, 1), ROOT, dtype=torch.long)
     frontier_index = torch.full((batch, 1), ROOT, dtype=torch.long)
@@ -103,13 +103,13 @@ def grow(drafter: Drafter, policy: Policy, budget: torch.Tensor, max_depth: int)
         tokens.append(candidates.tokens.flatten(1).gather(1, order))
         q.append(candidates.q.flatten(1).gather(1, order))
         p.append(layer.p.flatten(1).gather(1, order))
-        handles.append(candidates.handles.flatten(1).gather(1, order))
         parents.append(frontier_index.gather(1, parent_slot))
         new_index = size.unsqueeze(1) + torch.arange(width).unsqueeze(0)
         tokens[-1], parents[-1] = tokens[-1].masked_fill(~live, -1), parents[-1].masked_fill(~live, ROOT)
         q[-1], p[-1] = q[-1].masked_fill(~live, 0.0), p[-1].masked_fill(~live, 0.0)
         size = size + count
-        frontier_handles, frontier_index = handles[-1], new_index
+        frontier_handles = candidates.handles.flatten(1).gather(1, order)
+        frontier_index = new_index
         frontier_p, frontier_live = p[-1], live
     return _assemble(tokens, parents, q, p, policy, budget), stats
 

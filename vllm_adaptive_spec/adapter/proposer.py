@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from vllm_adaptive_spec.adapter.config_hook import tree_config_of
+from vllm_adaptive_spec.budget import LoadBudget
 from vllm_adaptive_spec.growth import grow
 from vllm_adaptive_spec.tree import DraftTree
 
@@ -81,7 +82,9 @@ class TreeProposer:
         self.policy = self.config.make_policy()
         self.max_model_len = vllm_config.model_config.max_model_len
         self.trees: dict[str, DraftTree] = {}
+        self.drafted_budget: dict[str, int] = {}
         self.stats = TreeStats()
+        self.load_budget = LoadBudget(self.config.budget) if self.config.load_budget == "adaptive" else None
 
     def load_model(self, *args, **kwargs) -> None:
         """The retrieval drafter has no weights."""
@@ -92,7 +95,26 @@ class TreeProposer:
     def forget(self, request_ids) -> None:
         for request_id in request_ids:
             self.trees.pop(request_id, None)
+            self.drafted_budget.pop(request_id, None)
             self.drafter.forget(request_id)
+
+    def observe(self, request_ids: list[str], trees: list[DraftTree], accepted: list[list[int]]) -> None:
+        """Verified trees (possibly cut by the scheduler) and their accepted nodes."""
+        if self.load_budget is None:
+            return
+        for request_id, tree, nodes in zip(request_ids, trees, accepted):
+            drafted = self.trees.get(request_id)
+            whole = drafted is not None and len(drafted) == len(tree)
+            informs = self.drafted_budget.get(request_id, len(tree)) if whole else len(tree)
+            self.load_budget.observe_tree(tree, nodes, informs)
+
+    def step_budget(self, drafting: int, step_tokens: int, step_seconds: float, other_tokens: int) -> tuple[int, bool]:
+        """The per-request node budget for the next step, and whether one
+        request drafts at the full budget to keep the estimates fresh."""
+        if self.load_budget is None:
+            return self.config.budget, False
+        self.load_budget.observe_step(step_tokens, step_seconds)
+        return self.load_budget.choose(drafting, other_tokens), self.load_budget.explores()
 
     def propose_trees(
         self,
@@ -101,13 +123,19 @@ class TreeProposer:
         num_tokens: np.ndarray,
         token_ids: np.ndarray,
         eligible: list[bool],
+        step_budget: int,
+        explore: bool = False,
     ) -> list[list[int]]:
-        """One tree per request (empty when it may not draft); returns each
-        tree's tokens, breadth-first, as vLLM's draft token ids."""
+        """One tree of at most ``step_budget`` nodes per request (empty when it
+        may not draft; with ``explore``, one request, in turn, gets the full
+        budget); returns each tree's tokens, breadth-first, as vLLM's draft
+        token ids."""
         budgets, active, contexts = [], [], []
+        explorer = self.stats.steps % max(len(request_ids), 1) if explore else -1
         for i, request_id in enumerate(request_ids):
             length = int(num_tokens[i])
-            budget = min(self.config.budget, self.max_model_len - length - 1)
+            wanted = self.config.budget if i == explorer else step_budget
+            budget = min(wanted, self.max_model_len - length - 1)
             if not sampled_token_ids[i] or not eligible[i] or budget <= 0:
                 self.trees.pop(request_id, None)
                 continue
@@ -121,7 +149,8 @@ class TreeProposer:
         trees, stats = grow(self.drafter, self.policy, torch.tensor(budgets), self.drafter.max_depth)
         if getattr(self.drafter, "is_model", False):
             self.stats.draft_passes += stats.draft_passes
-        for i, tree in zip(active, trees):
+        for i, budget, tree in zip(active, budgets, trees):
             self.trees[request_ids[i]] = tree
+            self.drafted_budget[request_ids[i]] = budget
             drafts[i] = tree.tokens
         return drafts

@@ -11,10 +11,13 @@ Per engine step:
 3. ``rejection_sampler`` is the :class:`TreeVerifier`; right after acceptance
    the accepted nodes' KV moves to slots ``p0 + 1 .. p0 + a`` in every layer,
    so vLLM's "first ``a`` drafts were accepted" bookkeeping holds.
-4. ``propose_draft_token_ids``: the proposer grows the next trees.
+4. ``propose_draft_token_ids``: the proposer grows the next trees, with a
+   per-request budget that follows the load when ``load_budget`` is adaptive.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -44,6 +47,7 @@ class TreeRunnerMixin:
         if self.uses_mrope:
             raise ValueError("adaptive_tree does not support M-RoPE models yet")
         self.rejection_sampler = TreeVerifier(self.sampler, mode, self._after_acceptance)
+        self._step_started = time.perf_counter()
 
     @property
     def tree_proposer(self) -> TreeProposer:
@@ -56,6 +60,7 @@ class TreeRunnerMixin:
         return result
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        self._step_started = time.perf_counter()
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         tree_step.publish(self._layout_trees(scheduler_output, num_scheduled_tokens))
         return result
@@ -105,9 +110,13 @@ class TreeRunnerMixin:
 
     def _after_acceptance(self, step: tree_step.TreeStep, acceptance: Acceptance) -> None:
         """Move each accepted path's KV into consecutive slots after the root."""
-        self.tree_proposer.stats.record_step(
+        proposer = self.tree_proposer
+        proposer.stats.record_step(
             len(step.trees), int(step.tree_batch.num_nodes.sum()), int(acceptance.num_accepted.sum())
         )
+        request_ids = [self.input_batch.req_ids[i] for i in step.batch_indices.tolist()]
+        accepted = [row[:count] for row, count in zip(acceptance.path.tolist(), acceptance.num_accepted.tolist())]
+        proposer.observe(request_ids, step.trees, accepted)
 
         path = acceptance.path
         width = path.shape[1]
@@ -132,8 +141,16 @@ class TreeRunnerMixin:
         eligible = [
             can_draft(self.requests[r].sampling_params, len(self.requests[r].output_token_ids)) for r in req_ids
         ]
+        step_tokens = scheduler_output.total_num_scheduled_tokens
+        drafting_tokens = sum(1 + len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
+        step_budget, explore = self.tree_proposer.step_budget(
+            drafting=sum(bool(s) and e for s, e in zip(sampled_token_ids, eligible)),
+            step_tokens=step_tokens,
+            step_seconds=time.perf_counter() - self._step_started,
+            other_tokens=step_tokens - drafting_tokens,
+        )
         return self.tree_proposer.propose_trees(
-            req_ids, sampled_token_ids, batch.num_tokens_no_spec, batch.token_ids_cpu, eligible
+            req_ids, sampled_token_ids, batch.num_tokens_no_spec, batch.token_ids_cpu, eligible, step_budget, explore
         )
 
     def adaptive_tree_stats(self) -> dict[str, float]:
