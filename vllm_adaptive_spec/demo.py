@@ -11,7 +11,7 @@ import time
 DEFAULT_SPEC = {
     "method": "adaptive_tree",
     "num_speculative_tokens": 16,
-    "tree": {"drafter": "retrieval", "policy": "retrieval"},
+    "tree": {"drafter": "retrieval", "policy": "retrieval", "load_budget": "adaptive"},
 }
 
 
@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", help="model directory (default: the demo model, converted if needed)")
     parser.add_argument("--prompts", help="prompt set JSONL (default: benchmarks/prompts.jsonl)")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--dtype", default="float32", help="float32 (default) makes greedy answers comparable token for token"
+    )
     args = parser.parse_args(argv)
 
     from vllm_adaptive_spec.demo_model import ensure_demo_model
