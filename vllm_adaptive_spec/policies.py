@@ -47,9 +47,6 @@ class ChainPolicy:
     PARAMS: dict[str, Param] = {}
     grows_past_budget = False
 
-    def __init__(self) -> None:
-        pass
-
     def select(self, layer: Layer) -> torch.Tensor:
         chosen = torch.zeros_like(layer.candidates.q, dtype=torch.bool)
         chosen[:, 0, 0] = layer.size < layer.budget
@@ -67,9 +64,6 @@ class RetrievalPolicy:
     name = "retrieval"
     PARAMS: dict[str, Param] = {}
     grows_past_budget = True
-
-    def __init__(self) -> None:
-        pass
 
     def select(self, layer: Layer) -> torch.Tensor:
         return layer.candidates.q > 0

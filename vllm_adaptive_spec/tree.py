@@ -102,10 +102,6 @@ class TreeBatch:
             current = torch.where(live, self.parents.gather(1, current.clamp(min=0)), current)
         return mask
 
-    def depths(self) -> torch.Tensor:
-        """[B, W] long: depth of each node (1 for children of the root), 0 on padding."""
-        return self.ancestor_mask().sum(-1)
-
     def row_mask(self, ancestors: torch.Tensor | None = None) -> torch.Tensor:
         """[B, 1 + W, 1 + W] bool over verification rows (row 0 = root): every
         row sees the root, itself and its ancestors (``ancestors``: a
