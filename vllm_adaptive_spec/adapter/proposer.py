@@ -99,9 +99,8 @@ class TreeProposer:
             self.drafter.forget(request_id)
 
     def observe(self, request_ids: list[str], trees: list[DraftTree], accepted: list[list[int]]) -> None:
-        """Verified trees (possibly cut by the scheduler) and their accepted nodes."""
-        if self.load_budget is None:
-            return
+        """Verified trees (possibly cut by the scheduler) and their accepted
+        nodes, for the load-following budget."""
         for request_id, tree, nodes in zip(request_ids, trees, accepted):
             drafted = self.trees.get(request_id)
             whole = drafted is not None and len(drafted) == len(tree)

@@ -114,9 +114,10 @@ class TreeRunnerMixin:
         proposer.stats.record_step(
             len(step.trees), int(step.tree_batch.num_nodes.sum()), int(acceptance.num_accepted.sum())
         )
-        request_ids = [self.input_batch.req_ids[i] for i in step.batch_indices.tolist()]
-        accepted = [row[:count] for row, count in zip(acceptance.path.tolist(), acceptance.num_accepted.tolist())]
-        proposer.observe(request_ids, step.trees, accepted)
+        if proposer.load_budget is not None:
+            request_ids = [self.input_batch.req_ids[i] for i in step.batch_indices.tolist()]
+            paths = zip(acceptance.path.tolist(), acceptance.num_accepted.tolist())
+            proposer.observe(request_ids, step.trees, [row[:count] for row, count in paths])
 
         path = acceptance.path
         width = path.shape[1]
