@@ -1,11 +1,14 @@
 """Attention over a paged KV cache with a per-request mask over the query tokens.
 
-Each request ``b`` has ``seq_lens[b]`` keys; its last ``q_len_b`` keys are its own
-query tokens (already written to the cache). Every query row sees all context
-keys, and sees the request's query-token keys where ``query_mask`` says so:
-``query_mask[t, j]`` is the visibility of the ``j``-th query token of the row's
-request. A causal request uses :func:`causal_query_mask`; a token tree uses
-ancestor-or-self bits.
+Each request ``b`` has ``seq_lens[b]`` keys; its last ``window_b`` keys (by
+default ``window_b = q_len_b``, its own query tokens) are *masked* keys, already
+written to the cache, and the keys before them are context. Every query row
+sees all context keys, and sees the request's masked keys where
+``query_mask`` says so: ``query_mask[t, j]`` is the visibility of the ``j``-th
+masked key of the row's request. A causal request uses
+:func:`causal_query_mask`; a token tree uses ancestor-or-self bits. A window
+wider than the query serves tree drafting, where one pass queries only the
+newest layer of a tree whose earlier nodes are already cached.
 
 The Triton kernel runs one program per (query row, query head) and streams the
 row's keys in tiles of ``BLOCK_N`` with an online softmax in float32 (base 2,
@@ -46,6 +49,7 @@ def tree_attention_reference(
     seq_lens: torch.Tensor,
     query_mask: torch.Tensor,
     scale: float,
+    window_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain torch, the whole batch at once: gather every request's cache
     blocks into a padded ``[B, S, H, D]``, build the ``[B, L, S]`` visibility
@@ -64,12 +68,13 @@ def tree_attention_reference(
 
     request = torch.repeat_interleave(torch.arange(batch, device=device), q_lens, output_size=num_rows)
     local = torch.arange(num_rows, device=device) - query_start_loc[:-1].long()[request]
-    context = (seq_lens.long() - q_lens)[request].unsqueeze(1)
+    windows = q_lens if window_lens is None else window_lens.long()
+    context = (seq_lens.long() - windows)[request].unsqueeze(1)
     key_pos = torch.arange(max_s, device=device).unsqueeze(0)
     in_query = key_pos - context
     mask_width = query_mask.shape[1]
     own = torch.zeros(num_rows, max_s, dtype=torch.bool, device=device)
-    valid = (in_query >= 0) & (in_query < q_lens[request].unsqueeze(1)) & (in_query < mask_width)
+    valid = (in_query >= 0) & (in_query < windows[request].unsqueeze(1)) & (in_query < mask_width)
     own[valid] = query_mask.gather(1, in_query.clamp(0, mask_width - 1))[valid]
     visible = torch.zeros(batch, max_q, max_s, dtype=torch.bool, device=device)
     visible[:, :, 0] = True  # padding rows see one key, so their (unused) softmax is defined
@@ -100,6 +105,7 @@ if triton is not None:
         query_start_loc_ptr,
         seq_lens_ptr,
         query_mask_ptr,
+        window_lens_ptr,
         row_request_ptr,
         scale_log2e,
         stride_ot,
@@ -130,10 +136,8 @@ if triton is not None:
         head = tl.program_id(1)
         kv_head = head // GROUP
         request = tl.load(row_request_ptr + row)
-        q_start = tl.load(query_start_loc_ptr + request)
-        q_len = tl.load(query_start_loc_ptr + request + 1) - q_start
         seq_len = tl.load(seq_lens_ptr + request)
-        context = seq_len - q_len
+        context = seq_len - tl.load(window_lens_ptr + request)
 
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < head_dim
@@ -200,6 +204,7 @@ def tree_attention_triton(
     seq_lens: torch.Tensor,
     query_mask: torch.Tensor,
     scale: float,
+    window_lens: torch.Tensor | None = None,
     block_n: int = 64,
 ) -> torch.Tensor:
     """Launch the kernel on a (T, Hq) grid; ``block_n`` is the key tile (a power of two)."""
@@ -214,6 +219,7 @@ def tree_attention_triton(
         output_size=num_rows,
     )
     mask = query_mask.view(torch.uint8)
+    windows = query_start_loc.diff() if window_lens is None else window_lens
     _tree_attention_kernel[(num_rows, num_heads)](
         out,
         query,
@@ -223,6 +229,7 @@ def tree_attention_triton(
         query_start_loc,
         seq_lens,
         mask,
+        windows.to(torch.int32),
         row_request,
         scale * math.log2(math.e),
         *out.stride(),
@@ -249,7 +256,8 @@ def tree_attention(
     seq_lens: torch.Tensor,
     query_mask: torch.Tensor,
     scale: float,
+    window_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[T, Hq, D]`` output: the Triton kernel on CUDA, the torch reference elsewhere."""
     impl = tree_attention_triton if triton is not None and query.is_cuda else tree_attention_reference
-    return impl(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, query_mask, scale)
+    return impl(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, query_mask, scale, window_lens)

@@ -3,7 +3,7 @@
 Usage: python tests/engine_job.py JOB.json OUT.json
 
 JOB keys: model, prompt_token_ids (list of lists), max_tokens; optional:
-dtype, speculative_config, temperature, top_p, top_k, seeds (one per prompt),
+dtype, speculative_config, gpu_memory_utilization, temperature, top_p, top_k, seeds (one per prompt),
 stop, max_num_seqs, max_num_batched_tokens, num_gpu_blocks_override,
 abort_after_steps ({prompt index: engine steps}).
 OUT: token_ids, texts, finish_reasons (per prompt; aborted prompts get None),
@@ -31,7 +31,7 @@ def main(job_path: str, out_path: str) -> None:
         max_model_len=job.get("max_model_len", 2048),
         max_num_seqs=job.get("max_num_seqs", 16),
         enforce_eager=True,
-        gpu_memory_utilization=0.15,
+        gpu_memory_utilization=job.get("gpu_memory_utilization", 0.15),
         seed=0,
         speculative_config=job.get("speculative_config"),
         disable_log_stats=False,

@@ -59,7 +59,7 @@ def test_unknown_drafter(drafter):
     tree = {} if drafter is None else {"drafter": drafter}
     with pytest.raises(TreeConfigError) as error:
         parse_tree_config({"num_speculative_tokens": 4, "tree": tree})
-    assert "speculative_config['tree']['drafter'] must be one of 'retrieval'" in str(error.value)
+    assert "speculative_config['tree']['drafter'] must be one of 'draft_model', 'eagle3', 'retrieval'" in str(error.value)
 
 
 def test_unknown_policy_for_drafter():
@@ -106,3 +106,25 @@ def test_l_min_above_l_max():
 def test_model_not_used_by_retrieval():
     with pytest.raises(TreeConfigError, match=r"speculative_config\['model'\] is not used by tree drafter 'retrieval'"):
         parse_tree_config({**spec(), "model": "/models/draft"})
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "draft_model"])
+def test_model_drafters_need_a_model(drafter):
+    with pytest.raises(TreeConfigError, match=rf"speculative_config\['model'\] is required with tree drafter '{drafter}'"):
+        parse_tree_config({"num_speculative_tokens": 8, "tree": {"drafter": drafter}})
+
+
+def test_eagle2_defaults_and_scratch():
+    config = parse_tree_config({"num_speculative_tokens": 60, "model": "/m", "tree": {"drafter": "eagle3"}})
+    assert (config.policy, config.policy_params) == ("eagle2", {"top_k": 10, "depth": 8})
+    assert config.draft_slots() == 70  # K * (D - 1) nodes are run through the drafter
+    chain = parse_tree_config({"num_speculative_tokens": 6, "model": "/m", "tree": {"drafter": "eagle3", "policy": "chain"}})
+    assert chain.draft_slots() == 6
+
+
+def test_eagle2_bad_values_and_scratch_limit():
+    with pytest.raises(TreeConfigError) as error:
+        parse_tree_config({"num_speculative_tokens": 8, "model": "/m", "tree": {"drafter": "eagle3", "top_k": 0}})
+    assert str(error.value) == "speculative_config['tree']['top_k'] must be an integer from 1 to 64, got 0"
+    with pytest.raises(TreeConfigError, match="at most 512 .*lower 'top_k' or 'depth'"):
+        parse_tree_config({"num_speculative_tokens": 8, "model": "/m", "tree": {"drafter": "eagle3", "top_k": 64, "depth": 64}})

@@ -14,6 +14,9 @@ def main(argv: list[str] | None = None) -> None:
     commands.add_parser(
         "vllm", help="run vLLM's own CLI, e.g. `vllm-adaptive-spec vllm serve MODEL ...`", add_help=False
     )
+    commands.add_parser(
+        "train-eagle3", help="train an EAGLE-3 head for the demo model (options: --help)", add_help=False
+    )
     args, rest = parser.parse_known_args(argv)
 
     if args.command == "demo-model":
@@ -26,6 +29,10 @@ def main(argv: list[str] | None = None) -> None:
         from vllm_adaptive_spec.adapter.cli_shim import run_vllm_cli
 
         run_vllm_cli(rest)
+    elif args.command == "train-eagle3":
+        from vllm_adaptive_spec.training.train_eagle3 import main as train_main
+
+        train_main(rest)
     elif args.command == "demo":
         from vllm_adaptive_spec.demo import main as demo_main
 

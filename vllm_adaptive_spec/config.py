@@ -20,13 +20,14 @@ from vllm_adaptive_spec.policies import POLICIES, Param
 
 METHOD = "adaptive_tree"
 MAX_BUDGET = 128  # vLLM's rejection-sampler layout caps drafts per request at 128.
+MAX_DRAFT_SLOTS = 512  # KV scratch a model drafter may use per request while growing
 # Settings of the tree engine itself, beside the drafter's and the policy's.
 ENGINE_PARAMS = {
     "load_budget": Param(
         str, "fixed", "one of 'adaptive', 'fixed'", lambda v: v in ("adaptive", "fixed")
     ),
 }
-DRAFTERS_NEEDING_MODEL: frozenset[str] = frozenset()
+DRAFTERS_NEEDING_MODEL = frozenset({"eagle3", "draft_model"})
 
 
 class TreeConfigError(ValueError):
@@ -62,6 +63,11 @@ class TreeConfig:
 
     def make_policy(self):
         return POLICIES[self.policy](**self.policy_params)
+
+    def draft_slots(self) -> int:
+        """Draft tokens vLLM must reserve KV for per request: the budget, or
+        the scratch of a model drafter's growth when that is larger."""
+        return max(self.budget, self.make_policy().max_fed_nodes(self.budget))
 
 
 def _choices(values) -> str:
@@ -129,4 +135,9 @@ def parse_tree_config(spec: dict[str, Any]) -> TreeConfig:
         config.make_policy()
     except ValueError as exc:
         raise TreeConfigError(f"speculative_config['tree']: {exc}") from exc
+    if config.draft_slots() > MAX_DRAFT_SLOTS:
+        raise TreeConfigError(
+            f"speculative_config['tree']: policy {policy!r} with {config.policy_params} runs the drafter on "
+            f"{config.draft_slots()} nodes per tree; at most {MAX_DRAFT_SLOTS} (lower 'top_k' or 'depth')"
+        )
     return config

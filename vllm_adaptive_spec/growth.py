@@ -58,6 +58,9 @@ class Policy(Protocol):
     # ``finish`` trims it back, as after a rerank).
     grows_past_budget: bool
 
+    def depth_limit(self, budget: int) -> int:
+        """The deepest layer grown for a largest budget of ``budget``."""
+
     def select(self, layer: Layer) -> torch.Tensor:
         """[B, F, C] bool: the candidates that form the next layer (none: stop)."""
 
@@ -80,6 +83,7 @@ def grow(drafter: Drafter, policy: Policy, budget: torch.Tensor, max_depth: int)
     frontier_index = torch.full((batch, 1), ROOT, dtype=torch.long)
     frontier_p = torch.ones(batch, 1)
     frontier_live = (budget > 0).unsqueeze(1)
+    max_depth = min(max_depth, policy.depth_limit(int(budget.max())) if batch else 0)
     for depth in range(1, max_depth + 1):
         if not policy.grows_past_budget:
             frontier_live = frontier_live & (size < budget).unsqueeze(1)

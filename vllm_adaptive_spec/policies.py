@@ -2,8 +2,10 @@
 next layer or stop (``select``), then trim the grown tree (``finish``).
 
 Each policy declares its parameters (``PARAMS``) so the config can be checked
-at startup; later policies (TALON, C2T, DEAGLE, DynaTree, EAGLE-2) plug in
-through the same two methods.
+at startup, how deep it may grow (``depth_limit``), how many candidates per
+node it looks at (``fanout``) and how many nodes a model drafter may run on
+while growing one tree (``max_fed_nodes``, the draft KV scratch); later
+policies (TALON, C2T, DEAGLE, DynaTree) plug in through the same methods.
 """
 
 from __future__ import annotations
@@ -46,6 +48,14 @@ class ChainPolicy:
     name = "chain"
     PARAMS: dict[str, Param] = {}
     grows_past_budget = False
+    fanout = 1
+
+    def depth_limit(self, budget: int) -> int:
+        return budget
+
+    def max_fed_nodes(self, budget: int) -> int:
+        """Nodes a model drafter runs on while growing one tree (its KV scratch)."""
+        return budget - 1
 
     def select(self, layer: Layer) -> torch.Tensor:
         chosen = torch.zeros_like(layer.candidates.q, dtype=torch.bool)
@@ -56,6 +66,42 @@ class ChainPolicy:
         return valid
 
 
+class Eagle2Policy:
+    """ALGORITHMS.md section 2, the EAGLE-2/3 dynamic tree: the root's top-``K``
+    children, then at each depth the ``K`` best (by path probability ``p``) of
+    the frontier's ``K * K`` top-``K`` children, for ``D`` layers; at the end
+    the ``N`` nodes of highest ``p`` are kept (ancestor-closed, as ``p`` only
+    falls along a path)."""
+
+    name = "eagle2"
+    PARAMS = {
+        "top_k": Param(int, 10, "an integer from 1 to 64", lambda v: 1 <= v <= 64),
+        "depth": Param(int, 8, "an integer from 1 to 64", lambda v: 1 <= v <= 64),
+    }
+    grows_past_budget = True
+
+    def __init__(self, top_k: int = 10, depth: int = 8) -> None:
+        self.top_k = top_k
+        self.depth = depth
+        self.fanout = top_k
+
+    def depth_limit(self, budget: int) -> int:
+        return self.depth
+
+    def max_fed_nodes(self, budget: int) -> int:
+        return self.top_k * (self.depth - 1)
+
+    def select(self, layer: Layer) -> torch.Tensor:
+        p = layer.p.flatten(1)
+        keep = torch.zeros_like(p, dtype=torch.bool)
+        best = p.topk(min(self.top_k, p.shape[1]), dim=1).indices
+        keep.scatter_(1, best, True)
+        return (keep & (p > 0)).view_as(layer.p)
+
+    def finish(self, p: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+        return top_by_path_probability(p, valid, budget)
+
+
 class RetrievalPolicy:
     """ALGORITHMS.md section 7: take every retrieved continuation, then prune
     the least likely subtrees (lowest path probability, i.e. cumulative count
@@ -64,6 +110,13 @@ class RetrievalPolicy:
     name = "retrieval"
     PARAMS: dict[str, Param] = {}
     grows_past_budget = True
+    fanout = 0  # the retrieval drafter's trie decides
+
+    def depth_limit(self, budget: int) -> int:
+        return 1 << 30  # the drafter's max_depth decides
+
+    def max_fed_nodes(self, budget: int) -> int:
+        return 0
 
     def select(self, layer: Layer) -> torch.Tensor:
         return layer.candidates.q > 0
@@ -72,4 +125,4 @@ class RetrievalPolicy:
         return top_by_path_probability(p, valid, budget)
 
 
-POLICIES = {cls.name: cls for cls in (ChainPolicy, RetrievalPolicy)}
+POLICIES = {cls.name: cls for cls in (ChainPolicy, Eagle2Policy, RetrievalPolicy)}

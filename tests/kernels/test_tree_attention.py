@@ -199,3 +199,18 @@ def test_rows_seeing_only_themselves():
     )
     torch.testing.assert_close(out, own_values.repeat_interleave(2, dim=1), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(tree_attention_reference(**case), out, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", [tree_attention_reference, tree_attention_triton], ids=["reference", "triton"])
+def test_window_wider_than_query(impl):
+    """Querying only a tree's newest nodes (the earlier ones cached and masked)
+    equals querying the whole tree and keeping those rows."""
+    full = make_case([(5, "tree:7"), (9, "tree:4")], num_heads=4, num_kv_heads=2, seed=3)
+    newest = [3, 2]  # the last 3 nodes of the first tree, the last 2 of the second
+    ends = full["query_start_loc"][1:].tolist()
+    rows = torch.cat([torch.arange(end - k, end) for end, k in zip(ends, newest)])
+    expected = tree_attention_reference(**full)[rows]
+    partial = dict(full, query=full["query"][rows], query_mask=full["query_mask"][rows],
+                   query_start_loc=torch.tensor([0, *newest]).cumsum(0).int(),
+                   window_lens=full["query_start_loc"].diff())
+    torch.testing.assert_close(impl(**partial), expected, atol=1e-5, rtol=1e-5)

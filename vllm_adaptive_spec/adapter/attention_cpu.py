@@ -91,6 +91,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             attn_metadata.seq_lens[step.batch_indices],
             step.query_mask,
             self.scale,
+            step.window_lens,
         )
         output.view(query.shape[0], self.num_heads, -1)[rows] = result.to(output.dtype)
         return output

@@ -3,7 +3,10 @@
 ``EngineArgs.create_speculative_config`` is the only place vLLM builds a
 ``SpeculativeConfig``; the wrapper validates the plugin's keys there, hands
 vLLM a native method that loads what the drafter needs (retrieval ->
-``custom_class`` with the plugin's proposer), selects the plugin's worker and
+``custom_class`` with the plugin's proposer; eagle3 -> ``eagle3`` and
+draft_model -> ``draft_model``, so vLLM loads the weights, captures the
+auxiliary hidden states and gives the draft layers KV in the paged cache),
+selects the plugin's worker and
 carries the tree settings, as a plain dict, in
 ``VllmConfig.additional_config["adaptive_tree"]`` (it survives pickling to the
 engine core and workers, where plugins load only after unpickling).
@@ -20,7 +23,7 @@ from vllm_adaptive_spec.config import METHOD, TreeConfig, TreeConfigError, parse
 ADDITIONAL_CONFIG_KEY = "adaptive_tree"
 PROPOSER_CLASS = "vllm_adaptive_spec.adapter.proposer.TreeProposer"
 CPU_WORKER = "vllm_adaptive_spec.adapter.worker.TreeCPUWorker"
-NATIVE_METHOD = {"retrieval": "custom_class"}
+NATIVE_METHOD = {"retrieval": "custom_class", "eagle3": "eagle3", "draft_model": "draft_model"}
 
 
 def tree_config_of(vllm_config) -> TreeConfig | None:
@@ -58,6 +61,10 @@ def install() -> None:
         native["method"] = NATIVE_METHOD[tree.drafter]
         if native["method"] == "custom_class":
             native["model"] = PROPOSER_CLASS
+        else:
+            # vLLM reserves this many lookahead KV slots per request: the
+            # drafter's scratch while growing (its tree nodes).
+            native["num_speculative_tokens"] = tree.draft_slots()
         self.speculative_config = native
         try:
             result = original(self, target_model_config, target_parallel_config)

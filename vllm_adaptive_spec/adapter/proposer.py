@@ -87,7 +87,7 @@ class TreeProposer:
         self.load_budget = LoadBudget(self.config.budget) if self.config.load_budget == "adaptive" else None
 
     def load_model(self, *args, **kwargs) -> None:
-        """The retrieval drafter has no weights."""
+        """Model drafters' weights are loaded by vLLM's own proposer."""
 
     def propose(self, *args, **kwargs):
         raise RuntimeError("TreeProposer is driven by the adaptive_tree model runner (propose_trees)")
@@ -144,7 +144,7 @@ class TreeProposer:
         drafts: list[list[int]] = [[] for _ in request_ids]
         if not active:
             return drafts
-        self.drafter.prepare([request_ids[i] for i in active], contexts)
+        self.drafter.prepare([request_ids[i] for i in active], contexts, active)
         trees, stats = grow(self.drafter, self.policy, torch.tensor(budgets), self.drafter.max_depth)
         if getattr(self.drafter, "is_model", False):
             self.stats.draft_passes += stats.draft_passes

@@ -11,8 +11,14 @@ Per engine step:
 3. ``rejection_sampler`` is the :class:`TreeVerifier`; right after acceptance
    the accepted nodes' KV moves to slots ``p0 + 1 .. p0 + a`` in every layer,
    so vLLM's "first ``a`` drafts were accepted" bookkeeping holds.
-4. ``propose_draft_token_ids``: the proposer grows the next trees, with a
-   per-request budget that follows the load when ``load_budget`` is adaptive.
+4. ``propose_draft_token_ids``: a model drafter first runs on the committed
+   tokens (:class:`PagedDraftBackend`), then the proposer grows the next
+   trees, with a per-request budget that follows the load when
+   ``load_budget`` is adaptive.
+
+With ``retrieval`` vLLM's drafter object is the plugin's proposer; with
+``eagle3`` / ``draft_model`` it is vLLM's own (which loads the weights and
+owns the draft layers), and the runner keeps a proposer beside it.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 
 from kernels.kv_compaction import compact_kv
 from vllm_adaptive_spec.adapter import step as tree_step
+from vllm_adaptive_spec.adapter.draft_backend import PagedDraftBackend
 from vllm_adaptive_spec.adapter.proposer import TreeProposer, can_draft
 from vllm_adaptive_spec.adapter.verifier import TreeVerifier
 from vllm_adaptive_spec.tree import DraftTree
@@ -48,10 +55,19 @@ class TreeRunnerMixin:
             raise ValueError("adaptive_tree does not support M-RoPE models yet")
         self.rejection_sampler = TreeVerifier(self.sampler, mode, self._after_acceptance)
         self._step_started = time.perf_counter()
+        self._accepted_rows: dict[int, list[int]] = {}
+        self._draft_backend = None
+        if isinstance(self.drafter, TreeProposer):
+            self._tree_proposer = self.drafter
+        else:
+            self._tree_proposer = TreeProposer(vllm_config)
+            config = self._tree_proposer.config
+            self._draft_backend = PagedDraftBackend(self, self.drafter, config.draft_slots())
+            self._tree_proposer.drafter.bind(self._draft_backend, self._tree_proposer.policy.fanout)
 
     @property
     def tree_proposer(self) -> TreeProposer:
-        return self.drafter
+        return self._tree_proposer
 
     def _update_states(self, scheduler_output):
         result = super()._update_states(scheduler_output)
@@ -61,6 +77,7 @@ class TreeRunnerMixin:
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         self._step_started = time.perf_counter()
+        self._accepted_rows = {}
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         tree_step.publish(self._layout_trees(scheduler_output, num_scheduled_tokens))
         return result
@@ -119,6 +136,8 @@ class TreeRunnerMixin:
             paths = zip(acceptance.path.tolist(), acceptance.num_accepted.tolist())
             proposer.observe(request_ids, step.trees, [row[:count] for row, count in paths])
 
+        if self._draft_backend is not None:
+            self._record_chains(step, acceptance)
         path = acceptance.path
         width = path.shape[1]
         ends = step.query_start_loc[1:].to(torch.long)
@@ -136,9 +155,40 @@ class TreeRunnerMixin:
             key_cache, value_cache = type(self).kv_views(kv_cache)
             compact_kv(key_cache, value_cache, src, dst)
 
-    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+    def _record_chains(self, step: tree_step.TreeStep, acceptance: Acceptance) -> None:
+        """Each tree request's committed query rows in chain order: rows
+        before the root, the root, then the accepted path's nodes."""
+        ends = step.query_start_loc[1:].tolist()
+        starts = step.query_start_loc[:-1].tolist()
+        paths, counts = acceptance.path.tolist(), acceptance.num_accepted.tolist()
+        rows = step.query_rows.tolist()
+        for k, index in enumerate(step.batch_indices.tolist()):
+            local_root = ends[k] - starts[k] - 1 - len(step.trees[k])
+            request_rows = rows[starts[k]:ends[k]]
+            chain = request_rows[: local_root + 1]
+            chain += [request_rows[local_root + 1 + node] for node in paths[k][: counts[k]]]
+            self._accepted_rows[index] = chain
+
+    def propose_draft_token_ids(
+        self, scheduler_output, sampled_token_ids, sampling_metadata=None, hidden_states=None,
+        sample_hidden_states=None, aux_hidden_states=None, spec_decode_metadata=None,
+        common_attn_metadata=None, *args, **kwargs
+    ):
         batch = self.input_batch
         req_ids = batch.req_ids
+        num_tokens = batch.num_tokens_no_spec
+        if torch.is_tensor(sampled_token_ids):
+            # Model drafters run before vLLM's bookkeeping: the step's tokens
+            # are a padded tensor, and partial prefills' samples are discarded.
+            discarded = self.discard_request_mask.np[: len(req_ids)]
+            sampled_token_ids = [
+                [] if discarded[i] else [t for t in row if t >= 0] for i, row in enumerate(sampled_token_ids.tolist())
+            ]
+            num_tokens = num_tokens[: len(req_ids)] + [len(s) for s in sampled_token_ids]
+        if self._draft_backend is not None:
+            self._draft_backend.first_pass(
+                aux_hidden_states, common_attn_metadata.block_table_tensor, self._accepted_rows, sampled_token_ids
+            )
         eligible = [
             can_draft(self.requests[r].sampling_params, len(self.requests[r].output_token_ids)) for r in req_ids
         ]
@@ -151,7 +201,7 @@ class TreeRunnerMixin:
             other_tokens=step_tokens - drafting_tokens,
         )
         return self.tree_proposer.propose_trees(
-            req_ids, sampled_token_ids, batch.num_tokens_no_spec, batch.token_ids_cpu, eligible, step_budget, explore
+            req_ids, sampled_token_ids, num_tokens, batch.token_ids_cpu, eligible, step_budget, explore
         )
 
     def adaptive_tree_stats(self) -> dict[str, float]:

@@ -1,5 +1,6 @@
-"""The tree layout of the current target step, shared by the runner (which
-builds it), the attention impl and the verifier (which read it).
+"""The tree layout of the current forward, shared by the runner (which builds
+it), the attention impl and the verifier (which read it): a target step
+(:class:`TreeStep`) or one tree-drafting pass (:class:`DraftStep`).
 
 vLLM's attention metadata has no channel for a per-request mask, so the
 runner publishes the step here before the forward and clears it after
@@ -13,6 +14,20 @@ from dataclasses import dataclass
 import torch
 
 from vllm_adaptive_spec.tree import DraftTree, TreeBatch
+
+
+@dataclass
+class DraftStep:
+    """One drafting pass: every row is a tree node of request ``batch_indices``
+    (rows of the pass's block table), seeing the committed draft context and,
+    of the request's last ``window_lens`` cached keys (its tree so far), those
+    ``query_mask`` [T, W] marks (ancestors and itself)."""
+
+    batch_indices: torch.Tensor
+    query_rows: torch.Tensor
+    query_start_loc: torch.Tensor
+    query_mask: torch.Tensor
+    window_lens: torch.Tensor
 
 
 @dataclass
@@ -34,17 +49,18 @@ class TreeStep:
     query_rows: torch.Tensor
     query_start_loc: torch.Tensor
     query_mask: torch.Tensor
+    window_lens = None  # the masked keys are the request's own query rows
 
 
-_current: TreeStep | None = None
+_current: TreeStep | DraftStep | None = None
 
 
-def publish(step: TreeStep | None) -> None:
+def publish(step: TreeStep | DraftStep | None) -> None:
     global _current
     _current = step
 
 
-def current() -> TreeStep | None:
+def current() -> TreeStep | DraftStep | None:
     return _current
 
 

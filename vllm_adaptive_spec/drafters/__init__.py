@@ -1,7 +1,12 @@
-"""Drafters: where candidate tokens come from (retrieval here; model drafters later)."""
+"""Drafters: where candidate tokens come from (retrieval, EAGLE-3 heads, draft LMs)."""
 
+from vllm_adaptive_spec.drafters.model import DraftModelDrafter, Eagle3Drafter
 from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
 
-DRAFTERS = {cls.name: cls for cls in (RetrievalDrafter,)}
-# Which policies each drafter supports.
-DRAFTER_POLICIES = {"retrieval": ("retrieval", "chain")}
+DRAFTERS = {cls.name: cls for cls in (RetrievalDrafter, Eagle3Drafter, DraftModelDrafter)}
+# Which policies each drafter supports; the first is the default.
+DRAFTER_POLICIES = {
+    "retrieval": ("retrieval", "chain"),
+    "eagle3": ("eagle2", "chain"),
+    "draft_model": ("eagle2", "chain"),
+}

@@ -73,7 +73,7 @@ class RetrievalDrafter:
     def forget(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)
 
-    def prepare(self, request_ids: list[str], contexts: list[list[int]]) -> None:
+    def prepare(self, request_ids: list[str], contexts: list[list[int]], rows=None) -> None:
         """Update each request's index with its context and build this step's tries."""
         self._tries = []
         for request_id, context in zip(request_ids, contexts):

@@ -1,0 +1,228 @@
+"""Model drafting on vLLM: the native proposer's draft model (an EAGLE-3 head
+for ``eagle3``, a small LM for ``draft_model``) run by the tree drafter, its
+KV in vLLM's paged cache.
+
+Per engine step, after verification:
+
+1. :meth:`PagedDraftBackend.first_pass` runs the draft model, causally and
+   through vLLM's own attention kernel, on every request's newly committed
+   tokens in chain order (the accepted path, compacted), writing their draft
+   KV at their final slots; so whatever a rejected branch left in the draft
+   cache is overwritten before anything reads it. EAGLE-3 pairs the target's
+   auxiliary hidden states of position ``p`` with token ``p + 1`` (the last
+   row reads the new bonus token); a draft LM reads the tokens themselves plus
+   the bonus token. The last row's distribution gives the root's children.
+2. :meth:`feed` runs one tree layer: node rows sit at position
+   ``root row + depth``, write their KV into scratch slots right after the
+   committed draft context (``C + node id``), and attend, through
+   ``kernels.tree_attention``, to the committed context and their ancestors.
+   vLLM reserves that scratch: the adapter asks for ``draft_slots`` lookahead
+   tokens, and nodes beyond a request's allocated blocks are not fed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from vllm.forward_context import set_forward_context
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+from vllm_adaptive_spec.adapter import step as tree_step
+
+
+class PagedDraftBackend:
+    def __init__(self, runner, native, max_nodes: int) -> None:
+        self.runner = runner
+        self.native = native
+        self.is_eagle3 = native.method == "eagle3"
+        self.max_nodes = max_nodes
+        self._root_probs: dict[int, torch.Tensor] = {}
+        self._root_hidden: dict[int, torch.Tensor] = {}
+        self._context: dict[int, tuple[int, int]] = {}  # batch row -> (C, root row position)
+
+    # -- step start ---------------------------------------------------------------
+    def first_pass(self, aux_hidden_states, block_table: torch.Tensor, accepted: dict[int, list[int]],
+                   sampled: list[list[int]]) -> None:
+        """``accepted[row]``: for requests verified with a tree, the query rows
+        (absolute) of their committed tokens in chain order; other requests
+        committed all their scheduled rows. ``sampled``: each request's new
+        tokens this step (empty for a partial prefill, whose next token is
+        the next prompt token)."""
+        runner = self.runner
+        batch = runner.input_batch
+        num_reqs = batch.num_reqs
+        query_start = runner.query_start_loc.np[: num_reqs + 1]
+        input_ids = runner.input_ids.gpu
+        positions = runner.positions
+        self._root_probs.clear()
+        self._root_hidden.clear()
+        self._context.clear()
+
+        rows, tokens, pos, hidden_rows, lens, batch_rows = [], [], [], [], [], []
+        for i in range(num_reqs):
+            chain = accepted.get(i) or list(range(int(query_start[i]), int(query_start[i + 1])))
+            if not chain:
+                continue
+            p0 = int(positions[chain[0]])
+            m = len(chain)
+            next_position = p0 + m
+            if sampled[i]:
+                next_token = sampled[i][-1]
+            elif next_position < int(batch.num_prompt_tokens[i]):
+                next_token = int(batch.token_ids_cpu[i, next_position])
+            else:
+                continue  # nothing committed after these rows (nothing to draft from)
+            chain_t = torch.tensor(chain, dtype=torch.long)
+            ids = input_ids[chain_t].to(torch.long)
+            if self.is_eagle3:
+                tokens.append(torch.cat([ids[1:], ids.new_tensor([next_token])]))
+                pos.append(torch.arange(p0, p0 + m))
+                hidden_rows.append(chain_t)
+                self._context[i] = (p0 + m, p0 + m - 1)
+            else:
+                tokens.append(torch.cat([ids, ids.new_tensor([next_token])]))
+                pos.append(torch.arange(p0, p0 + m + 1))
+                self._context[i] = (p0 + m + 1, p0 + m)
+            lens.append(len(tokens[-1]))
+            batch_rows.append(i)
+        if not batch_rows:
+            return
+        tokens_t = torch.cat(tokens)
+        positions_t = torch.cat(pos)
+        rows_t = torch.tensor(batch_rows, dtype=torch.long)
+        lens_t = torch.tensor(lens, dtype=torch.int32)
+        starts = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        starts[1:] = lens_t.cumsum(0)
+        request_of_token = torch.repeat_interleave(rows_t, lens_t.long())
+        slots = self._slots(block_table, request_of_token, positions_t)
+        seq_lens = torch.tensor([self._context[i][0] for i in batch_rows], dtype=torch.int32)
+        hidden = None
+        if self.is_eagle3:
+            aux = torch.cat(aux_hidden_states, dim=-1)[torch.cat(hidden_rows)]
+            hidden = self.native.model.combine_hidden_states(aux)
+        tree_step.publish(None)
+        logits, out_hidden = self._run(tokens_t, positions_t, hidden, slots, starts, seq_lens, block_table[rows_t])
+        last = starts[1:].long() - 1
+        probs = logits[last].float().softmax(-1)
+        for k, i in enumerate(batch_rows):
+            self._root_probs[i] = probs[k]
+            if out_hidden is not None:
+                self._root_hidden[i] = out_hidden[last[k]]
+        self._block_table = block_table
+
+    # -- tree growth ----------------------------------------------------------------
+    def begin(self, rows: list[int]) -> torch.Tensor:
+        """Start one tree per drafting request (batch rows); the root distributions."""
+        runner = self.runner
+        block_size = runner.input_batch.block_table[0].block_size
+        allocated = runner.input_batch.block_table[0].num_blocks_per_row
+        vocab = next(iter(self._root_probs.values())).shape[-1] if self._root_probs else 1
+        batch = len(rows)
+        self.rows = torch.tensor(rows, dtype=torch.long)
+        self.context = torch.tensor([self._context.get(i, (0, 0))[0] for i in rows], dtype=torch.long)
+        self.root_position = torch.tensor([self._context.get(i, (0, 0))[1] for i in rows], dtype=torch.long)
+        ready = torch.tensor([i in self._context for i in rows], dtype=torch.bool)
+        room = torch.from_numpy(np.asarray(allocated[rows], dtype=np.int64)) * block_size - self.context
+        self.capacity = torch.where(ready, room.clamp(0, self.max_nodes), 0)
+        self.count = torch.zeros(batch, dtype=torch.long)
+        self.depth = torch.zeros(batch, self.max_nodes, dtype=torch.long)
+        self.ancestors = torch.zeros(batch, self.max_nodes, self.max_nodes, dtype=torch.bool)
+        self.hidden = None
+        roots = torch.zeros(batch, vocab)
+        for b, i in enumerate(rows):
+            if i in self._root_probs:
+                roots[b] = self._root_probs[i]
+        if self.is_eagle3 and self._root_hidden:
+            width = next(iter(self._root_hidden.values())).shape[-1]
+            dtype = next(iter(self._root_hidden.values())).dtype
+            self.root_hidden = torch.zeros(batch, width, dtype=dtype)
+            for b, i in enumerate(rows):
+                if i in self._root_hidden:
+                    self.root_hidden[b] = self._root_hidden[i]
+            self.hidden = torch.zeros(batch, self.max_nodes, width, dtype=dtype)
+        return roots
+
+    def feed(self, live: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor):
+        """Run the draft model on the live frontier nodes; their node ids
+        (-1: not fed) and draft distributions ``[B, F, V]``."""
+        rank = live.long().cumsum(1) - 1
+        ids = self.count.unsqueeze(1) + rank
+        fed = live & (ids < self.capacity.unsqueeze(1))
+        ids = torch.where(fed, ids, -1)
+        self.count += fed.sum(1)
+        b_idx, f_idx = fed.nonzero(as_tuple=True)
+        if b_idx.numel() == 0:
+            return ids, torch.zeros(*live.shape, 1)
+        node = ids[b_idx, f_idx]
+        parent = parents[b_idx, f_idx]
+        has_parent = parent >= 0
+        safe_parent = parent.clamp(min=0)
+        depth = torch.where(has_parent, self.depth[b_idx, safe_parent] + 1, 1)
+        self.depth[b_idx, node] = depth
+        lineage = self.ancestors[b_idx, safe_parent] & has_parent.unsqueeze(1)
+        lineage[torch.arange(node.shape[0]), node] = True
+        self.ancestors[b_idx, node] = lineage
+
+        requests = fed.any(1).nonzero(as_tuple=True)[0]
+        per_request = fed.sum(1)[requests].to(torch.int32)
+        starts = torch.zeros(requests.shape[0] + 1, dtype=torch.int32)
+        starts[1:] = per_request.cumsum(0)
+        window = self.count[requests]
+        positions = self.root_position[b_idx] + depth
+        slots = self._slots(self._block_table, self.rows[b_idx], self.context[b_idx] + node)
+        seq_lens = (self.context[requests] + window).to(torch.int32)
+        hidden = None
+        if self.is_eagle3:
+            hidden = torch.where(has_parent.unsqueeze(1), self.hidden[b_idx, safe_parent], self.root_hidden[b_idx])
+        mask = self.ancestors[b_idx, node, : int(window.max())]
+        draft_step = tree_step.DraftStep(
+            batch_indices=torch.arange(requests.shape[0]),
+            query_rows=torch.arange(node.shape[0]),
+            query_start_loc=starts,
+            query_mask=mask,
+            window_lens=window.to(torch.int32),
+        )
+        tree_step.publish(draft_step)
+        try:
+            logits, out_hidden = self._run(
+                tokens[b_idx, f_idx], positions, hidden, slots, starts, seq_lens, self._block_table[self.rows[requests]]
+            )
+        finally:
+            tree_step.publish(None)
+        if out_hidden is not None:
+            self.hidden[b_idx, node] = out_hidden
+        probs = logits.float().softmax(-1)
+        out = torch.zeros(*live.shape, probs.shape[-1])
+        out[b_idx, f_idx] = probs
+        return ids, out
+
+    # -- one forward of the draft model ----------------------------------------------
+    def _slots(self, block_table: torch.Tensor, batch_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        block_size = self.runner.input_batch.block_table[0].block_size
+        blocks = block_table[batch_rows, positions // block_size].to(torch.long)
+        return blocks * block_size + positions % block_size
+
+    def _run(self, tokens, positions, hidden, slots, starts, seq_lens, block_table):
+        native = self.native
+        num_tokens = int(tokens.shape[0])
+        metadata = CommonAttentionMetadata(
+            query_start_loc=starts,
+            query_start_loc_cpu=starts,
+            seq_lens=seq_lens,
+            num_reqs=int(seq_lens.shape[0]),
+            num_actual_tokens=num_tokens,
+            max_query_len=int(starts.diff().max()),
+            max_seq_len=int(seq_lens.max()),
+            block_table_tensor=block_table,
+            slot_mapping=slots,
+            positions=positions,
+        )
+        _, per_layer = native.build_per_group_and_layer_attn_metadata(metadata)
+        with set_forward_context(
+            per_layer, native.vllm_config, num_tokens=num_tokens, slot_mapping=native._get_slot_mapping(num_tokens, slots)
+        ):
+            if self.is_eagle3:
+                normed, prenorm = native.model(input_ids=tokens, positions=positions, hidden_states=hidden)
+            else:
+                normed, prenorm = native.model(input_ids=tokens, positions=positions), None
+        return native.model.compute_logits(normed), prenorm

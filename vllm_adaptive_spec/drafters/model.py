@@ -1,0 +1,94 @@
+"""Model drafters (EAGLE-3 heads and small draft LMs): tree growth over a
+backend that runs one draft pass for a whole layer of nodes.
+
+The engine-agnostic part lives here: turning each pass's draft distributions
+into each frontier node's top-``fanout`` candidates and remembering which
+candidate becomes which fed node. The backend (the engine adapter, or a test
+double) owns the model, its KV cache and attention:
+
+* ``begin(rows)``: start trees for the drafting requests (their rows in the
+  engine batch); returns the root distributions ``[B, V]`` (from the pass
+  over the request's newly committed tokens, already run);
+* ``feed(live, tokens, parents)``: run the draft model on new nodes
+  (``[B, F]`` each; ``parents`` are node ids, -1 for the root); returns the
+  nodes' ids (-1 where not fed, e.g. out of KV scratch) and their draft
+  distributions ``[B, F, V]``.
+
+Decision (ALGORITHMS.md section 0): candidates are the top-``fanout`` tokens
+of the draft distribution at temperature 1, deterministically, so sampling
+verification uses sequential elimination; ``q`` is their draft probability.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from vllm_adaptive_spec.growth import Candidates
+from vllm_adaptive_spec.policies import Param
+
+ROOT_HANDLE = -1
+
+
+class DraftBackend(Protocol):
+    def begin(self, rows: list[int]) -> torch.Tensor: ...
+
+    def feed(self, live: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class ModelDrafter:
+    """Shared by ``eagle3`` and ``draft_model`` (they differ only in the backend)."""
+
+    PARAMS: dict[str, Param] = {}
+    is_model = True
+    # Depth is the policy's to limit (chain: the budget; eagle2: D).
+    max_depth = 128
+
+    def __init__(self) -> None:
+        self.backend: DraftBackend | None = None
+        self.fanout = 1
+        self._tokens: torch.Tensor | None = None  # last candidates' tokens [B, F * C]
+        self._parents: torch.Tensor | None = None  # their parent node ids [B, F * C]
+
+    def bind(self, backend: DraftBackend, fanout: int) -> None:
+        self.backend = backend
+        self.fanout = fanout
+
+    def prepare(self, request_ids: list[str], contexts, rows: list[int]) -> None:
+        if self.backend is None:
+            raise RuntimeError(f"the {self.name} drafter has no backend; the engine adapter binds one")
+        self._root = self.backend.begin(rows)
+
+    def forget(self, request_id: str) -> None:
+        """Model drafters keep nothing per request between steps (the KV is the engine's)."""
+
+    def expand(self, handles: torch.Tensor, live: torch.Tensor) -> Candidates:
+        batch, width = handles.shape
+        if bool((handles == ROOT_HANDLE).all()):
+            probs = self._root.unsqueeze(1).expand(batch, width, -1)
+            parents = torch.full((batch, width), ROOT_HANDLE, dtype=torch.long)
+        else:
+            flat = handles.clamp(min=0)
+            tokens = self._tokens.gather(1, flat)
+            parent_ids = self._parents.gather(1, flat)
+            parents, probs = self.backend.feed(live, tokens, parent_ids)
+            live = live & (parents >= 0)
+        q, tokens = probs.float().topk(self.fanout, dim=-1)
+        q = torch.where(live.unsqueeze(-1), q, 0.0)
+        self._tokens = tokens.flatten(1)
+        self._parents = parents.unsqueeze(-1).expand(-1, -1, self.fanout).flatten(1)
+        handles = torch.arange(width * self.fanout).view(1, width, self.fanout).expand(batch, -1, -1)
+        return Candidates(tokens=tokens, q=q, handles=handles.clone())
+
+
+class Eagle3Drafter(ModelDrafter):
+    """An EAGLE-3 head fed the target's auxiliary hidden states (Li et al. 2025)."""
+
+    name = "eagle3"
+
+
+class DraftModelDrafter(ModelDrafter):
+    """An independent small causal LM sharing the target's tokenizer (DynaTree's drafter)."""
+
+    name = "draft_model"

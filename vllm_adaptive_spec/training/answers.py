@@ -1,0 +1,57 @@
+"""The target's own answers to the training corpus, generated with vLLM.
+
+Greedy decoding (the answers are then the target's argmax path, which is what
+a temperature-0 draft must predict). Written as ``answers.jsonl`` in the work
+directory, one object per prompt with the exact token ids vLLM used (chat
+template included), so later stages never re-tokenize. A stage already on
+disk is not generated again.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from vllm_adaptive_spec.training.corpus import first_stage, second_stage
+
+ANSWERS = "answers.jsonl"
+
+
+def generate_answers(model: str, work_dir: Path, first: int, second: int, max_tokens: int) -> Path:
+    from vllm import LLM, SamplingParams
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    path = work_dir / ANSWERS
+    done = _read(path)
+    llm = None
+    for stage in (1, 2):
+        if any(record["id"].startswith(f"s{stage}-") for record in done):
+            continue
+        prompts = first_stage(first) if stage == 1 else second_stage(done, second)
+        if llm is None:
+            llm = LLM(model=model, dtype="bfloat16", max_model_len=2048, max_num_seqs=128,
+                      gpu_memory_utilization=0.3, enforce_eager=True)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        conversations = [[{"role": "user", "content": p["prompt"]}] for p in prompts]
+        outputs = llm.chat(conversations, params, use_tqdm=True)
+        records = [
+            {
+                **p,
+                "answer": out.outputs[0].text,
+                "prompt_token_ids": list(out.prompt_token_ids),
+                "answer_token_ids": list(out.outputs[0].token_ids),
+            }
+            for p, out in zip(prompts, outputs)
+        ]
+        with path.open("a", encoding="utf-8") as handle:
+            for record in records:
+                handle.write(json.dumps(record) + "\n")
+        done += records
+    return path
+
+
+def _read(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    with path.open(encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
