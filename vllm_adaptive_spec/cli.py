@@ -17,6 +17,9 @@ def main(argv: list[str] | None = None) -> None:
     commands.add_parser(
         "train-eagle3", help="train an EAGLE-3 head for the demo model (options: --help)", add_help=False
     )
+    commands.add_parser(
+        "draft-lm", help="build the demo model's draft LM (options: --help)", add_help=False
+    )
     args, rest = parser.parse_known_args(argv)
 
     if args.command == "demo-model":
@@ -33,6 +36,10 @@ def main(argv: list[str] | None = None) -> None:
         from vllm_adaptive_spec.training.train_eagle3 import main as train_main
 
         train_main(rest)
+    elif args.command == "draft-lm":
+        from vllm_adaptive_spec.training.draft_lm import main as draft_lm_main
+
+        draft_lm_main(rest)
     elif args.command == "demo":
         from vllm_adaptive_spec.demo import main as demo_main
 
