@@ -37,6 +37,16 @@ finishes); the prefix cache is reset before each pass. With
 ``LLM.chat``; runs go batch size by batch size, the methods back to back. Each
 engine does a warm-up pass over a few prompts before anything is timed.
 
+Methods: ``none``; vLLM's ``ngram`` (K = ``--ngram-k``) and ``eagle3`` (a chain of
+``--chain-k`` with the committed head ``heads/smollm2-135m-eagle3``); the plugin's
+``tree-retrieval`` / ``chain-retrieval`` / ``tree-retrieval-adaptive`` (retrieval
+drafter, budget ``--budget``), ``chain-eagle3`` / ``tree-eagle3`` (the same head,
+chain of ``--chain-k`` or an EAGLE-2 tree of N = ``--tree-budget``, K = 10, D = 8)
+and ``chain-draft-lm`` / ``tree-draft-lm`` (the draft LM of ``vllm-adaptive-spec
+draft-lm``, built on first use). ``--temperature`` samples instead of greedy
+decoding; ``--by-category`` times each prompt category in its own pass and adds a
+table of tau per category.
+
 Outputs: ``throughput.json`` (every number, the settings, vLLM version, machine,
 timestamp) and ``throughput.md`` (the table, also printed) in ``--out``.
 
@@ -46,6 +56,9 @@ Reproduce (from the repository root)::
     .venv/bin/python benchmarks/throughput.py
     # smoke run: b = 1,4; 8 prompts; 32 tokens (about 4-5 min for three methods)
     .venv/bin/python benchmarks/throughput.py --quick --methods none,ngram,tree-retrieval
+    # the model drafters against vLLM's own eagle3, tau per category, at temperature 0 and 1
+    .venv/bin/python benchmarks/throughput.py --methods none,eagle3,chain-eagle3,tree-eagle3,chain-draft-lm,tree-draft-lm --by-category
+    .venv/bin/python benchmarks/throughput.py --methods none,eagle3,chain-eagle3,tree-eagle3 --by-category --temperature 1 --batch-sizes 8 --num-prompts 70
     # the whole set at every batch size, one engine per (batch size, method) (long on a CPU)
     .venv/bin/python benchmarks/throughput.py --num-prompts 70 --max-tokens 128 --engine-per run --out /tmp/bench
 
@@ -73,12 +86,27 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
-def _tree(args, drafter: str, policy: str, **params) -> dict:
-    return {
+def _tree(args, drafter: str, policy: str, budget: int | None = None, model: str | None = None, **params) -> dict:
+    spec = {
         "method": "adaptive_tree",
-        "num_speculative_tokens": args.budget,
+        "num_speculative_tokens": budget or args.budget,
         "tree": {"drafter": drafter, "policy": policy, **params},
     }
+    if model is not None:
+        spec["model"] = model
+    return spec
+
+
+def _head(args) -> str:
+    return args.head
+
+
+def _draft_lm(args) -> str:
+    if args.draft_lm:
+        return args.draft_lm
+    from vllm_adaptive_spec.training.draft_lm import ensure_draft_lm
+
+    return str(ensure_draft_lm(layers=4, minutes=6.0))
 
 
 # name -> speculative_config (None: no speculation). One line per method.
@@ -93,6 +121,11 @@ METHODS = {
     "tree-retrieval": lambda args: _tree(args, "retrieval", "retrieval"),
     "chain-retrieval": lambda args: _tree(args, "retrieval", "chain"),
     "tree-retrieval-adaptive": lambda args: _tree(args, "retrieval", "retrieval", load_budget="adaptive"),
+    "eagle3": lambda args: {"method": "eagle3", "model": _head(args), "num_speculative_tokens": args.chain_k},
+    "chain-eagle3": lambda args: _tree(args, "eagle3", "chain", args.chain_k, _head(args)),
+    "tree-eagle3": lambda args: _tree(args, "eagle3", "eagle2", args.tree_budget, _head(args)),
+    "chain-draft-lm": lambda args: _tree(args, "draft_model", "chain", args.chain_k, _draft_lm(args)),
+    "tree-draft-lm": lambda args: _tree(args, "draft_model", "eagle2", args.tree_budget, _draft_lm(args)),
 }
 BASELINE = "none"
 # The default run stays within 15 minutes on 2 CPU cores.
@@ -195,8 +228,9 @@ def worker(job_path: str) -> None:
     }
     llm = LLM(**kwargs)
     startup_s = time.perf_counter() - started
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=False)
+    params = SamplingParams(temperature=job["temperature"], max_tokens=job["max_tokens"], ignore_eos=False)
     conversations = job["conversations"]
+    categories = job["categories"] if job["by_category"] else [None] * len(conversations)
 
     warm = conversations[-job["warmup_prompts"]:] if job["warmup_prompts"] else []
     started = time.perf_counter()
@@ -211,13 +245,28 @@ def worker(job_path: str) -> None:
         "runs": [],
     }
     for batch_size, num_prompts in zip(job["batch_sizes"], job["num_prompts"]):
-        llm.reset_prefix_cache()
-        before = _counters(llm)
-        started = time.perf_counter()
-        outputs = _generate(llm, conversations[:num_prompts], params, batch_size, job["max_num_seqs"])
-        wall_s = time.perf_counter() - started
-        after = _counters(llm)
-        token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+        # One timed pass, or (--by-category) one per category, in order of first appearance.
+        groups: dict = {}
+        for index in range(num_prompts):
+            groups.setdefault(categories[index], []).append(index)
+        token_ids = [None] * num_prompts
+        wall_s, spec, by_category, prompt_tokens = 0.0, {key: 0 for key in SPEC_COUNTERS}, {}, 0
+        for category, indices in groups.items():
+            llm.reset_prefix_cache()
+            before = _counters(llm)
+            started = time.perf_counter()
+            outputs = _generate(llm, [conversations[i] for i in indices], params, batch_size, job["max_num_seqs"])
+            elapsed = time.perf_counter() - started
+            after = _counters(llm)
+            counted = {key: after[key] - before[key] for key in SPEC_COUNTERS}
+            for i, output in zip(indices, outputs):
+                token_ids[i] = list(output.outputs[0].token_ids)
+            wall_s += elapsed
+            prompt_tokens += sum(len(o.prompt_token_ids or ()) for o in outputs)
+            spec = {key: spec[key] + counted[key] for key in SPEC_COUNTERS}
+            if category is not None:
+                by_category[category] = {"wall_s": elapsed, "spec": counted,
+                                         "generated_tokens": sum(len(token_ids[i]) for i in indices)}
         generated = sum(len(ids) for ids in token_ids)
         result["runs"].append(
             {
@@ -225,9 +274,10 @@ def worker(job_path: str) -> None:
                 "num_prompts": num_prompts,
                 "wall_s": wall_s,
                 "generated_tokens": generated,
-                "prompt_tokens": sum(len(o.prompt_token_ids or ()) for o in outputs),
+                "prompt_tokens": prompt_tokens,
                 "tok_per_s": generated / wall_s,
-                "spec": {key: after[key] - before[key] for key in SPEC_COUNTERS},
+                "spec": spec,
+                "by_category": by_category,
                 "token_ids": token_ids,
             }
         )
@@ -346,8 +396,9 @@ def markdown(report: dict) -> str:
     lines = [
         "# Throughput",
         "",
-        f"prompts per pass: {s['num_prompts']} ({s['prompt_order']}), greedy, max_tokens={s['max_tokens']}, dtype={s['dtype']}, "
-        f"budget={s['budget']}, ngram K={s['ngram_k']}, engine per {s['engine_per']}; "
+        f"prompts per pass: {s['num_prompts']} ({s['prompt_order']}), temperature={s['temperature']}, "
+        f"max_tokens={s['max_tokens']}, dtype={s['dtype']}, retrieval budget={s['budget']}, ngram K={s['ngram_k']}, "
+        f"chain K={s['chain_k']}, eagle2 N={s['tree_budget']}, engine per {s['engine_per']}; "
         f"vLLM {report['vllm_version']}, {report['machine']['cpu_model'] or report['machine']['processor']} "
         f"x{report['machine']['nproc']}; {report['timestamp']}",
         "",
@@ -372,6 +423,17 @@ def markdown(report: dict) -> str:
     if errors:
         lines += ["", "Errors:"]
         lines += [f"- b={row['batch_size']} {row['method']}: {row['error']}" for row in errors]
+    categorised = [row for row in report["results"] if row.get("by_category")]
+    if categorised:
+        names = list(categorised[0]["by_category"])
+        lines += ["", "tau by prompt category (one timed pass per category):", "",
+                  "| batch | method | " + " | ".join(names) + " |", "|---:|---|" + "---:|" * len(names)]
+        for row in categorised:
+            cells = []
+            for name in names:
+                spec = row["by_category"].get(name, {}).get("spec", {})
+                cells.append(_fmt(1 + spec["accepted_tokens"] / spec["drafts"] if spec.get("drafts") else None, ".2f"))
+            lines.append(f"| {row['batch_size']} | {row['method']} | " + " | ".join(cells) + " |")
     lines += ["", f"Total elapsed: {report['elapsed_s']:.0f} s"]
     return "\n".join(lines) + "\n"
 
@@ -391,6 +453,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="take prompts round-robin over categories (default) or in file order")
     parser.add_argument("--budget", type=int, default=16, help="adaptive_tree node budget (num_speculative_tokens)")
     parser.add_argument("--ngram-k", type=int, default=4, help="ngram num_speculative_tokens")
+    parser.add_argument("--chain-k", type=int, default=4, help="chain depth of eagle3 (vLLM's) and the chain-* methods")
+    parser.add_argument("--tree-budget", type=int, default=60, help="node budget N of the eagle2 trees (K=10, D=8)")
+    parser.add_argument("--head", default=str(REPO / "heads" / "smollm2-135m-eagle3"), help="EAGLE-3 head directory")
+    parser.add_argument("--draft-lm", help="draft LM directory (default: `vllm-adaptive-spec draft-lm`'s, built if missing)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (engine seed 0)")
+    parser.add_argument("--by-category", action="store_true",
+                        help="time each prompt category in its own pass and report tau per category")
     parser.add_argument("--engine-per", choices=("method", "run"), default="method",
                         help="one engine per method for all batch sizes (default), or per (batch size, method)")
     parser.add_argument("--warmup-prompts", type=int, default=2, help="prompts in each engine's warm-up pass")
@@ -445,6 +514,9 @@ def main(argv: list[str] | None = None) -> None:
         "max_tokens": args.max_tokens,
         "warmup_prompts": args.warmup_prompts,
         "conversations": [p.messages for p in prompts],
+        "categories": [p.category for p in prompts],
+        "by_category": args.by_category,
+        "temperature": args.temperature,
     }
     # (method, batch size) -> run or error; engine records per job.
     runs: dict[tuple[str, int], dict] = {}
@@ -512,7 +584,10 @@ def main(argv: list[str] | None = None) -> None:
             "prompt_order": args.prompt_order,
             "prompt_ids": [p.id for p in prompts],
             "max_tokens": args.max_tokens,
-            "temperature": 0.0,
+            "temperature": args.temperature,
+            "by_category": args.by_category,
+            "chain_k": args.chain_k,
+            "tree_budget": args.tree_budget,
             "ignore_eos": False,
             "dtype": args.dtype,
             "max_model_len": args.max_model_len,
