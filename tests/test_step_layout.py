@@ -36,3 +36,12 @@ def test_rows_before_the_root_stay_causal():
     step = build_step([0], [DraftTree.chain([4])], [0], [3], torch.device("cpu"))
     # Two earlier rows (e.g. a resumed request), then root and one node.
     assert step.query_mask.int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert step.causal  # a chain: vLLM's causal kernel serves it
+
+
+def test_a_branching_tree_is_not_causal():
+    tree = DraftTree(tokens=[5, 6], parents=[-1, -1], q=[0.6, 0.4])
+    step = build_step([0, 1], [DraftTree.chain([3, 4]), tree], [0, 3], [3, 3], torch.device("cpu"))
+    assert not step.causal
+    mask = step.query_mask.int().tolist()
+    assert mask[3:] == [[1, 0, 0], [1, 1, 0], [1, 0, 1]]

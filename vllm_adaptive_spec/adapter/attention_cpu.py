@@ -6,7 +6,8 @@ to :class:`TreeCPUAttentionBackend` when adaptive_tree is selected, so target
 mask: in a batch that mixes tree and other rows it runs as usual, then the
 rows of requests that carry a tree are recomputed by ``kernels.tree_attention``
 reading the paged cache directly, and overwritten; when every row belongs to
-a tree (steady decoding) only the tree path runs.
+a tree (steady decoding) only the tree path runs, and when every tree is a
+chain the C++ kernel alone is exact.
 
 Decision: the builder pins the ``vec``/``vec16`` cache layout (K stored
 transposed per block page, V row-major), the one the reader understands; on
@@ -68,6 +69,8 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None):
         step = tree_step.current()
+        if step is not None and getattr(step, "causal", False):
+            step = None  # chains only: vLLM's causal kernel is exact
         tree_rows_only = (
             step is not None
             and attn_metadata is not None

@@ -175,14 +175,20 @@ class PagedDraftBackend:
         if self.is_eagle3:
             hidden = torch.where(has_parent.unsqueeze(1), self.hidden[b_idx, safe_parent], self.root_hidden[b_idx])
         mask = self.ancestors[b_idx, node, : int(window.max())]
-        draft_step = tree_step.DraftStep(
-            batch_indices=torch.arange(requests.shape[0]),
-            query_rows=torch.arange(node.shape[0]),
-            query_start_loc=starts,
-            query_mask=mask,
-            window_lens=window.to(torch.int32),
-        )
-        tree_step.publish(draft_step)
+        # A layer of one node per request that sees its whole tree (a chain) is
+        # plain causal decoding: vLLM's own kernel serves it.
+        request_of_row = torch.repeat_interleave(torch.arange(requests.shape[0]), per_request.long())
+        causal = bool((per_request == 1).all()) and bool((mask.sum(1) == window[request_of_row]).all())
+        if not causal:
+            tree_step.publish(
+                tree_step.DraftStep(
+                    batch_indices=torch.arange(requests.shape[0]),
+                    query_rows=torch.arange(node.shape[0]),
+                    query_start_loc=starts,
+                    query_mask=mask,
+                    window_lens=window.to(torch.int32),
+                )
+            )
         try:
             logits, out_hidden = self._run(
                 tokens[b_idx, f_idx], positions, hidden, slots, starts, seq_lens, self._block_table[self.rows[requests]]

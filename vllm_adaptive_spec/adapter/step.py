@@ -49,6 +49,8 @@ class TreeStep:
     query_rows: torch.Tensor
     query_start_loc: torch.Tensor
     query_mask: torch.Tensor
+    # Every tree is a chain: the layout is vLLM's own causal one.
+    causal: bool = False
     window_lens = None  # the masked keys are the request's own query rows
 
 
@@ -95,4 +97,5 @@ def build_step(
         query_rows=torch.cat(rows).to(device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         query_mask=torch.cat(masks).to(device),
+        causal=all(tree.parents == list(range(-1, len(tree) - 1)) for tree in trees),
     )
