@@ -67,7 +67,7 @@ def test_eagle3_eagle2_tree_greedy_equals_no_speculation(batch_size, demo_model,
                batch_size)
     assert run.token_ids == _expected(baseline, run)
     assert run.tree_stats["draft_passes"] > 0
-    assert run.tau > 1.5  # the trained head really drafts (about 1.7 here)
+    assert run.tau > 1.5  # the trained head really drafts (an untrained one gives about 1.0)
 
 
 def test_eagle3_chain_matches_native_eagle3(demo_model, prompt_ids, baseline, tmp_path):

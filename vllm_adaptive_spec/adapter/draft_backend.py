@@ -116,7 +116,7 @@ class PagedDraftBackend:
         runner = self.runner
         block_size = runner.input_batch.block_table[0].block_size
         allocated = runner.input_batch.block_table[0].num_blocks_per_row
-        vocab = next(iter(self._root_probs.values())).shape[-1] if self._root_probs else 1
+        vocab = next((p.shape[-1] for p in self._root_probs.values()), 1)
         batch = len(rows)
         self.rows = torch.tensor(rows, dtype=torch.long)
         self.context = torch.tensor([self._context.get(i, (0, 0))[0] for i in rows], dtype=torch.long)

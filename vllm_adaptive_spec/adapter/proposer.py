@@ -87,7 +87,8 @@ class TreeProposer:
         self.load_budget = LoadBudget(self.config.budget) if self.config.load_budget == "adaptive" else None
 
     def load_model(self, *args, **kwargs) -> None:
-        """Model drafters' weights are loaded by vLLM's own proposer."""
+        """Only the retrieval drafter runs as vLLM's drafter object, and it has no
+        weights (model drafters' weights are loaded by vLLM's own proposer)."""
 
     def propose(self, *args, **kwargs):
         raise RuntimeError("TreeProposer is driven by the adaptive_tree model runner (propose_trees)")
