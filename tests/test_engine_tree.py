@@ -15,6 +15,7 @@ from vllm_adaptive_spec.prompts import load_prompts
 pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 64
+SERIAL_PROMPTS = 10
 TREE = {"method": "adaptive_tree", "num_speculative_tokens": 16, "tree": {"drafter": "retrieval", "policy": "retrieval"}}
 
 
@@ -63,17 +64,24 @@ def _mismatches(prompts, expected, got):
 
 @pytest.mark.parametrize("batch_size", [1, 4, 16])
 def test_greedy_tree_equals_no_speculation(batch_size, demo_model, prompts, prompt_ids, baseline, tmp_path):
+    # Batch size 1 serves the prompts one by one: the first SERIAL_PROMPTS, then the
+    # longest one and its repetition (a prefix-cache hit).
+    keep = list(range(len(prompt_ids)))
+    if batch_size == 1:
+        longest = max(keep[:-1], key=lambda i: len(prompt_ids[i]))
+        keep = sorted(set(keep[:SERIAL_PROMPTS]) | {longest}) + keep[-1:]
     run = run_engine_job(
         tmp_path,
         {
             "model": demo_model,
-            "prompt_token_ids": prompt_ids,
+            "prompt_token_ids": [prompt_ids[i] for i in keep],
             "max_tokens": MAX_TOKENS,
             "max_num_seqs": batch_size,
             "speculative_config": TREE,
         },
     )
-    assert not _mismatches(prompts, baseline.token_ids, run.token_ids)
+    expected = [baseline.token_ids[i] for i in keep]
+    assert not _mismatches([prompts[i] for i in keep[:-1]], expected, run.token_ids)
     # The trees were really verified, and paid off where answers repeat the prompt.
     assert run.metrics["vllm:spec_decode_num_drafts"] > 0
     assert run.tree_stats["nodes_verified"] == run.metrics["vllm:spec_decode_num_draft_tokens"]

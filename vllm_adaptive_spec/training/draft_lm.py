@@ -125,9 +125,10 @@ def _distill(teacher, student, sequences: list[list[int]], minutes: float, seed:
         with torch.no_grad():
             rows = torch.randperm(target.shape[0])[:128]
             agree = float(((hidden[rows] @ head.T).argmax(-1) == (target[rows] @ head.T).argmax(-1)).float().mean())
-        log.write(json.dumps({"step": step, "mse": round(float(loss), 4), "top1_agreement": round(agree, 4)}) + "\n")
+        mse = loss.item()
+        log.write(json.dumps({"step": step, "mse": round(mse, 4), "top1_agreement": round(agree, 4)}) + "\n")
         bar.update(1)
-        bar.set_postfix(mse=round(float(loss), 3), top1=round(agree, 3))
+        bar.set_postfix(mse=round(mse, 3), top1=round(agree, 3))
     bar.close()
     log.close()
     student.eval()
