@@ -20,7 +20,7 @@ from vllm_adaptive_spec.prompts import load_prompts, one_per_category
 pytestmark = pytest.mark.engine
 
 HEAD = str(Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-eagle3")
-MAX_TOKENS = 40
+MAX_TOKENS = 28
 # Batch size 1 runs the prompts one after the other: the first few are enough.
 SERIAL_PROMPTS = 3
 # Two models in one process: the KV share of RAM must cover the draft's weights too.
