@@ -217,16 +217,11 @@ def worker(job_path: str) -> None:
     import vllm
     from vllm import LLM, SamplingParams
 
-    from vllm_adaptive_spec.demo import engine_kwargs
+    from vllm_adaptive_spec.kv_cache_size import engine_kwargs
 
     started = time.perf_counter()
-    kwargs = {
-        **engine_kwargs(job["model"], job["dtype"], job["max_model_len"]),
-        "max_num_seqs": job["max_num_seqs"],
-        "speculative_config": job["speculative_config"],
-        "disable_log_stats": False,  # the spec-decode counters need stats
-    }
-    llm = LLM(**kwargs)
+    llm = LLM(**engine_kwargs(job["model"], job["dtype"], job["max_model_len"], job["max_num_seqs"],
+                              job["speculative_config"]))
     startup_s = time.perf_counter() - started
     params = SamplingParams(temperature=job["temperature"], max_tokens=job["max_tokens"], ignore_eos=False)
     conversations = job["conversations"]
@@ -287,6 +282,19 @@ def worker(job_path: str) -> None:
 
 
 # --------------------------------------------------------------------------- driver
+
+
+def _needed_model_len(model: str, conversations: list, max_tokens: int) -> int:
+    """The longest chat prompt in tokens plus ``max_tokens`` plus 128 (so no
+    method stops drafting near the end), rounded up to a multiple of 128."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    longest = max(
+        len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        for messages in conversations
+    )
+    return -(-(longest + max_tokens + 128) // 128) * 128
 
 
 def _machine() -> dict:
@@ -466,7 +474,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", help="model directory (default: the demo model)")
     parser.add_argument("--prompts", help="prompt set JSONL (default: benchmarks/prompts.jsonl)")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=0,
+                        help="0 (default): the longest prompt plus --max-tokens plus 128, rounded up to 128; "
+                             "the KV cache is sized for --max-num-seqs requests of this length")
     parser.add_argument("--worker-timeout", type=float, default=1800, help="seconds per engine process")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="output directory")
     parser.add_argument("--worker", metavar="JOB_JSON", help=argparse.SUPPRESS)
@@ -507,6 +517,8 @@ def main(argv: list[str] | None = None) -> None:
     work = out / "logs"
     work.mkdir(parents=True, exist_ok=True)
 
+    if not args.max_model_len:
+        args.max_model_len = _needed_model_len(model, [p.messages for p in prompts], args.max_tokens)
     base_job = {
         "model": model,
         "dtype": args.dtype,

@@ -41,6 +41,7 @@ class EngineRun:
     finish_reasons: list[str | None]
     metrics: dict
     tree_stats: dict | None
+    num_gpu_blocks: int | None
     log: str
 
     @property

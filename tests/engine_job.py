@@ -3,11 +3,15 @@
 Usage: python tests/engine_job.py JOB.json OUT.json
 
 JOB keys: model, prompt_token_ids (list of lists), max_tokens; optional:
-dtype, speculative_config, gpu_memory_utilization, temperature, top_p, top_k, seeds (one per prompt),
-stop, max_num_seqs, max_num_batched_tokens, num_gpu_blocks_override,
-abort_after_steps ({prompt index: engine steps}).
+dtype, speculative_config, temperature, top_p, top_k, seeds (one per prompt),
+stop, ignore_eos, max_model_len, max_num_seqs, max_num_batched_tokens,
+num_gpu_blocks_override, block_size, abort_after_steps ({prompt index: engine steps}).
+max_model_len defaults to the longest prompt plus max_tokens plus 128 (so
+drafting is never cut near the end), rounded up to a multiple of 128. The KV cache is sized by ``vllm_adaptive_spec.kv_cache_size``
+for max_num_seqs requests of max_model_len tokens.
 OUT: token_ids, texts, finish_reasons (per prompt; aborted prompts get None),
-metrics (vLLM's spec-decode counters), tree_stats (the plugin's, when active).
+metrics (vLLM's spec-decode, preemption and prefix-cache counters),
+tree_stats (the plugin's, when active), num_gpu_blocks (the engine's KV blocks).
 
 Requests go through ``LLMEngine.add_request``/``step`` so a job can abort some
 of them mid-generation. Each engine runs in a fresh process: vLLM's CPU engine
@@ -24,21 +28,23 @@ def main(job_path: str, out_path: str) -> None:
 
     from vllm import LLM, SamplingParams
 
+    from vllm_adaptive_spec.kv_cache_size import engine_kwargs
+
+    prompts = job["prompt_token_ids"]
+    longest = max(len(ids) for ids in prompts) + job["max_tokens"] + 128
     extra = {k: job[k] for k in ("max_num_batched_tokens", "num_gpu_blocks_override") if k in job}
     llm = LLM(
-        model=job["model"],
-        dtype=job.get("dtype", "float32"),
-        max_model_len=job.get("max_model_len", 2048),
-        max_num_seqs=job.get("max_num_seqs", 16),
-        enforce_eager=True,
-        gpu_memory_utilization=job.get("gpu_memory_utilization", 0.15),
-        seed=0,
-        speculative_config=job.get("speculative_config"),
-        disable_log_stats=False,
+        **engine_kwargs(
+            job["model"],
+            job.get("dtype", "float32"),
+            max_model_len=job.get("max_model_len", -(-longest // 128) * 128),
+            max_num_seqs=job.get("max_num_seqs", 16),
+            speculative_config=job.get("speculative_config"),
+            block_size=job.get("block_size"),
+        ),
         **extra,
     )
     engine = llm.llm_engine
-    prompts = job["prompt_token_ids"]
     seeds = job.get("seeds") or [None] * len(prompts)
     for index, (ids, seed) in enumerate(zip(prompts, seeds)):
         params = SamplingParams(
@@ -48,6 +54,7 @@ def main(job_path: str, out_path: str) -> None:
             max_tokens=job["max_tokens"],
             seed=seed,
             stop=job.get("stop"),
+            ignore_eos=job.get("ignore_eos", False),
         )
         engine.add_request(str(index), {"prompt_token_ids": ids}, params)
 
@@ -86,6 +93,7 @@ def main(job_path: str, out_path: str) -> None:
                 "finish_reasons": [r[2] for r in rows],
                 "metrics": metrics,
                 "tree_stats": tree_stats,
+                "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
             },
             handle,
         )

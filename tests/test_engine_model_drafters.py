@@ -23,8 +23,6 @@ HEAD = str(Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-eagl
 MAX_TOKENS = 28
 # Batch size 1 runs the prompts one after the other: the first few are enough.
 SERIAL_PROMPTS = 3
-# Two models in one process: the KV share of RAM must cover the draft's weights too.
-MEMORY = 0.3
 
 
 def adaptive(drafter: str, model: str, budget: int, **tree) -> dict:
@@ -53,7 +51,7 @@ def _run(tmp_path, demo_model, prompt_ids, spec, batch_size):
     return run_engine_job(
         tmp_path,
         {"model": demo_model, "prompt_token_ids": ids, "max_tokens": MAX_TOKENS, "max_num_seqs": batch_size,
-         "speculative_config": spec, "gpu_memory_utilization": MEMORY},
+         "speculative_config": spec},
     )
 
 

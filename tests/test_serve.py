@@ -13,9 +13,12 @@ import urllib.request
 
 import pytest
 
+from vllm_adaptive_spec.kv_cache_size import kv_cache_bytes
+
 pytestmark = pytest.mark.engine
 
 SPEC = {"method": "adaptive_tree", "num_speculative_tokens": 12, "tree": {"drafter": "retrieval"}}
+MAX_MODEL_LEN, MAX_NUM_SEQS = 1024, 8
 
 
 def _free_port() -> int:
@@ -25,11 +28,16 @@ def _free_port() -> int:
 
 
 def _serve(model: str, port: int, spec: dict) -> subprocess.Popen:
+    # Sized for the valid SPEC: a bad config must fail on its own key, not here.
+    kv_bytes = kv_cache_bytes(model, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, dtype="float32",
+                              speculative_config=SPEC)
     return subprocess.Popen(
         [
             sys.executable, "-m", "vllm_adaptive_spec.cli", "vllm", "serve", model,
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
-            "--enforce-eager", "--gpu-memory-utilization", "0.15", "--speculative-config", json.dumps(spec),
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
+            "--kv-cache-memory-bytes", str(kv_bytes),
+            "--enforce-eager", "--speculative-config", json.dumps(spec),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -15,19 +15,6 @@ DEFAULT_SPEC = {
 }
 
 
-def engine_kwargs(model: str, dtype: str, max_model_len: int) -> dict:
-    """Settings for a small offline engine on this project's machines."""
-    return dict(
-        model=model,
-        dtype=dtype,
-        max_model_len=max_model_len,
-        enforce_eager=True,
-        gpu_memory_utilization=0.4,
-        seed=0,
-        disable_log_stats=False,
-    )
-
-
 def spec_counters(llm) -> dict[str, float]:
     return {m.name: getattr(m, "value", 0) for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num")}
 
@@ -36,7 +23,9 @@ def run(model: str, dtype: str, messages: list, max_tokens: int, spec: dict | No
     """Generate greedily; return (outputs, seconds, tau or None)."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(model, dtype, max_model_len=2048), speculative_config=spec)
+    from vllm_adaptive_spec.kv_cache_size import engine_kwargs
+
+    llm = LLM(**engine_kwargs(model, dtype, max_model_len=2048, max_num_seqs=len(messages), speculative_config=spec))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     llm.chat(messages[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     before = spec_counters(llm)

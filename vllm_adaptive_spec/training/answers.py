@@ -20,6 +20,8 @@ ANSWERS = "answers.jsonl"
 def generate_answers(model: str, work_dir: Path, first: int, second: int, max_tokens: int) -> Path:
     from vllm import LLM, SamplingParams
 
+    from vllm_adaptive_spec.kv_cache_size import engine_kwargs
+
     work_dir.mkdir(parents=True, exist_ok=True)
     path = work_dir / ANSWERS
     done = _read(path)
@@ -29,8 +31,7 @@ def generate_answers(model: str, work_dir: Path, first: int, second: int, max_to
             continue
         prompts = first_stage(first) if stage == 1 else second_stage(done, second)
         if llm is None:
-            llm = LLM(model=model, dtype="bfloat16", max_model_len=2048, max_num_seqs=128,
-                      gpu_memory_utilization=0.3, enforce_eager=True)
+            llm = LLM(**engine_kwargs(model, "bfloat16", max_model_len=2048, max_num_seqs=128))
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         conversations = [[{"role": "user", "content": p["prompt"]}] for p in prompts]
         outputs = llm.chat(conversations, params, use_tqdm=True)
