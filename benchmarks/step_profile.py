@@ -1,0 +1,211 @@
+"""Where an engine step's time goes, per method and batch size (CPU or GPU).
+
+For every method and batch size b: b requests in flight (``max(b, 4)`` prompts
+in all, round-robin over the prompt categories, greedy, ``--max-tokens``
+each), the engine stepped by hand. Each step's wall time is measured around
+``LLMEngine.step``; inside the worker the phases are timed by
+``vllm_adaptive_spec.adapter.step_profile``. The table gives milliseconds per
+engine step (self time: a phase's time without the phases inside it):
+
+* ``forward``: the target model without attention; ``attn``: vLLM's C++
+  attention in the target forward; ``tree_attn``: tree rows (torch/Triton);
+* ``prepare``: input layout (vLLM's and the tree layout);
+* ``verify``: sampling and tree verification; ``compact``: KV compaction
+  (and the load budget's observations);
+* ``draft``: the drafter: ``grow`` (the tree proposer: index updates, policy,
+  tree assembly), ``dpass`` (model drafters' passes, their attention
+  included), ``draft_self`` (the rest of vLLM's / the plugin's drafting);
+* ``runner``: the rest of the worker's ``execute_model`` / ``sample_tokens``;
+  ``engine``: the step's wall time outside the worker (scheduler, IPC,
+  detokenisation).
+
+Methods: ``none``, ``ngram`` (vLLM's, K=4), ``tree-N`` (adaptive_tree
+retrieval, fixed budget N) and ``tree-0`` (adaptive_tree whose suffix can never
+match: the plugin's cost with no tree at all).
+
+Reproduce (about 12 minutes on 2 CPU cores; writes ``step_profile.{json,md}``)::
+
+    .venv/bin/python benchmarks/step_profile.py
+    .venv/bin/python benchmarks/step_profile.py --methods none,tree-16 --batch-sizes 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+MAX_LEN = 64  # l_max = l_min = 64: the suffix never matches, no tree is drafted
+
+
+def method_config(name: str) -> dict | None:
+    if name == "none":
+        return None
+    if name == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    if name.startswith("tree-"):
+        budget = int(name.split("-", 1)[1])
+        tree = {"drafter": "retrieval", "policy": "retrieval"}
+        if budget == 0:
+            tree.update(l_max=MAX_LEN, l_min=MAX_LEN)
+        return {"method": "adaptive_tree", "num_speculative_tokens": max(budget, 1), "tree": tree}
+    raise ValueError(f"unknown method {name!r}: none, ngram, tree-N")
+
+
+COLUMNS = {
+    "forward": ["execute_model/forward"],
+    "attn": ["execute_model/forward/attention"],
+    "tree_attn": ["execute_model/forward/tree_attention", "execute_model/forward/attention/tree_attention"],
+    "prepare": ["execute_model/prepare"],
+    "verify": ["sample_tokens/verify"],
+    "compact": ["sample_tokens/verify/compaction"],
+    "grow": ["sample_tokens/draft/grow"],
+    "dpass": ["sample_tokens/draft/draft_first_pass", "sample_tokens/draft/draft_pass"],
+    "draft_self": ["sample_tokens/draft"],
+    "runner": ["execute_model", "sample_tokens"],
+}
+
+
+def self_times(phases: dict) -> dict[str, float]:
+    """Seconds per column, each phase without the phases nested in it."""
+    inclusive = {key: value[0] for key, value in phases.items()}
+    own = {}
+    for key, seconds in inclusive.items():
+        children = [k for k in inclusive if k.startswith(key + "/") and "/" not in k[len(key) + 1:]]
+        own[key] = seconds - sum(inclusive[k] for k in children)
+    columns = {}
+    for column, keys in COLUMNS.items():
+        if column == "dpass":
+            # Model drafters' passes with everything inside them.
+            columns[column] = sum(inclusive.get(k, 0.0) for k in keys)
+        else:
+            columns[column] = sum(own.get(k, 0.0) for k in keys)
+    return columns
+
+
+def worker(job_path: str) -> None:
+    job = json.loads(Path(job_path).read_text(encoding="utf-8"))
+    # The timers are installed by sending a function to the worker process
+    # (collective_rpc), which vLLM only pickles with this set.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    from vllm import LLM, SamplingParams
+
+    from vllm_adaptive_spec.adapter import step_profile
+    from vllm_adaptive_spec.kv_cache_size import engine_kwargs
+
+    llm = LLM(**engine_kwargs(job["model"], job["dtype"], job["max_model_len"], max(job["batch_sizes"]),
+                              job["speculative_config"]))
+    engine = llm.llm_engine
+    tokenizer = llm.get_tokenizer()
+    prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in job["conversations"]]
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
+    llm.collective_rpc(step_profile.install)
+
+    def run(count: int, in_flight: int) -> dict:
+        llm.reset_prefix_cache()
+        llm.collective_rpc(step_profile.reset)
+        waiting = list(range(count))
+        step_seconds, tokens, running = [], 0, 0
+        while waiting or engine.has_unfinished_requests():
+            while waiting and running < in_flight:
+                index = waiting.pop(0)
+                engine.add_request(f"p{index}-{time.monotonic_ns()}", prompts[index % len(prompts)], params)
+                running += 1
+            started = time.perf_counter()
+            outputs = engine.step()
+            step_seconds.append(time.perf_counter() - started)
+            for output in outputs:
+                if output.finished:
+                    running -= 1
+                    tokens += len(output.outputs[0].token_ids)
+        return {"steps": len(step_seconds), "wall_s": sum(step_seconds), "tokens": tokens,
+                "phases": llm.collective_rpc(step_profile.report)[0]}
+
+    run(2, 2)  # warm-up
+    results = []
+    for batch_size in job["batch_sizes"]:
+        result = run(max(batch_size, job["min_prompts"]), batch_size)
+        result["batch_size"] = batch_size
+        results.append(result)
+        print(f"[worker] b={batch_size}: {result['steps']} steps, {result['tokens']} tokens", flush=True)
+    Path(job["result_path"]).write_text(json.dumps(results), encoding="utf-8")
+
+
+def table(report: dict) -> str:
+    head = ["method", "b", "tok/s", "tok/step", "ms/step", *COLUMNS, "engine"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in report["rows"]:
+        if "error" in row:
+            lines.append(f"| {row['method']} | {row['batch_size']} | {row['error']} |")
+            continue
+        steps = row["steps"]
+        cols = self_times(row["phases"])
+        worker_s = sum(cols.values())
+        cells = [row["method"], str(row["batch_size"]), f"{row['tokens'] / row['wall_s']:.1f}",
+                 f"{row['tokens'] / steps:.2f}", f"{1000 * row['wall_s'] / steps:.1f}"]
+        cells += [f"{1000 * cols[c] / steps:.2f}" for c in COLUMNS]
+        cells.append(f"{1000 * (row['wall_s'] - worker_s) / steps:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", default="none,ngram,tree-0,tree-1,tree-4,tree-16,tree-60")
+    parser.add_argument("--batch-sizes", default="1,8,64")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--min-prompts", type=int, default=4, help="prompts per pass at least (b=1 runs them in turn)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker)
+        return
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from throughput import _needed_model_len, interleave_categories
+
+    from vllm_adaptive_spec.demo_model import ensure_demo_model
+    from vllm_adaptive_spec.prompts import load_prompts
+
+    model = str(ensure_demo_model())
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    conversations = [p.messages for p in interleave_categories(load_prompts())]
+    conversations = conversations[: max(max(batch_sizes), args.min_prompts)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for method in args.methods.split(","):
+        job = {"model": model, "dtype": args.dtype, "speculative_config": method_config(method),
+               "batch_sizes": batch_sizes, "max_tokens": args.max_tokens, "min_prompts": args.min_prompts,
+               "max_model_len": _needed_model_len(model, conversations, args.max_tokens),
+               "conversations": conversations, "result_path": str(out / f"profile-{method}.result.json")}
+        job_path = out / f"profile-{method}.job.json"
+        job_path.write_text(json.dumps(job), encoding="utf-8")
+        print(f"{method} ...", flush=True)
+        log = out / f"profile-{method}.log"
+        with log.open("w") as handle:
+            code = subprocess.call([sys.executable, __file__, "--worker", str(job_path)], stdout=handle,
+                                   stderr=subprocess.STDOUT, cwd=REPO)
+        if code != 0:
+            rows += [{"method": method, "batch_size": b, "error": f"worker exited {code}, see {log}"} for b in batch_sizes]
+            continue
+        rows += [{"method": method, **r} for r in json.loads(Path(job["result_path"]).read_text())]
+    report = {"settings": vars(args), "rows": rows}
+    (out / "step_profile.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    text = table(report)
+    (out / "step_profile.md").write_text(text + "\n", encoding="utf-8")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
