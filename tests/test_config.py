@@ -10,7 +10,7 @@ from vllm_adaptive_spec.config import TreeConfig, TreeConfigError, parse_tree_co
 from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
 from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy
 
-TREE_KEYS = "'drafter', 'l_max', 'l_min', 'load_budget', 'max_depth', 'max_matches', 'policy'"
+TREE_KEYS = "'drafter', 'evidence_prior', 'l_max', 'l_min', 'load_budget', 'max_depth', 'max_matches', 'policy'"
 
 
 def spec(budget=4, **tree):
@@ -20,11 +20,12 @@ def spec(budget=4, **tree):
 def test_defaults_and_round_trip():
     config = parse_tree_config(spec())
     assert config == TreeConfig(
-        "retrieval", "retrieval", 4, {"l_max": 8, "l_min": 1, "max_matches": 32, "max_depth": 16}, {}
+        "retrieval", "retrieval", 4,
+        {"l_max": 8, "l_min": 1, "max_matches": 32, "max_depth": 16, "evidence_prior": 2.0}, {"min_p": 0.05}
     )
     custom = parse_tree_config(spec(128, policy="chain", l_max=4, l_min=2, max_matches=3, max_depth=5))
     assert custom.policy == "chain" and custom.budget == 128
-    assert custom.drafter_params == {"l_max": 4, "l_min": 2, "max_matches": 3, "max_depth": 5}
+    assert custom.drafter_params == {"l_max": 4, "l_min": 2, "max_matches": 3, "max_depth": 5, "evidence_prior": 2.0}
     assert TreeConfig.from_dict(json.loads(json.dumps(custom.to_dict()))) == custom
     drafter, policy = custom.make_drafter(), custom.make_policy()
     assert isinstance(drafter, RetrievalDrafter) and isinstance(policy, ChainPolicy)

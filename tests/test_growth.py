@@ -68,10 +68,11 @@ def naive_bfs(drafter: FakeDrafter, b: int) -> tuple[list[int], list[int], list[
     return order, [depth[i] for i in order], [p[i] for i in order]
 
 
-def naive_retrieval(drafter: FakeDrafter, b: int, budget: int, max_depth: int) -> DraftTree:
-    """Whole trie down to ``max_depth``; keep the top ``budget`` by p (earlier wins ties)."""
+def naive_retrieval(drafter: FakeDrafter, b: int, budget: int, max_depth: int, min_p: float = 0.0) -> DraftTree:
+    """Whole trie down to ``max_depth``, nodes with p >= min_p; keep the top
+    ``budget`` by p (earlier wins ties)."""
     order, depth, p = naive_bfs(drafter, b)
-    slots = [k for k in range(len(order)) if depth[k] <= max_depth]
+    slots = [k for k in range(len(order)) if depth[k] <= max_depth and p[k] >= min_p]
     kept = sorted(sorted(slots, key=lambda k: (-p[k], k))[:budget])
     index = {order[k]: new for new, k in enumerate(kept)}
     trie = drafter.tries[b]
@@ -99,7 +100,7 @@ EXAMPLE = [(-1, 1, 0.6), (-1, 2, 0.4), (0, 3, 0.5), (0, 4, 0.5), (1, 5, 1.0), (2
 
 def test_retrieval_policy_example():
     drafter = FakeDrafter([EXAMPLE] * 5)
-    trees, _ = grow(drafter, RetrievalPolicy(), torch.tensor([0, 3, 4, 6, 100]), max_depth=32)
+    trees, _ = grow(drafter, RetrievalPolicy(min_p=0.0), torch.tensor([0, 3, 4, 6, 100]), max_depth=32)
     assert [(t.tokens, t.parents) for t in trees] == [
         ([], []),
         ([1, 2, 5], [-1, -1, 1]),  # .6 .4 .4
@@ -130,7 +131,12 @@ def test_grow_matches_naive(seed):
     drafter = FakeDrafter([random_trie(rng, rng.randint(0, 25)) for _ in range(5)])
     budgets = [rng.randint(0, 30) for _ in range(5)]
     max_depth = rng.choice([2, 32])
-    for policy, naive in ((RetrievalPolicy(), naive_retrieval), (ChainPolicy(), naive_chain)):
+    cases = (
+        (RetrievalPolicy(min_p=0.0), naive_retrieval),
+        (RetrievalPolicy(min_p=0.2), lambda *args: naive_retrieval(*args, min_p=0.2)),
+        (ChainPolicy(), naive_chain),
+    )
+    for policy, naive in cases:
         trees, _ = grow(drafter, policy, torch.tensor(budgets), max_depth)
         for b, tree in enumerate(trees):
             tree.validate()

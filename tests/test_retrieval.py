@@ -33,20 +33,29 @@ def paths(tree: DraftTree) -> dict[tuple[int, ...], float]:
     return out
 
 
-def naive_paths(context, l_max, l_min, max_matches, max_depth) -> dict[tuple[int, ...], float]:
-    """Longest repeated suffix (l_max down to l_min), its latest ``max_matches``
-    earlier occurrences, continuation counts -> q = count share among siblings."""
-    n, starts = len(context), []
+def naive_paths(context, l_max, l_min, max_matches, max_depth, evidence_prior=0.0) -> dict[tuple[int, ...], float]:
+    """Longest repeated suffix (length k, l_max down to l_min), its latest
+    ``max_matches`` earlier occurrences, continuation counts c; a path's last
+    node gets q = (c / n) * c / (c + kappa), n its siblings' total count and
+    kappa = evidence_prior * (k + depth of its parent) ** -1.3."""
+    n, starts, match = len(context), [], 0
     for k in range(min(l_max, n), l_min - 1, -1):
         starts = [i + k for i in range(n - k) if context[i:i + k] == context[n - k:]][-max_matches:]
         if starts:
+            match = k
             break
     counts = Counter(tuple(context[s:s + d]) for s in starts for d in range(1, min(max_depth, n - s) + 1))
-    return {path: c / sum(c2 for p2, c2 in counts.items() if p2[:-1] == path[:-1]) for path, c in counts.items()}
+
+    def q(path, c):
+        total = sum(c2 for p2, c2 in counts.items() if p2[:-1] == path[:-1])
+        kappa = evidence_prior * (match + len(path) - 1) ** -1.3
+        return c / total * c / (c + kappa)
+
+    return {path: q(path, c) for path, c in counts.items()}
 
 
 def test_example_two_continuations():
-    tree = draft(RetrievalDrafter(l_max=3), [CONTEXT])[0]
+    tree = draft(RetrievalDrafter(l_max=3, evidence_prior=0), [CONTEXT])[0]
     tree.validate()
     # [1, 2, 3] was followed by 4 9 1 2 3 5 9 1 2 3 and (more recently) by 5 9 1 2 3.
     assert tree.tokens[:2] == [5, 4] and tree.q[:2] == [0.5, 0.5]
@@ -59,12 +68,20 @@ def test_example_two_continuations():
 def test_longest_suffix_wins():
     # Suffix [5, 6, 7] was followed by 8; the 1-token suffix [7] also by 9.
     context = [5, 6, 7, 8, 0, 7, 9, 5, 6, 7]
-    assert paths(draft(RetrievalDrafter(l_max=3), [context])[0]) == {
+    assert paths(draft(RetrievalDrafter(l_max=3, evidence_prior=0), [context])[0]) == {
         (8,): 1.0, (8, 0): 1.0, (8, 0, 7): 1.0, (8, 0, 7, 9): 1.0, (8, 0, 7, 9, 5): 1.0,
         (8, 0, 7, 9, 5, 6): 1.0, (8, 0, 7, 9, 5, 6, 7): 1.0,
     }
-    short = paths(draft(RetrievalDrafter(l_max=1), [context])[0])  # l_max honoured
+    short = paths(draft(RetrievalDrafter(l_max=1, evidence_prior=0), [context])[0])  # l_max honoured
     assert {path: q for path, q in short.items() if len(path) == 1} == {(9,): 0.5, (8,): 0.5}
+
+
+def test_evidence_lowers_q_of_thin_matches():
+    """One occurrence after a 1-token match: q = 1 / (1 + 2.0); deeper nodes
+    have more matched context, so q rises along the path."""
+    tree = draft(RetrievalDrafter(), [[1, 2, 3, 4, 1]])[0]
+    assert tree.tokens == [2, 3, 4, 1]
+    assert tree.q == pytest.approx([1 / (1 + 2.0 * k ** -1.3) for k in (1, 2, 3, 4)], rel=1e-6)
 
 
 def test_l_min():
@@ -75,7 +92,7 @@ def test_l_min():
 
 def test_max_matches_keeps_most_recent():
     context = [1, 10, 1, 11, 1, 12, 1, 13, 1]
-    tree = draft(RetrievalDrafter(l_max=1, max_matches=2), [context])[0]
+    tree = draft(RetrievalDrafter(l_max=1, max_matches=2, evidence_prior=0), [context])[0]
     assert {path: q for path, q in paths(tree).items() if len(path) == 1} == {(13,): 0.5, (12,): 0.5}
 
 
@@ -89,9 +106,10 @@ def test_no_repeated_suffix_gives_empty_tree(context):
     assert draft(RetrievalDrafter(), [context])[0] == DraftTree()
 
 
-def test_incremental_equals_fresh_and_naive():
+@pytest.mark.parametrize("evidence_prior", [0.0, 2.0])
+def test_incremental_equals_fresh_and_naive(evidence_prior):
     rng = random.Random(0)
-    params = dict(l_max=3, l_min=2, max_matches=3, max_depth=5)
+    params = dict(l_max=3, l_min=2, max_matches=3, max_depth=5, evidence_prior=evidence_prior)
     streams = [[rng.randrange(4) for _ in range(80)] for _ in range(2)]
     incremental, length = RetrievalDrafter(**params), 0
     while length < 80:

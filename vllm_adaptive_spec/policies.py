@@ -103,14 +103,24 @@ class Eagle2Policy:
 
 
 class RetrievalPolicy:
-    """ALGORITHMS.md section 7: take every retrieved continuation, then prune
-    the least likely subtrees (lowest path probability, i.e. cumulative count
-    share) until the tree fits the budget."""
+    """ALGORITHMS.md section 7: take every retrieved continuation whose path
+    probability ``p`` is at least ``min_p``, then prune the least likely
+    subtrees (lowest ``p``) until the tree fits the budget.
+
+    Decision: ``min_p`` (not in the paper) drafts only what the evidence
+    supports; with the retrieval drafter's calibrated ``q``, ``p`` is the
+    node's chance of acceptance, so a node below ``min_p`` is expected to
+    add less than ``min_p`` tokens for the cost of a verified row."""
 
     name = "retrieval"
-    PARAMS: dict[str, Param] = {}
+    PARAMS = {
+        "min_p": Param(float, 0.05, "a number from 0 to 1", lambda v: 0.0 <= v <= 1.0),
+    }
     grows_past_budget = True
     fanout = 0  # the retrieval drafter's trie decides
+
+    def __init__(self, min_p: float = 0.05) -> None:
+        self.min_p = min_p
 
     def depth_limit(self, budget: int) -> int:
         return 1 << 30  # the drafter's max_depth decides
@@ -119,7 +129,7 @@ class RetrievalPolicy:
         return 0
 
     def select(self, layer: Layer) -> torch.Tensor:
-        return layer.candidates.q > 0
+        return (layer.candidates.q > 0) & (layer.p >= self.min_p)
 
     def finish(self, p: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
         return top_by_path_probability(p, valid, budget)

@@ -11,6 +11,22 @@ among its siblings. A policy then picks the tree from that trie.
 Decision: only the longest matching suffix is used (longer matches predict
 better and the spec matches "length l_max down to 1"); the index is updated
 incrementally, since a request's tokens are append-only.
+
+Decision (calibration): a bare count share says a continuation seen once
+after a one-token match is certain (``q = 1``), yet replaying the target's
+greedy answers to the prompt set (``benchmarks/retrieval_calibration.py``)
+such a node is accepted 32% of the time, and 94% after a 12-token match. A
+node's chance of acceptance, given its parent's, rises with the evidence
+behind it: its count ``c`` and the matched context ``L`` (the suffix match
+plus the tree path above the node, which the target has then confirmed).
+So the drafter's ``q`` is that chance, not the share::
+
+    q = (c / n) * c / (c + kappa(L)),    kappa(L) = evidence_prior * L ** -1.3
+
+with ``n`` the siblings' total count; ``evidence_prior = 0`` gives the
+spec's plain share. The default (2.0) and the exponent were fitted on those
+replays; path probabilities ``p`` are then expected acceptances, which the
+policy's ``min_p`` and the budget compare with a node's cost.
 """
 
 from __future__ import annotations
@@ -24,6 +40,7 @@ from vllm_adaptive_spec.growth import Candidates
 from vllm_adaptive_spec.policies import Param
 
 ROOT_HANDLE = -1
+EVIDENCE_EXPONENT = 1.3
 
 
 @dataclass
@@ -45,10 +62,10 @@ class _Index:
 
 @dataclass
 class _Trie:
-    """Children per node: ``children[node] = [(token, count, child), ...]``,
-    sorted by descending count (ties: first seen first)."""
+    """Children per node: ``children[node] = [(token, q, child), ...]``,
+    sorted by descending ``q`` (ties: first seen first)."""
 
-    children: list[list[tuple[int, int, int]]]
+    children: list[list[tuple[int, float, int]]]
 
 
 class RetrievalDrafter:
@@ -60,13 +77,17 @@ class RetrievalDrafter:
         "l_min": Param(int, 1, "an integer >= 1 and <= l_max", lambda v: v >= 1),
         "max_matches": Param(int, 32, "an integer >= 1", lambda v: v >= 1),
         "max_depth": Param(int, 16, "an integer >= 1", lambda v: v >= 1),
+        "evidence_prior": Param(float, 2.0, "a number >= 0", lambda v: v >= 0),
     }
 
-    def __init__(self, l_max: int = 8, l_min: int = 1, max_matches: int = 32, max_depth: int = 16) -> None:
+    def __init__(
+        self, l_max: int = 8, l_min: int = 1, max_matches: int = 32, max_depth: int = 16, evidence_prior: float = 2.0
+    ) -> None:
         if l_min > l_max:
             raise ValueError(f"l_min ({l_min}) must not exceed l_max ({l_max})")
         self.l_max, self.l_min = l_max, l_min
         self.max_matches, self.max_depth = max_matches, max_depth
+        self.evidence_prior = evidence_prior
         self._indexes: dict[str, _Index] = {}
         self._tries: list[_Trie] = []
 
@@ -88,12 +109,15 @@ class RetrievalDrafter:
         tokens = index.tokens
         last = len(tokens) - 1
         starts: list[int] = []
+        match_length = 0
         for k in range(min(self.l_max, len(tokens)), self.l_min - 1, -1):
             ends = index.ends[k].get(tuple(tokens[-k:]), [])
             starts = [end + 1 for end in ends if end < last][-self.max_matches:]
             if starts:
+                match_length = k
                 break
         counts: list[dict[int, list[int]]] = [{}]  # node -> token -> [count, child]
+        depths = [0]
         for start in reversed(starts):  # most recent first: ties go to it
             node = 0
             for token in tokens[start:start + self.max_depth]:
@@ -101,12 +125,19 @@ class RetrievalDrafter:
                 if entry is None:
                     entry = counts[node][token] = [0, len(counts)]
                     counts.append({})
+                    depths.append(depths[node] + 1)
                 entry[0] += 1
                 node = entry[1]
-        children = [
-            sorted(((tok, c, child) for tok, (c, child) in node.items()), key=lambda e: -e[1])
-            for node in counts
-        ]
+        children = []
+        for node, kids in enumerate(counts):
+            if not kids:
+                children.append([])
+                continue
+            total = sum(c for c, _ in kids.values())
+            matched = match_length + depths[node]
+            kappa = self.evidence_prior * matched ** -EVIDENCE_EXPONENT
+            scored = [(tok, c / total * c / (c + kappa), child) for tok, (c, child) in kids.items()]
+            children.append(sorted(scored, key=lambda e: -e[1]))
         return _Trie(children)
 
     def expand(self, handles: torch.Tensor, live: torch.Tensor) -> Candidates:
@@ -122,8 +153,7 @@ class RetrievalDrafter:
                     continue
                 node = int(handles[b, f]) + 1  # the root handle -1 is trie node 0
                 kids = trie.children[node]
-                total = sum(c for _, c, _ in kids)
-                row.append([(tok, c / total, child - 1) for tok, c, child in kids])
+                row.append([(tok, q, child - 1) for tok, q, child in kids])
                 fanout = max(fanout, len(kids))
             rows.append(row)
         tokens = torch.full((batch, width, fanout), -1, dtype=torch.long)
@@ -131,6 +161,6 @@ class RetrievalDrafter:
         out_handles = torch.full((batch, width, fanout), ROOT_HANDLE, dtype=torch.long)
         for b, row in enumerate(rows):
             for f, kids in enumerate(row):
-                for c, (tok, share, child) in enumerate(kids):
-                    tokens[b, f, c], q[b, f, c], out_handles[b, f, c] = tok, share, child
+                for c, (tok, chance, child) in enumerate(kids):
+                    tokens[b, f, c], q[b, f, c], out_handles[b, f, c] = tok, chance, child
         return Candidates(tokens, q, out_handles)
