@@ -1,70 +1,108 @@
-"""The load-following node budget (no engine)."""
+"""The load budget (no engine): the allocation over the batch on synthetic
+costs and acceptances, the online cost and calibration estimates, and the
+pause of drafting when speculation never pays."""
 
 import numpy as np
 import pytest
 
-from vllm_adaptive_spec.budget import LoadBudget, budget_ranks
+from vllm_adaptive_spec.budget import LoadBudget, allocate
 from vllm_adaptive_spec.tree import DraftTree
 
 
-def test_ranks_follow_path_probability_and_keep_ancestors_first():
-    # p: .6 .4 .3 .3 .4 .3 (nodes 2, 3 children of 0; 4 child of 1; 5 child of 2)
-    tree = DraftTree([1, 2, 3, 4, 5, 6], [-1, -1, 0, 0, 1, 2], [0.6, 0.4, 0.5, 0.5, 1.0, 1.0])
-    assert budget_ranks(tree) == [0, 1, 3, 4, 2, 5]
+def _rate(p_hat, kept, alpha, beta, other, fixed=0.0):
+    batch = len(p_hat)
+    gain = batch + sum(float(np.sum(v[:k])) for v, k in zip(p_hat, kept))
+    return gain / (alpha + fixed + beta * (other + batch + sum(kept)))
 
 
-def test_one_tree_measures_every_smaller_budget():
-    budget = LoadBudget(max_budget=6)
-    tree = DraftTree([1, 2, 3, 4, 5, 6], [-1, -1, 0, 0, 1, 2], [0.6, 0.4, 0.5, 0.5, 1.0, 1.0])
-    budget.observe_tree(tree, accepted_nodes=[0, 2, 5], informs=6)  # path 0 -> 2 -> 5: ranks 0, 3, 5
-    assert budget.accepted().tolist() == [0, 1, 1, 1, 2, 2, 3]
-
-
-def test_a_small_tree_speaks_for_its_drafting_budget_only():
-    budget = LoadBudget(max_budget=8)
-    budget.observe_tree(DraftTree.chain([4, 5]), accepted_nodes=[0, 1], informs=4)
-    gains = budget.accepted()
-    assert gains[:5].tolist() == [0, 1, 2, 2, 2]
-    assert np.isnan(gains[5:]).all()
-
-
-def _feed(budget: LoadBudget, alpha: float, beta: float, accept_per_rank: float, steps: int = 40) -> None:
+def test_allocation_is_the_best_over_every_choice():
+    """Exhaustive check on small batches: no other split of nodes among the
+    requests (each keeping a prefix of its descending list) has a higher rate."""
     rng = np.random.default_rng(0)
-    chain = DraftTree.chain(list(range(budget.max_budget)))
-    for step in range(steps):
+    for _ in range(200):
+        batch = int(rng.integers(1, 4))
+        p_hat = [np.sort(rng.random(int(rng.integers(0, 5))))[::-1] for _ in range(batch)]
+        alpha, beta, other = float(rng.random()), float(rng.random() * 0.3), int(rng.integers(0, 5))
+        kept = allocate(p_hat, alpha, beta, other)
+        best = max(
+            _rate(p_hat, choice, alpha, beta, other)
+            for choice in np.ndindex(*[len(v) + 1 for v in p_hat])
+        )
+        assert _rate(p_hat, kept, alpha, beta, other) == pytest.approx(best)
+
+
+def test_confident_requests_get_more_nodes():
+    p_hat = [np.array([0.95, 0.9, 0.85, 0.8]), np.array([0.3, 0.1, 0.05, 0.01])]
+    assert allocate(p_hat, alpha=0.2, beta=0.01, other_tokens=0) == [4, 1]
+
+
+def test_nodes_shrink_with_load_down_to_none():
+    p = np.array([0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05])
+    totals = [sum(allocate([p] * batch, alpha=0.2, beta=0.002, other_tokens=0)) / batch for batch in (1, 8, 64, 2048)]
+    assert totals == sorted(totals, reverse=True)
+    assert totals[0] == 7 and totals[-1] == 0
+
+
+def test_every_node_kept_when_verification_is_free():
+    p = [np.array([0.5, 0.2, 0.01])] * 3
+    assert allocate(p, alpha=0.05, beta=0.0, other_tokens=100) == [3, 3, 3]
+
+
+def _feed_steps(budget: LoadBudget, alpha: float, beta: float, steps: int = 40) -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
         tokens = int(rng.integers(4, 200))
         budget.observe_step(tokens, alpha + beta * tokens)
-        # Each node on the chain is accepted with ``accept_per_rank`` if its parent was.
-        accepted = int(min(rng.geometric(1 - accept_per_rank) - 1, budget.max_budget))
-        budget.observe_tree(chain, list(range(accepted)), informs=budget.max_budget)
 
 
 def test_cost_fit_recovers_a_linear_step_time():
     budget = LoadBudget(max_budget=8)
     assert budget.cost() is None
-    _feed(budget, alpha=0.02, beta=0.001, accept_per_rank=0.5)
+    _feed_steps(budget, alpha=0.02, beta=0.001)
     alpha, beta = budget.cost()
     assert alpha == pytest.approx(0.02) and beta == pytest.approx(0.001)
 
 
-def test_budget_shrinks_with_load_down_to_no_speculation():
-    budget = LoadBudget(max_budget=16, explore_every=1000)
-    _feed(budget, alpha=0.05, beta=0.002, accept_per_rank=0.5, steps=400)
-    picks = [budget.choose(requests, 0) for requests in (1, 4, 16, 64, 256)]
-    assert picks == sorted(picks, reverse=True)
-    assert 0 < picks[0] < 16, "acceptance saturates: the full budget is not worth it"
-    assert picks[-1] == 0
+def test_calibration_discounts_an_optimistic_drafter():
+    budget = LoadBudget(max_budget=8, half_life=1e9)
+    chain = DraftTree.chain([1, 2, 3, 4])  # q = 1: predicted 4 accepted nodes per tree
+    for _ in range(50):
+        budget.observe_tree(chain, [0])  # one accepted
+    assert budget.calibration() == pytest.approx(51 / 201)
 
 
-def test_full_budget_when_every_node_pays():
-    budget = LoadBudget(max_budget=16, explore_every=1000)
-    _feed(budget, alpha=0.05, beta=0.002, accept_per_rank=0.95, steps=400)
-    assert budget.choose(1, 0) == 16
+def test_cold_start_keeps_only_likely_nodes():
+    budget = LoadBudget(max_budget=8, cold_min_p=0.3)
+    tree = DraftTree([5, 6, 7], [-1, 0, -1], [0.9, 0.5, 0.2])  # p: .9 .45 .2
+    assert budget.choose([tree], other_tokens=0) == [2]
+    assert tree.keep_best(2) == DraftTree([5, 6], [-1, 0], [0.9, 0.5])
 
 
-def test_full_budget_until_measured_then_one_exploring_step_in_n():
-    budget = LoadBudget(max_budget=12, explore_every=3)
-    assert budget.choose(64, 0) == 12  # nothing measured yet
-    _feed(budget, alpha=0.05, beta=0.01, accept_per_rank=0.05)
-    assert budget.choose(64, 0) == 0
-    assert [budget.explores() for _ in range(6)] == [False, False, True, False, False, True]
+def test_speculation_that_never_pays_settles_on_no_drafting():
+    """Every node costs more than it returns: nothing is verified, and after
+    steps whose drafting did not pay, drafting pauses for longer and longer."""
+    budget = LoadBudget(max_budget=16, pause_after=4, pause_steps=4, max_pause=64, half_life=1e9)
+    _feed_steps(budget, alpha=0.01, beta=0.01)
+    weak = DraftTree.chain([1, 2, 3])
+    weak.q = [0.2, 0.2, 0.2]
+    drafted = []
+    for _ in range(200):
+        if not budget.drafts():
+            drafted.append(False)
+            continue
+        drafted.append(True)
+        budget.observe_drafting(8, 0.004)
+        assert budget.choose([weak] * 8, other_tokens=0) == [0] * 8
+    assert sum(drafted[-100:]) <= 6, "drafting should be paused almost always"
+
+
+def test_speculation_that_always_pays_keeps_the_full_tree():
+    budget = LoadBudget(max_budget=16, half_life=1e9)
+    _feed_steps(budget, alpha=0.05, beta=0.0005)
+    budget.observe_drafting(1, 0.001)
+    strong = DraftTree.chain(list(range(16)))
+    strong.q = [0.97] * 16
+    for _ in range(20):
+        budget.observe_tree(strong, list(range(10)))  # calibrated: 10 of sum(p) = 10.9
+    assert all(budget.drafts() for _ in range(50))
+    assert budget.choose([strong] * 4, other_tokens=0) == [16] * 4

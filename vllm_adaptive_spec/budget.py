@@ -1,78 +1,113 @@
-"""A node budget that follows the load (ALGORITHMS.md section 8).
+"""The load budget: which drafted nodes are worth verifying this step
+(ALGORITHMS.md section 8, second version).
 
-Verifying a tree is nearly free at batch size 1 and costs real compute once
-the batch is large; the best per-request budget ``n <= N`` shrinks with load,
-down to no speculation. :class:`LoadBudget` picks, each step, the ``n`` that
-maximises the expected committed tokens per second of the whole step::
+Verifying a node is nearly free at batch size 1 and costs real compute once
+the batch is large. Every step, after the trees are grown at the full budget
+``N``, :class:`LoadBudget` keeps, over the whole batch, the nodes that
+maximise the expected committed tokens per second of the next step::
 
-    B * (1 + A(n)) / (alpha + beta * (T_other + B * (1 + n)))
+    G / C,   G = B + sum of kept nodes' p_hat,
+             C = alpha + beta * (T_other + B + n_kept) + delta * B_drafting
 
-* ``A(n)``, accepted tokens per tree with budget ``n``, is measured for every
-  ``n`` at once: a tree's nodes are ranked in the order a smaller budget would
-  keep them (path probability, the order of every policy's trim), so a tree
-  verified with budget ``N`` tells what budget ``m < N`` would have accepted:
-  its accepted nodes of rank below ``m``.
-* ``alpha + beta * T`` is the step time for ``T`` scheduled tokens, fitted by
-  exponentially weighted least squares on measured steps.
+* ``p_hat = rho * p``: ``p`` is the node's path probability (for the
+  retrieval drafter, a calibrated chance of acceptance), ``rho`` the ratio of
+  accepted nodes to the sum of ``p`` over verified nodes, measured online, so
+  a drafter whose ``p`` is optimistic is discounted.
+* ``alpha + beta * T``: the step time for ``T`` scheduled tokens, fitted by
+  exponentially weighted least squares on measured steps (its fixed cost and
+  per-row cost); ``delta``: the drafter's measured time per drafting request.
 
-Decision: one budget for every request of a step (the cost is per step); in
-one step of ``explore_every`` one request drafts at the full ``N``, so that
-``A`` stays known for every ``n`` at a bounded cost; estimates decay with
-``half_life`` steps so they follow the workload.
+A ratio of sums over nodes that each add ``p_hat`` to ``G`` and ``beta`` to
+``C`` is maximised by keeping exactly the nodes with ``p_hat`` above
+``beta * G / C`` at the optimum, found greedily in descending ``p_hat``
+(adding a node raises the ratio iff ``p_hat > beta * G / C``). Since ``p``
+never rises along a path, the kept set of each tree is closed under
+ancestors. Budgets are per request by construction: a request whose trees are
+confident keeps many nodes, one with thin evidence none.
+
+Down to no speculation: drafting itself costs ``delta`` per request; after
+``pause_after`` steps in a row whose expected rate with the kept nodes (and
+the drafting) was below the rate without drafting, drafting pauses for
+``pause_steps`` steps (doubling while it keeps not paying, up to
+``max_pause``), then drafts again to look.
+
+Decision: before ``MIN_STEPS`` measured steps, or when the fit is degenerate,
+nodes with ``p_hat >= cold_min_p`` are kept (a cautious default).
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from vllm_adaptive_spec.tree import ROOT, DraftTree
+from vllm_adaptive_spec.tree import DraftTree
 
 
-def budget_ranks(tree: DraftTree) -> list[int]:
-    """Rank of every node in the order a smaller budget keeps them: by path
-    probability, earlier node first on ties (ancestors always rank first)."""
-    p: list[float] = []
-    for parent, q in zip(tree.parents, tree.q):
-        p.append(q if parent == ROOT else p[parent] * q)
-    order = sorted(range(len(p)), key=lambda i: (-p[i], i))
-    ranks = [0] * len(p)
-    for rank, node in enumerate(order):
-        ranks[node] = rank
-    return ranks
+def allocate(p_hat: list[np.ndarray], alpha: float, beta: float, other_tokens: int, fixed_cost: float = 0.0) -> list[int]:
+    """Nodes to keep per request: ``p_hat[r]`` holds request ``r``'s expected
+    acceptances in its keep order (descending); returns how many of each
+    maximise ``(B + kept p_hat) / (alpha + fixed_cost + beta * (other + B + kept))``."""
+    batch = len(p_hat)
+    gain = float(batch)
+    cost = alpha + fixed_cost + beta * (other_tokens + batch)
+    if batch == 0:
+        return []
+    values = np.concatenate([np.asarray(v, dtype=np.float64) for v in p_hat]) if batch else np.zeros(0)
+    owners = np.concatenate([np.full(len(v), r) for r, v in enumerate(p_hat)]).astype(np.int64)
+    order = np.argsort(-values, kind="stable")
+    kept = np.zeros(batch, dtype=np.int64)
+    for index in order:
+        value = values[index]
+        if value <= 0 or value * cost <= beta * gain:
+            break
+        gain += value
+        cost += beta
+        kept[owners[index]] += 1
+    return kept.tolist()
 
 
 class LoadBudget:
     MIN_STEPS = 8  # measured steps before the cost fit is trusted
 
-    def __init__(self, max_budget: int, explore_every: int = 8, half_life: float = 200.0) -> None:
+    def __init__(
+        self,
+        max_budget: int,
+        half_life: float = 200.0,
+        cold_min_p: float = 0.3,
+        pause_after: int = 16,
+        pause_steps: int = 16,
+        max_pause: int = 512,
+    ) -> None:
         self.max_budget = max_budget
-        self.explore_every = explore_every
         self.decay = 0.5 ** (1.0 / half_life)
-        self.gain = np.zeros(max_budget + 1)  # decayed sum of accepted tokens with budget m
-        self.trees = np.zeros(max_budget + 1)  # decayed number of trees informing budget m
+        self.cold_min_p = cold_min_p
         self.moments = np.zeros(5)  # decayed sums: w, T, t, T*T, T*t
         self.steps_seen = 0
-        self.choices = 0
+        self.predicted = 1.0  # decayed sums for rho = accepted / predicted
+        self.accepted_nodes = 1.0
+        self.draft_seconds = 0.0  # decayed drafter time and drafting requests
+        self.drafted_requests = 0.0
+        self.pause_after, self.pause_steps, self.max_pause = pause_after, pause_steps, max_pause
+        self._losing_steps = 0
+        self._paused = 0
+        self._next_pause = pause_steps
 
-    def observe_tree(self, tree: DraftTree, accepted_nodes: list[int], informs: int) -> None:
-        """A verified tree, the indices of its accepted nodes, and the largest
-        budget it speaks for: the budget it was drafted with when the drafter
-        found fewer nodes (a larger budget drafts the same tree), else its size."""
-        ranks = budget_ranks(tree)
-        accepted_ranks = np.array(sorted(ranks[i] for i in accepted_nodes), dtype=np.int64)
-        budgets = np.arange(min(informs, self.max_budget) + 1)
-        self.gain[: budgets.size] += np.searchsorted(accepted_ranks, budgets, side="left")
-        self.trees[: budgets.size] += 1
+    # -- measurements -------------------------------------------------------
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """One engine step: ``tokens`` scheduled, ``seconds`` of wall time."""
-        self.gain *= self.decay
-        self.trees *= self.decay
         self.moments *= self.decay
         self.moments += (1.0, tokens, seconds, tokens * tokens, tokens * seconds)
         self.steps_seen += 1
+
+    def observe_tree(self, tree: DraftTree, accepted_nodes: list[int]) -> None:
+        """A verified tree and the indices of its accepted nodes."""
+        self.predicted = self.predicted * self.decay + sum(tree.path_probabilities())
+        self.accepted_nodes = self.accepted_nodes * self.decay + len(accepted_nodes)
+
+    def observe_drafting(self, requests: int, seconds: float) -> None:
+        """The drafter grew ``requests`` trees in ``seconds``."""
+        self.draft_seconds = self.draft_seconds * self.decay + seconds
+        self.drafted_requests = self.drafted_requests * self.decay + requests
 
     def cost(self) -> tuple[float, float] | None:
         """``(alpha, beta)`` of the step-time fit, or None while unknown."""
@@ -86,28 +121,55 @@ class LoadBudget:
         alpha = (s_y - beta * s_t) / w
         return max(alpha, 0.0), max(beta, 0.0)
 
-    def accepted(self) -> np.ndarray:
-        """Estimated accepted tokens per tree for budgets 0..N (NaN: unknown)."""
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(self.trees > 1e-6, self.gain / self.trees, np.nan)
+    def calibration(self) -> float:
+        """``rho``: accepted nodes per unit of predicted acceptance."""
+        return float(np.clip(self.accepted_nodes / max(self.predicted, 1e-9), 0.05, 2.0))
 
-    def explores(self) -> bool:
-        """Whether this step lets one request draft at the full budget."""
-        self.choices += 1
-        return self.choices % self.explore_every == 0
+    def draft_cost(self) -> float:
+        """Seconds of drafting per drafting request."""
+        return self.draft_seconds / self.drafted_requests if self.drafted_requests > 1e-9 else 0.0
 
-    def choose(self, requests: int, other_tokens: int) -> int:
-        """The per-request budget for a step with ``requests`` drafting requests
-        and ``other_tokens`` scheduled tokens besides theirs."""
+    # -- decisions ----------------------------------------------------------
+
+    def drafts(self) -> bool:
+        """Whether this step drafts at all (False while paused)."""
+        if self._paused > 0:
+            self._paused -= 1
+            return False
+        return True
+
+    def choose(self, trees: list[DraftTree], other_tokens: int) -> list[int]:
+        """How many nodes of each grown tree to verify (its best by path
+        probability, :meth:`DraftTree.keep_best`), given ``other_tokens``
+        scheduled tokens besides the trees'."""
+        rho = self.calibration()
+        p_hat = [np.sort(np.asarray(t.path_probabilities(), dtype=np.float64))[::-1][: self.max_budget] * rho
+                 for t in trees]
         fit = self.cost()
-        gains = self.accepted()
-        if requests == 0 or fit is None or math.isnan(gains[self.max_budget]):
-            return self.max_budget
+        if fit is None:
+            return [int((v >= self.cold_min_p).sum()) for v in p_hat]
         alpha, beta = fit
-        n = np.arange(self.max_budget + 1)
-        known = ~np.isnan(gains)
-        rate = requests * (1 + np.where(known, gains, 0.0)) / (
-            alpha + beta * (other_tokens + requests * (1 + n)) + 1e-12
-        )
-        rate[~known] = -1.0
-        return int(np.argmax(rate))
+        delta = self.draft_cost()
+        kept = allocate(p_hat, alpha, beta, other_tokens, delta * len(trees))
+        self._account(p_hat, kept, alpha, beta, other_tokens, delta)
+        return kept
+
+    def _account(self, p_hat, kept, alpha, beta, other_tokens, delta) -> None:
+        """Pause drafting after ``pause_after`` steps in a row whose kept
+        nodes were expected to return less than the drafting cost."""
+        batch = len(p_hat)
+        if batch == 0 or delta <= 0.0:
+            return
+        gain = batch + sum(float(v[:k].sum()) for v, k in zip(p_hat, kept))
+        base = alpha + beta * (other_tokens + batch)
+        with_drafting = gain / (base + beta * sum(kept) + delta * batch)
+        without = batch / base
+        if with_drafting >= without:
+            self._losing_steps = 0
+            self._next_pause = self.pause_steps
+            return
+        self._losing_steps += 1
+        if self._losing_steps >= self.pause_after:
+            self._paused = self._next_pause
+            self._next_pause = min(2 * self._next_pause, self.max_pause)
+            self._losing_steps = 0

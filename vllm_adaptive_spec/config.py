@@ -24,7 +24,7 @@ MAX_DRAFT_SLOTS = 512  # KV scratch a model drafter may use per request while gr
 # Settings of the tree engine itself, beside the drafter's and the policy's.
 ENGINE_PARAMS = {
     "load_budget": Param(
-        str, "fixed", "one of 'adaptive', 'fixed'", lambda v: v in ("adaptive", "fixed")
+        str, "adaptive", "one of 'adaptive', 'fixed'", lambda v: v in ("adaptive", "fixed")
     ),
 }
 DRAFTERS_NEEDING_MODEL = frozenset({"eagle3", "draft_model"})
@@ -41,7 +41,7 @@ class TreeConfig:
     budget: int
     drafter_params: dict[str, Any] = field(default_factory=dict)
     policy_params: dict[str, Any] = field(default_factory=dict)
-    load_budget: str = "fixed"
+    load_budget: str = "adaptive"
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (it travels in ``VllmConfig.additional_config``)."""

@@ -38,6 +38,27 @@ class DraftTree:
         """The first ``n`` nodes: a valid tree, since parents come first."""
         return DraftTree(self.tokens[:n], self.parents[:n], self.q[:n])
 
+    def path_probabilities(self) -> list[float]:
+        """``p`` of every node: the product of ``q`` along its path."""
+        p: list[float] = []
+        for parent, q in zip(self.parents, self.q):
+            p.append(q if parent == ROOT else p[parent] * q)
+        return p
+
+    def keep_best(self, n: int) -> "DraftTree":
+        """The ``n`` nodes of highest path probability (earlier node first on
+        ties, so the set is closed under ancestors), breadth-first."""
+        if n >= len(self):
+            return self
+        p = self.path_probabilities()
+        kept = sorted(sorted(range(len(p)), key=lambda i: (-p[i], i))[:n])
+        index = {old: new for new, old in enumerate(kept)}
+        return DraftTree(
+            [self.tokens[i] for i in kept],
+            [ROOT if self.parents[i] == ROOT else index[self.parents[i]] for i in kept],
+            [self.q[i] for i in kept],
+        )
+
     @staticmethod
     def chain(tokens: list[int]) -> "DraftTree":
         return DraftTree(list(tokens), list(range(-1, len(tokens) - 1)), [1.0] * len(tokens))

@@ -8,6 +8,7 @@ so the runner can lay out the draft tokens vLLM schedules as that tree.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,7 +83,6 @@ class TreeProposer:
         self.policy = self.config.make_policy()
         self.max_model_len = vllm_config.model_config.max_model_len
         self.trees: dict[str, DraftTree] = {}
-        self.drafted_budget: dict[str, int] = {}
         self.stats = TreeStats()
         self.load_budget = LoadBudget(self.config.budget) if self.config.load_budget == "adaptive" else None
 
@@ -96,25 +96,17 @@ class TreeProposer:
     def forget(self, request_ids) -> None:
         for request_id in request_ids:
             self.trees.pop(request_id, None)
-            self.drafted_budget.pop(request_id, None)
             self.drafter.forget(request_id)
 
-    def observe(self, request_ids: list[str], trees: list[DraftTree], accepted: list[list[int]]) -> None:
+    def observe(self, trees: list[DraftTree], accepted: list[list[int]]) -> None:
         """Verified trees (possibly cut by the scheduler) and their accepted
-        nodes, for the load-following budget."""
-        for request_id, tree, nodes in zip(request_ids, trees, accepted):
-            drafted = self.trees.get(request_id)
-            whole = drafted is not None and len(drafted) == len(tree)
-            informs = self.drafted_budget.get(request_id, len(tree)) if whole else len(tree)
-            self.load_budget.observe_tree(tree, nodes, informs)
+        nodes, for the load budget's calibration."""
+        for tree, nodes in zip(trees, accepted):
+            self.load_budget.observe_tree(tree, nodes)
 
-    def step_budget(self, drafting: int, step_tokens: int, step_seconds: float, other_tokens: int) -> tuple[int, bool]:
-        """The per-request node budget for the next step, and whether one
-        request drafts at the full budget to keep the estimates fresh."""
-        if self.load_budget is None:
-            return self.config.budget, False
-        self.load_budget.observe_step(step_tokens, step_seconds)
-        return self.load_budget.choose(drafting, other_tokens), self.load_budget.explores()
+    def observe_step(self, step_tokens: int, step_seconds: float) -> None:
+        if self.load_budget is not None:
+            self.load_budget.observe_step(step_tokens, step_seconds)
 
     def propose_trees(
         self,
@@ -123,20 +115,18 @@ class TreeProposer:
         num_tokens: np.ndarray,
         token_ids: np.ndarray,
         eligible: list[bool],
-        step_budget: int,
-        explore: bool = False,
+        other_tokens: int = 0,
     ) -> list[list[int]]:
-        """One tree of at most ``step_budget`` nodes per request (empty when it
-        may not draft; with ``explore``, one request, in turn, gets the full
-        budget); returns each tree's tokens, breadth-first, as vLLM's draft
-        token ids."""
+        """One tree of at most ``N`` nodes per request (empty when it may not
+        draft), cut by the load budget when it is on (``other_tokens``: the
+        next step's scheduled tokens besides the trees', as far as known);
+        returns each tree's tokens, breadth-first, as vLLM's draft token ids."""
         budgets, active, contexts = [], [], []
-        explorer = self.stats.steps % max(len(request_ids), 1) if explore else -1
+        drafting = self.load_budget is None or self.load_budget.drafts()
         for i, request_id in enumerate(request_ids):
             length = int(num_tokens[i])
-            wanted = self.config.budget if i == explorer else step_budget
-            budget = min(wanted, self.max_model_len - length - 1)
-            if not sampled_token_ids[i] or not eligible[i] or budget <= 0:
+            budget = min(self.config.budget, self.max_model_len - length - 1)
+            if not drafting or not sampled_token_ids[i] or not eligible[i] or budget <= 0:
                 self.trees.pop(request_id, None)
                 continue
             active.append(i)
@@ -145,12 +135,19 @@ class TreeProposer:
         drafts: list[list[int]] = [[] for _ in request_ids]
         if not active:
             return drafts
+        started = time.perf_counter()
         self.drafter.prepare([request_ids[i] for i in active], contexts, active)
         trees, stats = grow(self.drafter, self.policy, torch.tensor(budgets), self.drafter.max_depth)
         if getattr(self.drafter, "is_model", False):
             self.stats.draft_passes += stats.draft_passes
-        for i, budget, tree in zip(active, budgets, trees):
-            self.trees[request_ids[i]] = tree
-            self.drafted_budget[request_ids[i]] = budget
-            drafts[i] = tree.tokens
+        if self.load_budget is not None:
+            self.load_budget.observe_drafting(len(active), time.perf_counter() - started)
+            kept = self.load_budget.choose(trees, other_tokens)
+            trees = [tree.keep_best(n) for tree, n in zip(trees, kept)]
+        for i, tree in zip(active, trees):
+            if len(tree):
+                self.trees[request_ids[i]] = tree
+                drafts[i] = tree.tokens
+            else:
+                self.trees.pop(request_ids[i], None)
         return drafts

@@ -13,8 +13,8 @@ Per engine step:
    so vLLM's "first ``a`` drafts were accepted" bookkeeping holds.
 4. ``propose_draft_token_ids``: a model drafter first runs on the committed
    tokens (:class:`PagedDraftBackend`), then the proposer grows the next
-   trees, with a per-request budget that follows the load when
-   ``load_budget`` is adaptive.
+   trees, cut by the load budget (``load_budget: adaptive``) to the nodes
+   worth verifying at the measured costs.
 
 With ``retrieval`` vLLM's drafter object is the plugin's proposer; with
 ``eagle3`` / ``draft_model`` it is vLLM's own (which loads the weights and
@@ -132,9 +132,8 @@ class TreeRunnerMixin:
             len(step.trees), int(step.tree_batch.num_nodes.sum()), int(acceptance.num_accepted.sum())
         )
         if proposer.load_budget is not None:
-            request_ids = [self.input_batch.req_ids[i] for i in step.batch_indices.tolist()]
             paths = zip(acceptance.path.tolist(), acceptance.num_accepted.tolist())
-            proposer.observe(request_ids, step.trees, [row[:count] for row, count in paths])
+            proposer.observe(step.trees, [row[:count] for row, count in paths])
 
         if self._draft_backend is not None:
             self._record_chains(step, acceptance)
@@ -185,6 +184,8 @@ class TreeRunnerMixin:
                 [] if discarded[i] else [t for t in row if t >= 0] for i, row in enumerate(sampled_token_ids.tolist())
             ]
             num_tokens = num_tokens[: len(req_ids)] + [len(s) for s in sampled_token_ids]
+        step_tokens = scheduler_output.total_num_scheduled_tokens
+        self.tree_proposer.observe_step(step_tokens, time.perf_counter() - self._step_started)
         if self._draft_backend is not None:
             self._draft_backend.first_pass(
                 aux_hidden_states, common_attn_metadata.block_table_tensor, self._accepted_rows, sampled_token_ids
@@ -192,16 +193,11 @@ class TreeRunnerMixin:
         eligible = [
             can_draft(self.requests[r].sampling_params, len(self.requests[r].output_token_ids)) for r in req_ids
         ]
-        step_tokens = scheduler_output.total_num_scheduled_tokens
-        drafting_tokens = sum(1 + len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
-        step_budget, explore = self.tree_proposer.step_budget(
-            drafting=sum(bool(s) and e for s, e in zip(sampled_token_ids, eligible)),
-            step_tokens=step_tokens,
-            step_seconds=time.perf_counter() - self._step_started,
-            other_tokens=step_tokens - drafting_tokens,
-        )
+        # Tokens beyond one row per request and its drafts: prefill chunks.
+        spec_tokens = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
+        other_tokens = max(step_tokens - len(scheduler_output.num_scheduled_tokens) - spec_tokens, 0)
         return self.tree_proposer.propose_trees(
-            req_ids, sampled_token_ids, num_tokens, batch.token_ids_cpu, eligible, step_budget, explore
+            req_ids, sampled_token_ids, num_tokens, batch.token_ids_cpu, eligible, other_tokens
         )
 
     def adaptive_tree_stats(self) -> dict[str, float]:
