@@ -45,3 +45,8 @@ def test_a_branching_tree_is_not_causal():
     assert not step.causal
     mask = step.query_mask.int().tolist()
     assert mask[3:] == [[1, 0, 0], [1, 1, 0], [1, 0, 1]]
+    # Only the branching request takes the tree path of the attention.
+    rows = step.attention
+    assert rows.batch_indices.tolist() == [1] and rows.query_rows.tolist() == [3, 4, 5]
+    assert rows.query_start_loc.tolist() == [0, 3]
+    assert rows.query_mask.int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 0, 1]]

@@ -72,9 +72,8 @@ def committed_pairs(row_logits: torch.Tensor, trials: int, temperature: float, t
 
     rows = row_logits.shape[0]
     logits = row_logits.repeat(trials, 1)
-    rows_per_request = torch.full((trials,), rows, dtype=torch.long)
-    cu_rows = torch.cumsum(rows_per_request, 0)
-    tokens = row_target_tokens(logits, cu_rows, rows_per_request, sampling_metadata(trials, temperature, top_k, top_p))
+    request_of_row = torch.arange(trials).repeat_interleave(rows)
+    tokens = row_target_tokens(logits, request_of_row, sampling_metadata(trials, temperature, top_k, top_p))
     result = accept(TreeBatch.from_trees([TREE] * trials), tokens.view(trials, rows))
     first = result.output_tokens[:, 0]
     second = torch.where(result.num_accepted >= 1, result.output_tokens[:, 1], -1)

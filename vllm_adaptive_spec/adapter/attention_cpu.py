@@ -5,9 +5,10 @@ to :class:`TreeCPUAttentionBackend` when adaptive_tree is selected, so target
 (and draft) layers get :class:`TreeCPUAttentionImpl`. Its C++ kernel takes no
 mask: in a batch that mixes tree and other rows it runs as usual, then the
 rows of requests that carry a tree are recomputed by ``kernels.tree_attention``
-reading the paged cache directly, and overwritten; when every row belongs to
-a tree (steady decoding) only the tree path runs, and when every tree is a
-chain the C++ kernel alone is exact.
+reading the paged cache directly, and overwritten. Only requests whose tree
+branches take that path: a chain (most trees under the load budget) is exact
+under the C++ kernel; when every row of a pass belongs to such a tree, only
+the tree path runs.
 
 Decision: the builder pins the ``vec``/``vec16`` cache layout (K stored
 transposed per block page, V row-major), the one the reader understands; on
@@ -69,34 +70,32 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None):
         step = tree_step.current()
-        if step is not None and getattr(step, "causal", False):
-            step = None  # chains only: vLLM's causal kernel is exact
+        rows = step if isinstance(step, tree_step.DraftStep) else getattr(step, "attention", None)
         tree_rows_only = (
-            step is not None
+            rows is not None
             and attn_metadata is not None
-            and step.query_rows.shape[0] == attn_metadata.num_actual_tokens
+            and rows.query_rows.shape[0] == attn_metadata.num_actual_tokens
             and output_scale is None
         )
         if not tree_rows_only:
             output = super().forward(
                 layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
             )
-        if step is None or attn_metadata is None or self.attn_type != AttentionType.DECODER:
+        if rows is None or attn_metadata is None or self.attn_type != AttentionType.DECODER:
             return output
         key_cache, value_cache = cache_views(kv_cache)
-        rows = step.query_rows
         result = tree_attention(
-            query[rows],
+            query[rows.query_rows],
             key_cache,
             value_cache,
-            attn_metadata.block_table[step.batch_indices],
-            step.query_start_loc,
-            attn_metadata.seq_lens[step.batch_indices],
-            step.query_mask,
+            attn_metadata.block_table[rows.batch_indices],
+            rows.query_start_loc,
+            attn_metadata.seq_lens[rows.batch_indices],
+            rows.query_mask,
             self.scale,
-            step.window_lens,
+            rows.window_lens,
         )
-        output.view(query.shape[0], self.num_heads, -1)[rows] = result.to(output.dtype)
+        output.view(query.shape[0], self.num_heads, -1)[rows.query_rows] = result.to(output.dtype)
         return output
 
 

@@ -9,11 +9,26 @@ verification. Dummy and profiling runs see ``None`` and stay causal.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from vllm_adaptive_spec.tree import DraftTree, TreeBatch
+
+
+@dataclass
+class AttentionRows:
+    """Query rows the tree path of the attention computes: rows
+    ``query_rows`` of requests ``batch_indices``, each request's rows at
+    ``query_start_loc``, seeing its context and, of its last ``window_lens``
+    keys (default: its query rows), those ``query_mask`` [T, W] marks."""
+
+    batch_indices: torch.Tensor
+    query_rows: torch.Tensor
+    query_start_loc: torch.Tensor
+    query_mask: torch.Tensor
+    window_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -49,9 +64,13 @@ class TreeStep:
     query_rows: torch.Tensor
     query_start_loc: torch.Tensor
     query_mask: torch.Tensor
-    # Every tree is a chain: the layout is vLLM's own causal one.
-    causal: bool = False
-    window_lens = None  # the masked keys are the request's own query rows
+    # The rows of requests whose tree branches; a chain's rows are exact
+    # under vLLM's causal kernel (None: every tree is a chain).
+    attention: AttentionRows | None = None
+
+    @property
+    def causal(self) -> bool:
+        return self.attention is None
 
 
 _current: TreeStep | DraftStep | None = None
@@ -75,7 +94,8 @@ def build_step(
 ) -> TreeStep:
     """Lay out the trees of one step. A request's tree occupies the last
     ``1 + n`` of its query rows (root, then nodes); earlier rows (if any) are
-    causal, and every tree row sees them all."""
+    causal, and every tree row sees them all. Only the requests whose tree
+    branches need the tree path of the attention (:class:`AttentionRows`)."""
     tree_batch = TreeBatch.from_trees(trees)
     ancestors = tree_batch.ancestor_mask()
     row_masks = tree_batch.row_mask(ancestors)
@@ -89,6 +109,16 @@ def build_step(
         masks.append(mask)
         rows.append(torch.arange(start, start + length))
         starts.append(starts[-1] + length)
+    branching = [k for k, tree in enumerate(trees) if tree.parents != list(range(-1, len(tree) - 1))]
+    attention = None
+    if branching:
+        lengths = [query_lens[k] for k in branching]
+        attention = AttentionRows(
+            batch_indices=torch.tensor([batch_indices[k] for k in branching], dtype=torch.long, device=device),
+            query_rows=torch.cat([rows[k] for k in branching]).to(device),
+            query_start_loc=torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device),
+            query_mask=torch.cat([masks[k][:, : max(lengths)] for k in branching]).to(device),
+        )
     return TreeStep(
         batch_indices=torch.tensor(batch_indices, dtype=torch.long, device=device),
         trees=trees,
@@ -97,5 +127,5 @@ def build_step(
         query_rows=torch.cat(rows).to(device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         query_mask=torch.cat(masks).to(device),
-        causal=all(tree.parents == list(range(-1, len(tree) - 1)) for tree in trees),
+        attention=attention,
     )

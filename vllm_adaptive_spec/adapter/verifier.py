@@ -29,13 +29,16 @@ from vllm_adaptive_spec.verify import PAD, Acceptance, accept, sample_with_noise
 _GREEDY_BELOW = 1e-5  # vLLM's sampler treats smaller temperatures as greedy
 
 
-def row_target_tokens(logits: torch.Tensor, cu_rows: torch.Tensor, rows_per_request: torch.Tensor, sampling_metadata) -> torch.Tensor:
-    """One target token per logits row ``[R, V]``: argmax for greedy requests,
-    a sample from the processed distribution otherwise."""
-    request_of_row = torch.repeat_interleave(torch.arange(rows_per_request.shape[0], device=logits.device), rows_per_request)
-    processed = logits.to(torch.float32).clone()
-    if sampling_metadata.allowed_token_ids_mask is not None:
-        processed.masked_fill_(sampling_metadata.allowed_token_ids_mask[request_of_row], float("-inf"))
+def row_target_tokens(logits: torch.Tensor, request_of_row: torch.Tensor, sampling_metadata) -> torch.Tensor:
+    """One target token per logits row ``[R, V]`` (``request_of_row`` [R]: the
+    row's request in the batch): argmax for greedy requests, a sample from
+    the processed distribution otherwise. A greedy batch is one argmax."""
+    mask = sampling_metadata.allowed_token_ids_mask
+    if sampling_metadata.all_greedy and mask is None:
+        return logits.argmax(dim=-1)
+    processed = logits.to(torch.float32, copy=True)
+    if mask is not None:
+        processed.masked_fill_(mask[request_of_row], float("-inf"))
     greedy = processed.argmax(dim=-1)
     if sampling_metadata.all_greedy:
         return greedy
@@ -49,10 +52,12 @@ def row_target_tokens(logits: torch.Tensor, cu_rows: torch.Tensor, rows_per_requ
     )
     probs = processed.softmax(dim=-1, dtype=torch.float32)
     noise = torch.empty_like(probs).exponential_()
-    starts = cu_rows - rows_per_request
     for request, generator in sampling_metadata.generators.items():
-        start, end = int(starts[request]), int(cu_rows[request])
-        noise[start:end].exponential_(generator=generator)
+        rows = (request_of_row == request).nonzero().squeeze(1)
+        if rows.numel():
+            noise[rows] = torch.empty(rows.numel(), probs.shape[1], device=probs.device).exponential_(
+                generator=generator
+            )
     sampled = sample_with_noise(probs, noise)
     if sampling_metadata.all_random:
         return sampled
@@ -88,12 +93,15 @@ class TreeVerifier(torch.nn.Module):
 
         step = tree_step.current()
         if step is not None and step.trees:
-            tree_rows = row_target_tokens(logits, cu_rows, rows_per_request, sampling_metadata)
             tree_batch = step.tree_batch
             indices = step.batch_indices
             offsets = torch.arange(tree_batch.width + 1, device=device)
             local = torch.minimum(offsets.unsqueeze(0), num_drafts[indices].unsqueeze(1))
-            acceptance = accept(tree_batch, tree_rows[starts[indices].unsqueeze(1) + local], step.ancestors)
+            # Only the tree requests' rows (padding repeats a request's last row).
+            rows = starts[indices].unsqueeze(1) + local
+            request_of_row = indices.unsqueeze(1).expand_as(rows).flatten()
+            targets = row_target_tokens(logits[rows.flatten()], request_of_row, sampling_metadata)
+            acceptance = accept(tree_batch, targets.view_as(rows), step.ancestors)
             output[indices] = acceptance.output_tokens.to(torch.int32)
             self.on_accept(step, acceptance)
         else:
