@@ -3,8 +3,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
-.PHONY: demo test bench env
+.PHONY: demo test bench env suffix-decoding
 
 env:
 	@VENV=$(VENV) bash scripts/ensure_env.sh
@@ -15,5 +16,12 @@ demo: env
 test: env
 	@$(PY) -m pytest $(PYTEST_ARGS)
 
-bench: env
-	@$(PY) benchmarks/throughput.py
+# vLLM's `suffix` method needs Arctic Inference's suffix tree, built (once) by this
+# script; the benchmark runs it too when `suffix` is selected. Tests never need it.
+# A failed build does not stop `make bench` (only `suffix` then reports an error).
+suffix-decoding: env
+	@VENV=$(VENV) bash scripts/build_suffix_decoding.sh >/dev/null \
+		|| echo "warning: scripts/build_suffix_decoding.sh failed; the suffix method will not run" >&2
+
+bench: env suffix-decoding
+	@$(PY) benchmarks/throughput.py $(BENCH_ARGS)

@@ -33,7 +33,7 @@ if str(REPO) not in sys.path:
 
 from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter  # noqa: E402
 from vllm_adaptive_spec.growth import grow  # noqa: E402
-from vllm_adaptive_spec.policies import RetrievalPolicy  # noqa: E402
+from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy  # noqa: E402
 from vllm_adaptive_spec.tree import ROOT  # noqa: E402
 
 BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0001)
@@ -61,7 +61,7 @@ def greedy_answers(model: str, max_tokens: int, path: Path) -> list[dict]:
 def replay(answers: list[dict], drafter_params: dict, policy_params: dict, budget: int) -> dict:
     """Replay greedy decoding of every answer with retrieval trees."""
     drafter = RetrievalDrafter(**drafter_params)
-    policy = RetrievalPolicy(**policy_params)
+    policy = ChainPolicy() if policy_params.get("chain") else RetrievalPolicy(**policy_params)
     steps = tokens = nodes = 0
     predicted: list[float] = []
     accepted_flags: list[bool] = []
@@ -117,6 +117,7 @@ SETTINGS = {
     "evidence-p0.2": ({}, {"min_p": 0.2}),
     "evidence-p0.3": ({}, {"min_p": 0.3}),
     "evidence-p0.5": ({}, {"min_p": 0.5}),
+    "evidence-chain": ({}, {"chain": True}),
 }
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -163,7 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-sizes", default="1,8,64")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--min-prompts", type=int, default=4, help="prompts per pass at least (b=1 runs them in turn)")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="float32",
+                        help="float32 (default): on CPUs without native bf16 (AVX2 only), bf16 matmuls cost "
+                             "the same per row whatever the batch, so no speculation can pay there")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -194,8 +197,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{method} ...", flush=True)
         log = out / f"profile-{method}.log"
         with log.open("w") as handle:
-            code = subprocess.call([sys.executable, __file__, "--worker", str(job_path)], stdout=handle,
-                                   stderr=subprocess.STDOUT, cwd=REPO)
+            # Its own session, so an interrupted run also ends the engine processes it spawned.
+            proc = subprocess.Popen([sys.executable, __file__, "--worker", str(job_path)], stdout=handle,
+                                    stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+            try:
+                code = proc.wait()
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
         if code != 0:
             rows += [{"method": method, "batch_size": b, "error": f"worker exited {code}, see {log}"} for b in batch_sizes]
             continue

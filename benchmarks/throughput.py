@@ -39,26 +39,40 @@ engine does a warm-up pass over a few prompts before anything is timed.
 
 Methods: ``none``; vLLM's ``ngram`` (K = ``--ngram-k``) and ``eagle3`` (a chain of
 ``--chain-k`` with the committed head ``heads/smollm2-135m-eagle3``); the plugin's
-``tree-retrieval`` / ``chain-retrieval`` / ``tree-retrieval-adaptive`` (retrieval
+``tree-retrieval`` / ``chain-retrieval`` / ``tree-retrieval-fixed`` (retrieval
 drafter, budget ``--budget``), ``chain-eagle3`` / ``tree-eagle3`` (the same head,
 chain of ``--chain-k`` or an EAGLE-2 tree of N = ``--tree-budget``, K = 10, D = 8)
 and ``chain-draft-lm`` / ``tree-draft-lm`` (the draft LM of ``vllm-adaptive-spec
-draft-lm``, built on first use). ``--temperature`` samples instead of greedy
-decoding; ``--by-category`` times each prompt category in its own pass and adds a
-table of tau per category.
+draft-lm``, built on first use); vLLM's ``suffix`` (Suffix Decoding, vLLM's defaults:
+tree depth 24, at most 24 draft tokens, spec factor 1, min token prob 0.1; not in the
+default set). ``--temperature`` samples instead of greedy decoding; ``--by-category``
+times each prompt category in its own pass and adds a table of tau per category.
+
+``suffix`` needs Arctic Inference's suffix tree (``arctic_inference.suffix_decoding``),
+which cannot be pip-installed here: when ``suffix`` is selected the driver first runs
+``scripts/build_suffix_decoding.sh`` (seconds when already built, about half a minute
+the first time; needs PyPI, cmake, ninja and a C++ compiler) and puts the directory it
+prints on the suffix worker's ``PYTHONPATH``. If the build fails, ``suffix`` gets an
+error row and the other methods run. Suffix Decoding also caches the responses of
+finished requests in a global tree that later requests draft from; since every pass
+here replays prompts already answered (the warm-up, the other batch sizes), that cache
+is emptied before each timed pass (as the prefix cache is reset), so it holds only the
+current pass's responses.
 
 Outputs: ``throughput.json`` (every number, the settings, vLLM version, machine,
 timestamp) and ``throughput.md`` (the table, also printed) in ``--out``.
 
 Reproduce (from the repository root)::
 
-    # the default run: b = 1,4,16,64; none, ngram, tree-retrieval, tree-retrieval-adaptive; 64 tokens (10 min on 2 CPU cores)
+    # the default run: b = 1,4,16,64; none, ngram, tree-retrieval, tree-retrieval-fixed; 64 tokens (10 min on 2 CPU cores)
     .venv/bin/python benchmarks/throughput.py
     # smoke run: b = 1,4; 8 prompts; 32 tokens (about 4-5 min for three methods)
     .venv/bin/python benchmarks/throughput.py --quick --methods none,ngram,tree-retrieval
     # the model drafters against vLLM's own eagle3, tau per category, at temperature 0 and 1
     .venv/bin/python benchmarks/throughput.py --methods none,eagle3,chain-eagle3,tree-eagle3,chain-draft-lm,tree-draft-lm --by-category
     .venv/bin/python benchmarks/throughput.py --methods none,eagle3,chain-eagle3,tree-eagle3 --by-category --temperature 1 --batch-sizes 8 --num-prompts 70
+    # vLLM's suffix decoding against ngram and the retrieval tree (builds its native part first)
+    .venv/bin/python benchmarks/throughput.py --methods none,ngram,suffix,tree-retrieval
     # the whole set at every batch size, one engine per (batch size, method) (long on a CPU)
     .venv/bin/python benchmarks/throughput.py --num-prompts 70 --max-tokens 128 --engine-per run --out /tmp/bench
 
@@ -120,16 +134,22 @@ METHODS = {
     },
     "tree-retrieval": lambda args: _tree(args, "retrieval", "retrieval"),
     "chain-retrieval": lambda args: _tree(args, "retrieval", "chain"),
-    "tree-retrieval-adaptive": lambda args: _tree(args, "retrieval", "retrieval", load_budget="adaptive"),
+    "tree-retrieval-fixed": lambda args: _tree(args, "retrieval", "retrieval", load_budget="fixed"),
     "eagle3": lambda args: {"method": "eagle3", "model": _head(args), "num_speculative_tokens": args.chain_k},
     "chain-eagle3": lambda args: _tree(args, "eagle3", "chain", args.chain_k, _head(args)),
     "tree-eagle3": lambda args: _tree(args, "eagle3", "eagle2", args.tree_budget, _head(args)),
     "chain-draft-lm": lambda args: _tree(args, "draft_model", "chain", args.chain_k, _draft_lm(args)),
     "tree-draft-lm": lambda args: _tree(args, "draft_model", "eagle2", args.tree_budget, _draft_lm(args)),
+    # vLLM's defaults (SpeculativeConfig.suffix_decoding_*); num_speculative_tokens, which
+    # vLLM would default to the tree depth, is given so the KV cache is sized for it.
+    "suffix": lambda args: {"method": "suffix", "num_speculative_tokens": SUFFIX_DEPTH,
+                            "suffix_decoding_max_tree_depth": SUFFIX_DEPTH},
 }
+SUFFIX_DEPTH = 24
+SUFFIX_BUILD_SCRIPT = REPO / "scripts" / "build_suffix_decoding.sh"
 BASELINE = "none"
 # The default run stays within 15 minutes on 2 CPU cores.
-DEFAULT_METHODS = ("none", "ngram", "tree-retrieval", "tree-retrieval-adaptive")
+DEFAULT_METHODS = ("none", "ngram", "tree-retrieval", "tree-retrieval-fixed")
 
 SPEC_COUNTERS = {
     "drafts": "vllm:spec_decode_num_drafts",
@@ -211,8 +231,24 @@ def _generate(llm, conversations, params, in_flight: int, max_num_seqs: int):
     return results
 
 
+def _reset_suffix_cache(worker) -> int:
+    """Runs in vLLM's worker (``collective_rpc``): replace the suffix drafter's cache,
+    with its global tree of past responses, by an empty one. Returns the responses
+    that were cached."""
+    drafter = worker.model_runner.drafter
+    old = drafter.suffix_cache
+    drafter.suffix_cache = type(old)(max_tree_depth=old.max_tree_depth,
+                                     max_cached_requests=old.max_cached_requests)
+    return len(old.cached_requests)
+
+
 def worker(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text(encoding="utf-8"))
+    suffix = (job["speculative_config"] or {}).get("method") == "suffix"
+    if suffix:
+        # _reset_suffix_cache is sent to the engine process (collective_rpc), which
+        # vLLM only pickles with this set.
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
     import vllm
     from vllm import LLM, SamplingParams
@@ -248,6 +284,9 @@ def worker(job_path: str) -> None:
         wall_s, spec, by_category, prompt_tokens = 0.0, {key: 0 for key in SPEC_COUNTERS}, {}, 0
         for category, indices in groups.items():
             llm.reset_prefix_cache()
+            if suffix:
+                dropped = llm.collective_rpc(_reset_suffix_cache)[0]
+                print(f"[worker] suffix decoding cache emptied ({dropped} cached responses)", flush=True)
             before = _counters(llm)
             started = time.perf_counter()
             outputs = _generate(llm, [conversations[i] for i in indices], params, batch_size, job["max_num_seqs"])
@@ -316,9 +355,10 @@ def _machine() -> dict:
     }
 
 
-def _run_engine(job: dict, work: Path, label: str, timeout_s: float) -> dict:
-    """Run one engine job in a fresh process. Returns the worker's result (the passes it
-    finished), with ``error``, ``log`` and ``log_tail`` added when it did not finish."""
+def _run_engine(job: dict, work: Path, label: str, timeout_s: float, env: dict | None = None) -> dict:
+    """Run one engine job in a fresh process (environment ``env``, default this
+    process's). Returns the worker's result (the passes it finished), with ``error``,
+    ``log`` and ``log_tail`` added when it did not finish."""
     job_path = work / f"{label}.job.json"
     log_path = work / f"{label}.log"
     result_path = work / f"{label}.result.json"
@@ -334,6 +374,7 @@ def _run_engine(job: dict, work: Path, label: str, timeout_s: float) -> dict:
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=REPO,
+            env=env,
             start_new_session=True,
         )
         try:
@@ -360,6 +401,26 @@ def _run_engine(job: dict, work: Path, label: str, timeout_s: float) -> dict:
 
 
 EXCEPTION_LINE = re.compile(r"^\s*[\w.]*(Error|Exception|Interrupt)\b.*:")
+
+
+def _suffix_decoding_dir() -> tuple[str | None, str | None]:
+    """Build (or find) Arctic Inference's suffix tree with ``scripts/build_suffix_decoding.sh``.
+    Returns (the directory to put on PYTHONPATH, None) or (None, why not)."""
+    env = dict(os.environ)
+    if sys.prefix != sys.base_prefix and "VENV" not in env:
+        env["VENV"] = sys.prefix  # build for the Python that runs the workers
+    try:
+        proc = subprocess.run(["bash", str(SUFFIX_BUILD_SCRIPT)], env=env, cwd=REPO,
+                              capture_output=True, text=True, timeout=1200)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"suffix decoding build failed ({SUFFIX_BUILD_SCRIPT.name}): {exc}"
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode == 0 and lines and Path(lines[-1]).is_dir():
+        return lines[-1], None
+    said = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    why = f"exit {proc.returncode}" + (f": {said[-1].strip()}" if said else "")
+    return None, (f"arctic_inference.suffix_decoding not available: {SUFFIX_BUILD_SCRIPT.relative_to(REPO)} "
+                  f"failed ({why})")
 
 
 def _installed_vllm_version() -> str | None:
@@ -473,7 +534,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup-prompts", type=int, default=2, help="prompts in each engine's warm-up pass")
     parser.add_argument("--model", help="model directory (default: the demo model)")
     parser.add_argument("--prompts", help="prompt set JSONL (default: benchmarks/prompts.jsonl)")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="float32",
+                        help="float32 (default): on CPUs without native bf16 (AVX2 only), bf16 matmuls cost "
+                             "the same per row whatever the batch, so no speculation can pay there")
     parser.add_argument("--max-model-len", type=int, default=0,
                         help="0 (default): the longest prompt plus --max-tokens plus 128, rounded up to 128; "
                              "the KV cache is sized for --max-num-seqs requests of this length")
@@ -535,6 +598,13 @@ def main(argv: list[str] | None = None) -> None:
     errors: dict[tuple[str, int], str] = {}
     engines = []
     vllm_version = None
+    # vLLM's suffix method imports arctic_inference.suffix_decoding, built here on demand.
+    suffix_dir = suffix_error = None
+    if "suffix" in methods:
+        print(f"[{time.perf_counter() - t0:6.0f} s] suffix: building Arctic Inference's suffix tree "
+              f"({SUFFIX_BUILD_SCRIPT.relative_to(REPO)})", flush=True)
+        suffix_dir, suffix_error = _suffix_decoding_dir()
+        print(f"  {suffix_error or suffix_dir}", flush=True)
 
     if args.engine_per == "method":
         plan = [(m, batch_sizes, max(batch_sizes)) for m in methods]
@@ -543,6 +613,15 @@ def main(argv: list[str] | None = None) -> None:
     for index, (method, sizes, max_num_seqs) in enumerate(plan, 1):
         label = f"{method}-b{'_'.join(map(str, sizes))}"
         print(f"[{time.perf_counter() - t0:6.0f} s] engine {index}/{len(plan)}: {method}, batch sizes {sizes}", flush=True)
+        env = None
+        if method == "suffix":
+            if suffix_error is not None:
+                print(f"  skipped: {suffix_error}", flush=True)
+                errors.update({(method, b): suffix_error for b in sizes})
+                engines.append({"method": method, "batch_sizes": sizes, "error": suffix_error})
+                continue
+            env = {**os.environ,
+                   "PYTHONPATH": os.pathsep.join(filter(None, [suffix_dir, os.environ.get("PYTHONPATH")]))}
         job = {
             **base_job,
             "speculative_config": configs[method],
@@ -550,7 +629,7 @@ def main(argv: list[str] | None = None) -> None:
             "num_prompts": [sizes_by_batch[b] for b in sizes],
             "max_num_seqs": max_num_seqs,
         }
-        result = _run_engine(job, work, label, args.worker_timeout)
+        result = _run_engine(job, work, label, args.worker_timeout, env)
         engine = {"method": method, "batch_sizes": sizes, "max_num_seqs": max_num_seqs}
         engine.update({k: v for k, v in result.items() if k != "runs"})
         vllm_version = result.get("vllm_version", vllm_version)
@@ -609,6 +688,7 @@ def main(argv: list[str] | None = None) -> None:
             "warmup_prompts": args.warmup_prompts,
             "model": model,
             "quick": args.quick,
+            **({"suffix_decoding_dir": suffix_dir} if "suffix" in methods else {}),
         },
         "engines": engines,
         "results": results,

@@ -74,8 +74,7 @@ def test_calibration_discounts_an_optimistic_drafter():
 def test_cold_start_keeps_only_likely_nodes():
     budget = LoadBudget(max_budget=8, cold_min_p=0.3)
     tree = DraftTree([5, 6, 7], [-1, 0, -1], [0.9, 0.5, 0.2])  # p: .9 .45 .2
-    assert budget.choose([tree], other_tokens=0) == [2]
-    assert tree.keep_best(2) == DraftTree([5, 6], [-1, 0], [0.9, 0.5])
+    assert budget.choose([tree], other_tokens=0) == [DraftTree([5, 6], [-1, 0], [0.9, 0.5])]
 
 
 def test_speculation_that_never_pays_settles_on_no_drafting():
@@ -92,7 +91,7 @@ def test_speculation_that_never_pays_settles_on_no_drafting():
             continue
         drafted.append(True)
         budget.observe_drafting(8, 0.004)
-        assert budget.choose([weak] * 8, other_tokens=0) == [0] * 8
+        assert budget.choose([weak] * 8, other_tokens=0) == [DraftTree()] * 8
     assert sum(drafted[-100:]) <= 6, "drafting should be paused almost always"
 
 
@@ -105,4 +104,20 @@ def test_speculation_that_always_pays_keeps_the_full_tree():
     for _ in range(20):
         budget.observe_tree(strong, list(range(10)))  # calibrated: 10 of sum(p) = 10.9
     assert all(budget.drafts() for _ in range(50))
-    assert budget.choose([strong] * 4, other_tokens=0) == [16] * 4
+    assert budget.choose([strong] * 4, other_tokens=0) == [strong] * 4
+
+
+def _fitted(branch_seconds: float) -> LoadBudget:
+    budget = LoadBudget(max_budget=8, half_life=1e9)
+    _feed_steps(budget, alpha=0.05, beta=0.0005)
+    if branch_seconds:
+        budget.observe_branching(4, 4 * branch_seconds)
+    return budget
+
+
+def test_branches_kept_only_when_they_pay_for_their_extra_cost():
+    # Root children .8 and .5; the .8 child has a child .6 (p = .48).
+    tree = DraftTree([1, 2, 3], [-1, -1, 0], [0.8, 0.5, 0.6])
+    assert _fitted(0.0).choose([tree], 0) == [tree]  # free branching: the whole tree
+    assert _fitted(0.001).choose([tree], 0) == [tree]  # cheap: the .5 branch pays
+    assert _fitted(0.05).choose([tree], 0) == [DraftTree([1, 3], [-1, 0], [0.8, 0.6])]  # dear: main path only

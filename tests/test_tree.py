@@ -112,3 +112,12 @@ def test_masks_and_depths_match_naive_walk(seed):
         assert rows[b, 0].tolist() == [True] + [False] * width
         for i in range(n):
             assert rows[b, i + 1].tolist() == [True] + expected[i]
+
+
+def test_main_path_and_keep_best():
+    # p: .6 .4 .3 .3 .4 .3 (nodes 2, 3 children of 0; 4 child of 1; 5 child of 2)
+    tree = DraftTree([1, 2, 3, 4, 5, 6], [-1, -1, 0, 0, 1, 2], [0.6, 0.4, 0.5, 0.5, 1.0, 1.0])
+    assert tree.main_path() == DraftTree([1, 3, 6], [-1, 0, 1], [0.6, 0.5, 1.0])  # ties: earlier node
+    assert tree.branches() and not tree.main_path().branches()
+    assert tree.keep_best(3) == DraftTree([1, 2, 5], [-1, -1, 1], [0.6, 0.4, 1.0])
+    assert tree.keep_best(0) == DraftTree() and tree.keep_best(9) is tree

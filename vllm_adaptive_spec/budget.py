@@ -31,6 +31,13 @@ the drafting) was below the rate without drafting, drafting pauses for
 ``pause_steps`` steps (doubling while it keeps not paying, up to
 ``max_pause``), then drafts again to look.
 
+Shape: a branching tree may cost more than a chain of the same size (on
+vLLM's CPU platform a chain runs in vLLM's own attention kernel and a
+branching tree in the plugin's tree path). That extra time per branching
+request is measured online (:meth:`observe_branching`); a tree keeps its
+nodes off the main path only when their expected tokens, net of their rows'
+cost at the step's rate, exceed it.
+
 Decision: before ``MIN_STEPS`` measured steps, or when the fit is degenerate,
 nodes with ``p_hat >= cold_min_p`` are kept (a cautious default).
 """
@@ -86,6 +93,8 @@ class LoadBudget:
         self.accepted_nodes = 1.0
         self.draft_seconds = 0.0  # decayed drafter time and drafting requests
         self.drafted_requests = 0.0
+        self.branch_seconds = 0.0  # decayed extra attention time of branching trees
+        self.branch_requests = 0.0
         self.pause_after, self.pause_steps, self.max_pause = pause_after, pause_steps, max_pause
         self._losing_steps = 0
         self._paused = 0
@@ -125,6 +134,16 @@ class LoadBudget:
         """``rho``: accepted nodes per unit of predicted acceptance."""
         return float(np.clip(self.accepted_nodes / max(self.predicted, 1e-9), 0.05, 2.0))
 
+    def observe_branching(self, requests: int, seconds: float) -> None:
+        """A step verified ``requests`` branching trees, whose attention took
+        ``seconds`` beyond what the same rows cost as chains."""
+        self.branch_seconds = self.branch_seconds * self.decay + seconds
+        self.branch_requests = self.branch_requests * self.decay + requests
+
+    def branch_cost(self) -> float:
+        """Extra seconds a branching tree costs over a chain (0 until measured)."""
+        return self.branch_seconds / self.branch_requests if self.branch_requests > 1e-9 else 0.0
+
     def draft_cost(self) -> float:
         """Seconds of drafting per drafting request."""
         return self.draft_seconds / self.drafted_requests if self.drafted_requests > 1e-9 else 0.0
@@ -138,21 +157,36 @@ class LoadBudget:
             return False
         return True
 
-    def choose(self, trees: list[DraftTree], other_tokens: int) -> list[int]:
-        """How many nodes of each grown tree to verify (its best by path
-        probability, :meth:`DraftTree.keep_best`), given ``other_tokens``
-        scheduled tokens besides the trees'."""
+    def choose(self, trees: list[DraftTree], other_tokens: int) -> list[DraftTree]:
+        """The part of each grown tree worth verifying, given ``other_tokens``
+        scheduled tokens besides the trees': its best nodes by path
+        probability (:meth:`DraftTree.keep_best`), cut to its main path when
+        the nodes off that path do not pay for the extra cost of a branching
+        tree (:meth:`branch_cost`)."""
         rho = self.calibration()
         p_hat = [np.sort(np.asarray(t.path_probabilities(), dtype=np.float64))[::-1][: self.max_budget] * rho
                  for t in trees]
         fit = self.cost()
         if fit is None:
-            return [int((v >= self.cold_min_p).sum()) for v in p_hat]
+            return [t.keep_best(int((v >= self.cold_min_p).sum())) for t, v in zip(trees, p_hat)]
         alpha, beta = fit
         delta = self.draft_cost()
         kept = allocate(p_hat, alpha, beta, other_tokens, delta * len(trees))
+        gain = len(trees) + sum(float(v[:k].sum()) for v, k in zip(p_hat, kept))
+        seconds = alpha + delta * len(trees) + beta * (other_tokens + len(trees) + sum(kept))
+        rate = gain / seconds
+        chosen = []
+        for tree, count in zip(trees, kept):
+            tree = tree.keep_best(count)
+            if tree.branches():
+                path = tree.main_path()
+                off_path = sorted(tree.path_probabilities(), reverse=True)[len(path):]
+                net = sum(rho * p - beta * rate for p in off_path)
+                if net < self.branch_cost() * rate:
+                    tree = path
+            chosen.append(tree)
         self._account(p_hat, kept, alpha, beta, other_tokens, delta)
-        return kept
+        return chosen
 
     def _account(self, p_hat, kept, alpha, beta, other_tokens, delta) -> None:
         """Pause drafting after ``pause_after`` steps in a row whose kept

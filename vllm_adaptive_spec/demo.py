@@ -20,7 +20,8 @@ def spec_counters(llm) -> dict[str, float]:
 
 
 def run(model: str, dtype: str, messages: list, max_tokens: int, spec: dict | None):
-    """Generate greedily; return (outputs, seconds, tau or None)."""
+    """Generate greedily; return (outputs, seconds, tau or None, the plugin's
+    stats since the engine started, warm-up included, or None)."""
     from vllm import LLM, SamplingParams
 
     from vllm_adaptive_spec.kv_cache_size import engine_kwargs
@@ -32,15 +33,16 @@ def run(model: str, dtype: str, messages: list, max_tokens: int, spec: dict | No
     start = time.perf_counter()
     outputs = llm.chat(messages, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    tau = None
+    tau = stats = None
     if spec is not None:
         after = spec_counters(llm)
         drafts = after["vllm:spec_decode_num_drafts"] - before["vllm:spec_decode_num_drafts"]
         accepted = after["vllm:spec_decode_num_accepted_tokens"] - before["vllm:spec_decode_num_accepted_tokens"]
         tau = 1 + accepted / max(drafts, 1)
+        stats = llm.collective_rpc("adaptive_tree_stats")[0]
     del llm
     gc.collect()
-    return outputs, elapsed, tau
+    return outputs, elapsed, tau, stats
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,8 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     prompts = one_per_category(load_prompts(args.prompts))
     messages = [p.messages for p in prompts]
 
-    plain, plain_seconds, _ = run(model, args.dtype, messages, args.max_tokens, None)
-    tree, tree_seconds, tau = run(model, args.dtype, messages, args.max_tokens, DEFAULT_SPEC)
+    plain, plain_seconds, _, _ = run(model, args.dtype, messages, args.max_tokens, None)
+    tree, tree_seconds, tau, stats = run(model, args.dtype, messages, args.max_tokens, DEFAULT_SPEC)
 
     generated = sum(len(o.outputs[0].token_ids) for o in tree)
     for prompt, output in zip(prompts, tree):
@@ -74,6 +76,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{len(prompts)} prompts, {generated} tokens, speculative config: {DEFAULT_SPEC}")
     print(f"no speculation: {plain_rate:.1f} tok/s")
     print(f"adaptive_tree:  {tree_rate:.1f} tok/s, tau {tau:.2f} tokens per step")
+    print(
+        f"the load budget verified {stats['nodes_per_tree']:.1f} nodes per tree (of N = "
+        f"{DEFAULT_SPEC['num_speculative_tokens']}) and drafted in {100 * stats['drafting_share']:.0f}% of steps"
+    )
     print(f"speed ratio (adaptive_tree / none): {tree_rate / plain_rate:.2f}; identical answers: {same}/{len(prompts)}")
 
 

@@ -59,6 +59,22 @@ class DraftTree:
             [self.q[i] for i in kept],
         )
 
+    def main_path(self) -> "DraftTree":
+        """The chain from the root that takes the most likely child at every
+        depth (earlier node first on ties)."""
+        p = self.path_probabilities()
+        path, parent = [], ROOT
+        while True:
+            children = [i for i, up in enumerate(self.parents) if up == parent]
+            if not children:
+                break
+            parent = max(children, key=lambda i: (p[i], -i))
+            path.append(parent)
+        return DraftTree([self.tokens[i] for i in path], list(range(-1, len(path) - 1)), [self.q[i] for i in path])
+
+    def branches(self) -> bool:
+        return self.parents != list(range(-1, len(self) - 1))
+
     @staticmethod
     def chain(tokens: list[int]) -> "DraftTree":
         return DraftTree(list(tokens), list(range(-1, len(tokens) - 1)), [1.0] * len(tokens))

@@ -4,8 +4,9 @@ The CPU platform always picks ``CPU_ATTN``; the worker re-registers that name
 to :class:`TreeCPUAttentionBackend` when adaptive_tree is selected, so target
 (and draft) layers get :class:`TreeCPUAttentionImpl`. Its C++ kernel takes no
 mask: in a batch that mixes tree and other rows it runs as usual, then the
-rows of requests that carry a tree are recomputed by ``kernels.tree_attention``
-reading the paged cache directly, and overwritten. Only requests whose tree
+rows of requests that carry a tree are recomputed by :func:`paged_tree_attention`
+(``kernels.tree_attention``'s reference semantics, reading whole cache pages),
+and overwritten. Only requests whose tree
 branches take that path: a chain (most trees under the load budget) is exact
 under the C++ kernel; when every row of a pass belongs to such a tree, only
 the tree path runs.
@@ -17,6 +18,9 @@ AMX machines that replaces the ``amx`` packing for bf16.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
@@ -25,7 +29,6 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from kernels.tree_attention import tree_attention
 from vllm_adaptive_spec.adapter import step as tree_step
 
 PINNED_LAYOUTS = ("vec", "vec16")
@@ -44,6 +47,62 @@ def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     key = kv_cache.as_strided(size, (block_stride, 1, head_stride, block_size), base)
     value = kv_cache.as_strided(size, (block_stride, head_dim, head_stride, 1), base + block_size * head_dim)
     return key, value
+
+
+@dataclass
+class PagePlan:
+    """What every layer of one pass shares: the cache blocks each request
+    reads, each query row's (request, local row), and the ``[B, L, S]``
+    visibility of keys (all context, and the ``query_mask`` bits of the
+    request's last ``window`` keys)."""
+
+    blocks: torch.Tensor
+    request: torch.Tensor
+    local: torch.Tensor
+    visible: torch.Tensor
+
+
+def plan_pages(block_table, query_start_loc, seq_lens, query_mask, block_size, window_lens=None) -> PagePlan:
+    q_lens = query_start_loc.diff().long()
+    num_rows = int(query_start_loc[-1])
+    batch, max_q = seq_lens.shape[0], int(q_lens.max())
+    num_blocks = -(-int(seq_lens.max()) // block_size)
+    span = num_blocks * block_size
+    request = torch.repeat_interleave(torch.arange(batch), q_lens, output_size=num_rows)
+    local = torch.arange(num_rows) - query_start_loc[:-1].long()[request]
+    windows = (q_lens if window_lens is None else window_lens.long())[request]
+    context = (seq_lens.long()[request] - windows).unsqueeze(1)
+    own = torch.arange(span).unsqueeze(0) - context
+    width = query_mask.shape[1]
+    bits = query_mask.gather(1, own.clamp(0, width - 1)) & (own >= 0) & (own < windows.unsqueeze(1)) & (own < width)
+    visible = torch.zeros(batch, max_q, span, dtype=torch.bool)
+    visible[:, :, 0] = True  # padding rows see one key, so their (unused) softmax is defined
+    visible[request, local] = (own < 0) | bits
+    return PagePlan(block_table[:, :num_blocks].long(), request, local, visible)
+
+
+def paged_tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: PagePlan, scale: float) -> torch.Tensor:
+    """``kernels.tree_attention`` over a CPU_ATTN cache, reading whole pages.
+
+    Each (block, KV head) page holds K as ``[D, block_size]`` then V as
+    ``[block_size, D]``; one gather copies the requests' pages as they are
+    (no transposing copy through :func:`cache_views`), then two einsums in
+    float32 with the query heads of a KV group side by side."""
+    batch, num_blocks = plan.blocks.shape
+    _, heads, block_size, two_d = kv_cache.shape
+    head_dim = two_d // 2
+    group = query.shape[1] // heads
+    max_q = plan.visible.shape[1]
+    pages = kv_cache[plan.blocks].view(batch, num_blocks, heads, 2 * block_size * head_dim).float()
+    keys = pages[..., : block_size * head_dim].view(batch, num_blocks, heads, head_dim, block_size)
+    values = pages[..., block_size * head_dim:].view(batch, num_blocks, heads, block_size, head_dim)
+    queries = torch.zeros(batch, max_q, heads, group, head_dim)
+    queries[plan.request, plan.local] = query.float().view(-1, heads, group, head_dim)
+    scores = torch.einsum("blhgd,bnhdt->bhglnt", queries, keys).flatten(-2) * scale
+    scores.masked_fill_(~plan.visible[:, None, None], float("-inf"))
+    probs = scores.softmax(-1).view(batch, heads, group, max_q, num_blocks, block_size)
+    out = torch.einsum("bhglnt,bnhtd->blhgd", probs, values)
+    return out[plan.request, plan.local].reshape(query.shape).to(query.dtype)
 
 
 class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -83,19 +142,19 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             )
         if rows is None or attn_metadata is None or self.attn_type != AttentionType.DECODER:
             return output
-        key_cache, value_cache = cache_views(kv_cache)
-        result = tree_attention(
-            query[rows.query_rows],
-            key_cache,
-            value_cache,
-            attn_metadata.block_table[rows.batch_indices],
-            rows.query_start_loc,
-            attn_metadata.seq_lens[rows.batch_indices],
-            rows.query_mask,
-            self.scale,
-            rows.window_lens,
-        )
+        started = time.perf_counter()
+        if rows.page_plan is None:  # the pass's first layer builds it, the others reuse it
+            rows.page_plan = plan_pages(
+                attn_metadata.block_table[rows.batch_indices],
+                rows.query_start_loc,
+                attn_metadata.seq_lens[rows.batch_indices],
+                rows.query_mask,
+                kv_cache.shape[2],
+                rows.window_lens,
+            )
+        result = paged_tree_attention(query[rows.query_rows], kv_cache, rows.page_plan, self.scale)
         output.view(query.shape[0], self.num_heads, -1)[rows.query_rows] = result.to(output.dtype)
+        rows.seconds += time.perf_counter() - started
         return output
 
 

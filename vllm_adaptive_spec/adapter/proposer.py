@@ -30,6 +30,8 @@ class TreeStats:
     nodes_verified: int = 0
     tokens_accepted: int = 0
     draft_passes: int = 0
+    proposals: int = 0  # steps that asked for trees
+    paused: int = 0  # of them, steps the load budget did not draft
     last_step: dict[str, int] = field(default_factory=dict)
 
     def record_step(self, trees: int, nodes: int, accepted: int) -> None:
@@ -47,6 +49,7 @@ class TreeStats:
             "nodes_verified": self.nodes_verified,
             "tokens_accepted": self.tokens_accepted,
             "draft_passes": self.draft_passes,
+            "drafting_share": 1.0 - self.paused / max(self.proposals, 1),
             "tau": 1.0 + self.tokens_accepted / trees,
             "nodes_per_tree": self.nodes_verified / trees,
             "last_step": dict(self.last_step),
@@ -123,6 +126,8 @@ class TreeProposer:
         returns each tree's tokens, breadth-first, as vLLM's draft token ids."""
         budgets, active, contexts = [], [], []
         drafting = self.load_budget is None or self.load_budget.drafts()
+        self.stats.proposals += 1
+        self.stats.paused += not drafting
         for i, request_id in enumerate(request_ids):
             length = int(num_tokens[i])
             budget = min(self.config.budget, self.max_model_len - length - 1)
@@ -142,8 +147,7 @@ class TreeProposer:
             self.stats.draft_passes += stats.draft_passes
         if self.load_budget is not None:
             self.load_budget.observe_drafting(len(active), time.perf_counter() - started)
-            kept = self.load_budget.choose(trees, other_tokens)
-            trees = [tree.keep_best(n) for tree, n in zip(trees, kept)]
+            trees = self.load_budget.choose(trees, other_tokens)
         for i, tree in zip(active, trees):
             if len(tree):
                 self.trees[request_ids[i]] = tree

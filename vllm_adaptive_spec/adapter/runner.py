@@ -134,6 +134,8 @@ class TreeRunnerMixin:
         if proposer.load_budget is not None:
             paths = zip(acceptance.path.tolist(), acceptance.num_accepted.tolist())
             proposer.observe(step.trees, [row[:count] for row, count in paths])
+            if step.attention is not None:
+                proposer.load_budget.observe_branching(len(step.attention.batch_indices), step.attention.seconds)
 
         if self._draft_backend is not None:
             self._record_chains(step, acceptance)

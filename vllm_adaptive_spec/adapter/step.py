@@ -29,6 +29,8 @@ class AttentionRows:
     query_start_loc: torch.Tensor
     query_mask: torch.Tensor
     window_lens: torch.Tensor | None = None
+    page_plan: object = None  # the attention's plan, built by the pass's first layer
+    seconds: float = 0.0  # time the tree path took in this pass, all layers
 
 
 @dataclass
@@ -43,6 +45,8 @@ class DraftStep:
     query_start_loc: torch.Tensor
     query_mask: torch.Tensor
     window_lens: torch.Tensor
+    page_plan: object = None  # the attention's plan, built by the pass's first layer
+    seconds: float = 0.0  # time the tree path took in this pass, all layers
 
 
 @dataclass

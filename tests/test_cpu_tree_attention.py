@@ -1,0 +1,67 @@
+"""The CPU tree path's page reader gives ``kernels.tree_attention``'s reference
+results on vLLM's CPU cache layout: random trees, ragged requests, GQA,
+windows wider than the query (tree drafting), float32 and bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.tree_attention import tree_attention_reference
+from vllm_adaptive_spec.tree import DraftTree, TreeBatch
+
+
+def _random_tree(rng: torch.Generator, size: int) -> DraftTree:
+    parents = [-1] + [int(torch.randint(-1, i, (1,), generator=rng)) for i in range(1, size)]
+    depth = []
+    for parent in parents:
+        depth.append(0 if parent == -1 else depth[parent] + 1)
+    order = sorted(range(size), key=lambda i: (depth[i], i))  # breadth-first
+    index = {old: new for new, old in enumerate(order)}
+    return DraftTree(list(range(size)), [-1 if parents[i] == -1 else index[parents[i]] for i in order], [1.0] * size)
+
+
+def _case(seed: int, dtype, window: bool):
+    from vllm_adaptive_spec.adapter.attention_cpu import cache_views
+
+    rng = torch.Generator().manual_seed(seed)
+    heads, group, head_dim, block_size = 3, 3, 64, 32
+    sizes = [int(torch.randint(1, 9, (1,), generator=rng)) for _ in range(3)]
+    trees = [_random_tree(rng, n) for n in sizes]
+    rows_mask = TreeBatch.from_trees(trees).row_mask()
+    contexts = [int(torch.randint(1, 90, (1,), generator=rng)) for _ in trees]
+    q_lens = [1 + n for n in sizes]
+    if window:  # query only the deepest node of each tree; the window covers root and nodes
+        q_lens = [1] * len(trees)
+    masks = []
+    for k, n in enumerate(sizes):
+        full = rows_mask[k, : 1 + n, : 1 + n]
+        masks.append(full[-1:] if window else full)
+    width = max(m.shape[1] for m in masks)
+    query_mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
+    seq_lens = torch.tensor([c + 1 + n for c, n in zip(contexts, sizes)], dtype=torch.int32)
+    blocks_per = -(-int(seq_lens.max()) // block_size)
+    num_blocks = len(trees) * blocks_per + 2
+    block_table = torch.randperm(num_blocks, generator=rng)[: len(trees) * blocks_per].view(len(trees), blocks_per)
+    kv_cache = torch.randn(num_blocks, heads, block_size, 2 * head_dim, generator=rng).to(dtype)
+    query = torch.randn(sum(q_lens), heads * group, head_dim, generator=rng).to(dtype)
+    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    window_lens = torch.tensor([1 + n for n in sizes], dtype=torch.int32) if window else None
+    key_view, value_view = cache_views(kv_cache)
+    expected = tree_attention_reference(
+        query, key_view, value_view, block_table, query_start_loc, seq_lens, query_mask, 0.125, window_lens
+    )
+    return query, kv_cache, block_table, query_start_loc, seq_lens, query_mask, window_lens, expected
+
+
+@pytest.mark.parametrize("window", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(4))
+def test_page_reader_matches_the_reference(seed, dtype, window):
+    from vllm_adaptive_spec.adapter.attention_cpu import paged_tree_attention, plan_pages
+
+    query, kv_cache, block_table, starts, seq_lens, query_mask, window_lens, expected = _case(seed, dtype, window)
+    plan = plan_pages(block_table, starts, seq_lens, query_mask, kv_cache.shape[2], window_lens)
+    got = paged_tree_attention(query, kv_cache, plan, 0.125)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
