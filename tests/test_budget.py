@@ -59,8 +59,19 @@ def test_cost_fit_recovers_a_linear_step_time():
     budget = LoadBudget(max_budget=8)
     assert budget.cost() is None
     _feed_steps(budget, alpha=0.02, beta=0.001)
-    alpha, beta = budget.cost()
-    assert alpha == pytest.approx(0.02) and beta == pytest.approx(0.001)
+    alpha, beta, gamma = budget.cost()
+    assert alpha == pytest.approx(0.02) and beta == pytest.approx(0.001) and gamma == beta  # no prefill seen
+
+
+def test_cost_fit_tells_prompt_tokens_from_decode_rows():
+    """Prompt chunks are cheaper per token than decode rows; one slope for
+    both would understate what a tree node costs."""
+    budget = LoadBudget(max_budget=8)
+    rng = np.random.default_rng(1)
+    for _ in range(60):
+        rows, prefill = int(rng.integers(1, 40)), int(rng.choice([0, 0, 300, 900]))
+        budget.observe_step(rows + prefill, 0.03 + 0.004 * rows + 0.0002 * prefill, prefill)
+    assert budget.cost() == pytest.approx((0.03, 0.004, 0.0002))
 
 
 def test_calibration_discounts_an_optimistic_drafter():

@@ -13,9 +13,10 @@ maximise the expected committed tokens per second of the next step::
   retrieval drafter, a calibrated chance of acceptance), ``rho`` the ratio of
   accepted nodes to the sum of ``p`` over verified nodes, measured online, so
   a drafter whose ``p`` is optimistic is discounted.
-* ``alpha + beta * T``: the step time for ``T`` scheduled tokens, fitted by
-  exponentially weighted least squares on measured steps (its fixed cost and
-  per-row cost); ``delta``: the drafter's measured time per drafting request.
+* ``alpha + beta * T``: the step time for ``T`` decode rows (``T_other``:
+  prompt-chunk tokens, with a slope of their own), fitted by exponentially
+  weighted least squares on measured steps (fixed cost and per-row cost);
+  ``delta``: the drafter's measured time per drafting request.
 
 A ratio of sums over nodes that each add ``p_hat`` to ``G`` and ``beta`` to
 ``C`` is maximised by keeping exactly the nodes with ``p_hat`` above
@@ -87,7 +88,8 @@ class LoadBudget:
         self.max_budget = max_budget
         self.decay = 0.5 ** (1.0 / half_life)
         self.cold_min_p = cold_min_p
-        self.moments = np.zeros(5)  # decayed sums: w, T, t, T*T, T*t
+        self.gram = np.zeros((3, 3))  # decayed X^T X and X^T t, X = (1, rows, prefill tokens)
+        self.moment = np.zeros(3)
         self.steps_seen = 0
         self.predicted = 1.0  # decayed sums for rho = accepted / predicted
         self.accepted_nodes = 1.0
@@ -102,10 +104,13 @@ class LoadBudget:
 
     # -- measurements -------------------------------------------------------
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        """One engine step: ``tokens`` scheduled, ``seconds`` of wall time."""
-        self.moments *= self.decay
-        self.moments += (1.0, tokens, seconds, tokens * tokens, tokens * seconds)
+    def observe_step(self, tokens: int, seconds: float, prefill_tokens: int = 0) -> None:
+        """One engine step: ``tokens`` scheduled (``prefill_tokens`` of them
+        prompt chunks, the rest one row per decoding request and its tree
+        nodes), ``seconds`` of wall time."""
+        x = np.array([1.0, tokens - prefill_tokens, prefill_tokens])
+        self.gram = self.gram * self.decay + np.outer(x, x)
+        self.moment = self.moment * self.decay + x * seconds
         self.steps_seen += 1
 
     def observe_tree(self, tree: DraftTree, accepted_nodes: list[int]) -> None:
@@ -118,17 +123,21 @@ class LoadBudget:
         self.draft_seconds = self.draft_seconds * self.decay + seconds
         self.drafted_requests = self.drafted_requests * self.decay + requests
 
-    def cost(self) -> tuple[float, float] | None:
-        """``(alpha, beta)`` of the step-time fit, or None while unknown."""
-        w, s_t, s_y, s_tt, s_ty = self.moments
+    def cost(self) -> tuple[float, float, float] | None:
+        """``(alpha, beta, gamma)``: step time = alpha + beta * decode rows +
+        gamma * prefill tokens (a prompt token costs less than a decode row,
+        so one slope for both would understate a node's cost), or None while
+        unknown. A prefill column never seen is left out of the fit."""
         if self.steps_seen < self.MIN_STEPS:
             return None
-        variance = w * s_tt - s_t * s_t
-        if variance <= 1e-9 * max(w * s_tt, 1.0):
+        used = [0, 1] + ([2] if self.gram[2, 2] > 1e-9 * max(self.gram[0, 0], 1.0) else [])
+        gram = self.gram[np.ix_(used, used)]
+        if np.linalg.cond(gram) > 1e12:
             return None
-        beta = (w * s_ty - s_t * s_y) / variance
-        alpha = (s_y - beta * s_t) / w
-        return max(alpha, 0.0), max(beta, 0.0)
+        solution = np.linalg.solve(gram, self.moment[used])
+        alpha, beta = max(solution[0], 0.0), max(solution[1], 0.0)
+        gamma = max(solution[2], 0.0) if len(used) == 3 else beta
+        return alpha, beta, gamma
 
     def calibration(self) -> float:
         """``rho``: accepted nodes per unit of predicted acceptance."""
@@ -169,7 +178,8 @@ class LoadBudget:
         fit = self.cost()
         if fit is None:
             return [t.keep_best(int((v >= self.cold_min_p).sum())) for t, v in zip(trees, p_hat)]
-        alpha, beta = fit
+        alpha, beta, gamma = fit
+        alpha, other_tokens = alpha + gamma * other_tokens, 0  # prompt chunks: a fixed cost of the step
         delta = self.draft_cost()
         kept = allocate(p_hat, alpha, beta, other_tokens, delta * len(trees))
         gain = len(trees) + sum(float(v[:k].sum()) for v, k in zip(p_hat, kept))

@@ -187,7 +187,10 @@ class TreeRunnerMixin:
             ]
             num_tokens = num_tokens[: len(req_ids)] + [len(s) for s in sampled_token_ids]
         step_tokens = scheduler_output.total_num_scheduled_tokens
-        self.tree_proposer.observe_step(step_tokens, time.perf_counter() - self._step_started)
+        # Tokens beyond one row per request and its drafts: prefill chunks.
+        spec_tokens = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
+        other_tokens = max(step_tokens - len(scheduler_output.num_scheduled_tokens) - spec_tokens, 0)
+        self.tree_proposer.observe_step(step_tokens, time.perf_counter() - self._step_started, other_tokens)
         if self._draft_backend is not None:
             self._draft_backend.first_pass(
                 aux_hidden_states, common_attn_metadata.block_table_tensor, self._accepted_rows, sampled_token_ids
@@ -195,9 +198,6 @@ class TreeRunnerMixin:
         eligible = [
             can_draft(self.requests[r].sampling_params, len(self.requests[r].output_token_ids)) for r in req_ids
         ]
-        # Tokens beyond one row per request and its drafts: prefill chunks.
-        spec_tokens = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
-        other_tokens = max(step_tokens - len(scheduler_output.num_scheduled_tokens) - spec_tokens, 0)
         return self.tree_proposer.propose_trees(
             req_ids, sampled_token_ids, num_tokens, batch.token_ids_cpu, eligible, other_tokens
         )
