@@ -20,8 +20,9 @@ engine step (self time: a phase's time without the phases inside it):
   detokenisation).
 
 Methods: ``none``, ``ngram`` (vLLM's, K=4), ``tree-N`` (adaptive_tree
-retrieval, fixed budget N) and ``tree-0`` (adaptive_tree whose suffix can never
-match: the plugin's cost with no tree at all).
+retrieval, ``load_budget: fixed`` at N), ``tree-adaptive-N`` (the default load
+budget, at most N) and ``tree-0`` (adaptive_tree whose suffix can never match:
+the plugin's cost with no tree at all).
 
 Reproduce (about 12 minutes on 2 CPU cores; writes ``step_profile.{json,md}``)::
 
@@ -53,12 +54,13 @@ def method_config(name: str) -> dict | None:
     if name == "ngram":
         return {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
     if name.startswith("tree-"):
-        budget = int(name.split("-", 1)[1])
-        tree = {"drafter": "retrieval", "policy": "retrieval"}
+        adaptive = name.startswith("tree-adaptive-")
+        budget = int(name.rsplit("-", 1)[1])
+        tree = {"drafter": "retrieval", "policy": "retrieval", "load_budget": "adaptive" if adaptive else "fixed"}
         if budget == 0:
             tree.update(l_max=MAX_LEN, l_min=MAX_LEN)
         return {"method": "adaptive_tree", "num_speculative_tokens": max(budget, 1), "tree": tree}
-    raise ValueError(f"unknown method {name!r}: none, ngram, tree-N")
+    raise ValueError(f"unknown method {name!r}: none, ngram, tree-N, tree-adaptive-N")
 
 
 COLUMNS = {
@@ -160,7 +162,7 @@ def table(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", default="none,ngram,tree-0,tree-1,tree-4,tree-16,tree-60")
+    parser.add_argument("--methods", default="none,ngram,tree-0,tree-1,tree-4,tree-16,tree-60,tree-adaptive-16")
     parser.add_argument("--batch-sizes", default="1,8,64")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--min-prompts", type=int, default=4, help="prompts per pass at least (b=1 runs them in turn)")
