@@ -78,7 +78,7 @@ def install(worker) -> bool:
         _wrap_method(proposer, "propose_trees", "grow")
         from vllm_adaptive_spec.adapter import attention_cpu
 
-        _wrap_method(attention_cpu, "tree_attention", "tree_attention")
+        _wrap_method(attention_cpu, "paged_tree_attention", "tree_attention")
     backend = getattr(runner, "_draft_backend", None)
     if backend is not None:
         _wrap_method(backend, "first_pass", "draft_first_pass")
