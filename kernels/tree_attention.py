@@ -40,6 +40,33 @@ def causal_query_mask(query_start_loc: torch.Tensor, width: int) -> torch.Tensor
     return torch.arange(width, device=query_start_loc.device)[None, :] <= local[:, None]
 
 
+def key_visibility(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_mask: torch.Tensor,
+    span: int,
+    window_lens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each query row's ``request`` and ``local`` row, and the ``[B, L, span]``
+    bool visibility of key positions: every context key, and the
+    ``query_mask`` bits of the request's last ``window`` keys. Padding rows
+    see key 0 only, so their (unused) softmax is defined."""
+    device = query_start_loc.device
+    q_lens = query_start_loc.diff().long()
+    num_rows = int(query_start_loc[-1])
+    batch, max_q = seq_lens.shape[0], int(q_lens.max())
+    request = torch.repeat_interleave(torch.arange(batch, device=device), q_lens, output_size=num_rows)
+    local = torch.arange(num_rows, device=device) - query_start_loc[:-1].long()[request]
+    windows = (q_lens if window_lens is None else window_lens.long())[request].unsqueeze(1)
+    in_query = torch.arange(span, device=device).unsqueeze(0) - (seq_lens.long()[request].unsqueeze(1) - windows)
+    width = query_mask.shape[1]
+    bits = query_mask.gather(1, in_query.clamp(0, width - 1)) & (in_query >= 0) & (in_query < windows) & (in_query < width)
+    visible = torch.zeros(batch, max_q, span, dtype=torch.bool, device=device)
+    visible[:, :, 0] = True
+    visible[request, local] = (in_query < 0) | bits
+    return request, local, visible
+
+
 def tree_attention_reference(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -57,28 +84,14 @@ def tree_attention_reference(
     batch = seq_lens.shape[0]
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     device = query.device
-    q_lens = query_start_loc.diff().long()
-    num_rows = query.shape[0]
-    max_q, max_s = int(q_lens.max()), int(seq_lens.max())
+    max_q, max_s = int(query_start_loc.diff().max()), int(seq_lens.max())
     num_blocks = -(-max_s // block_size)
 
     blocks = block_table[:, :num_blocks].long()
     keys = key_cache[blocks].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_s]
     values = value_cache[blocks].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_s]
 
-    request = torch.repeat_interleave(torch.arange(batch, device=device), q_lens, output_size=num_rows)
-    local = torch.arange(num_rows, device=device) - query_start_loc[:-1].long()[request]
-    windows = q_lens if window_lens is None else window_lens.long()
-    context = (seq_lens.long() - windows)[request].unsqueeze(1)
-    key_pos = torch.arange(max_s, device=device).unsqueeze(0)
-    in_query = key_pos - context
-    mask_width = query_mask.shape[1]
-    own = torch.zeros(num_rows, max_s, dtype=torch.bool, device=device)
-    valid = (in_query >= 0) & (in_query < windows[request].unsqueeze(1)) & (in_query < mask_width)
-    own[valid] = query_mask.gather(1, in_query.clamp(0, mask_width - 1))[valid]
-    visible = torch.zeros(batch, max_q, max_s, dtype=torch.bool, device=device)
-    visible[:, :, 0] = True  # padding rows see one key, so their (unused) softmax is defined
-    visible[request, local] = (key_pos < context) | own
+    request, local, visible = key_visibility(query_start_loc, seq_lens, query_mask, max_s, window_lens)
 
     queries = torch.zeros(batch, max_q, *query.shape[1:], dtype=torch.float32, device=device)
     queries[request, local] = query.float()

@@ -59,7 +59,7 @@ def allocate(p_hat: list[np.ndarray], alpha: float, beta: float, other_tokens: i
     cost = alpha + fixed_cost + beta * (other_tokens + batch)
     if batch == 0:
         return []
-    values = np.concatenate([np.asarray(v, dtype=np.float64) for v in p_hat]) if batch else np.zeros(0)
+    values = np.concatenate([np.asarray(v, dtype=np.float64) for v in p_hat])
     owners = np.concatenate([np.full(len(v), r) for r, v in enumerate(p_hat)]).astype(np.int64)
     order = np.argsort(-values, kind="stable")
     kept = np.zeros(batch, dtype=np.int64)

@@ -29,6 +29,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from kernels.tree_attention import key_visibility
 from vllm_adaptive_spec.adapter import step as tree_step
 
 PINNED_LAYOUTS = ("vec", "vec16")
@@ -63,21 +64,8 @@ class PagePlan:
 
 
 def plan_pages(block_table, query_start_loc, seq_lens, query_mask, block_size, window_lens=None) -> PagePlan:
-    q_lens = query_start_loc.diff().long()
-    num_rows = int(query_start_loc[-1])
-    batch, max_q = seq_lens.shape[0], int(q_lens.max())
     num_blocks = -(-int(seq_lens.max()) // block_size)
-    span = num_blocks * block_size
-    request = torch.repeat_interleave(torch.arange(batch), q_lens, output_size=num_rows)
-    local = torch.arange(num_rows) - query_start_loc[:-1].long()[request]
-    windows = (q_lens if window_lens is None else window_lens.long())[request]
-    context = (seq_lens.long()[request] - windows).unsqueeze(1)
-    own = torch.arange(span).unsqueeze(0) - context
-    width = query_mask.shape[1]
-    bits = query_mask.gather(1, own.clamp(0, width - 1)) & (own >= 0) & (own < windows.unsqueeze(1)) & (own < width)
-    visible = torch.zeros(batch, max_q, span, dtype=torch.bool)
-    visible[:, :, 0] = True  # padding rows see one key, so their (unused) softmax is defined
-    visible[request, local] = (own < 0) | bits
+    request, local, visible = key_visibility(query_start_loc, seq_lens, query_mask, num_blocks * block_size, window_lens)
     return PagePlan(block_table[:, :num_blocks].long(), request, local, visible)
 
 

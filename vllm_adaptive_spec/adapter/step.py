@@ -113,7 +113,7 @@ def build_step(
         masks.append(mask)
         rows.append(torch.arange(start, start + length))
         starts.append(starts[-1] + length)
-    branching = [k for k, tree in enumerate(trees) if tree.parents != list(range(-1, len(tree) - 1))]
+    branching = [k for k, tree in enumerate(trees) if tree.branches()]
     attention = None
     if branching:
         lengths = [query_lens[k] for k in branching]
