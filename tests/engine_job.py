@@ -5,26 +5,51 @@ Usage: python tests/engine_job.py JOB.json OUT.json
 JOB keys: model, prompt_token_ids (list of lists), max_tokens; optional:
 dtype, speculative_config, temperature, top_p, top_k, seeds (one per prompt),
 stop, ignore_eos, max_model_len, max_num_seqs, max_num_batched_tokens,
-num_gpu_blocks_override, block_size, abort_after_steps ({prompt index: engine steps}).
+num_gpu_blocks_override, block_size, abort_after_steps ({prompt index: engine steps}),
+pause_pattern ([d, p]: the plugin drafts d steps, then pauses p steps, as the load
+budget does when drafting does not pay; repeated), processes (default false).
+
 max_model_len defaults to the longest prompt plus max_tokens plus 128 (so
-drafting is never cut near the end), rounded up to a multiple of 128. The KV cache is sized by ``vllm_adaptive_spec.kv_cache_size``
-for max_num_seqs requests of max_model_len tokens.
+drafting is never cut near the end), rounded up to a multiple of 128. The KV
+cache is sized by ``vllm_adaptive_spec.kv_cache_size`` for max_num_seqs
+requests of max_model_len tokens.
 OUT: token_ids, texts, finish_reasons (per prompt; aborted prompts get None),
 metrics (vLLM's spec-decode, preemption and prefix-cache counters),
 tree_stats (the plugin's, when active), num_gpu_blocks (the engine's KV blocks).
 
 Requests go through ``LLMEngine.add_request``/``step`` so a job can abort some
-of them mid-generation. Each engine runs in a fresh process: vLLM's CPU engine
-spawns its workers, and one engine per process keeps tests apart.
+of them mid-generation. Each job runs in a fresh process, so engines never
+share state.
+The engine runs in this process (vLLM's in-process engine core and its
+single-process executor: the same scheduler, worker and model runner), which
+saves the two interpreters vLLM would otherwise start and import itself into
+(about 30 s of a 2-core machine per engine); ``processes: true`` keeps vLLM's
+default layout (an EngineCore process and a worker process).
 """
 
+import functools
+import itertools
 import json
+import os
 import sys
+
+
+def pause_drafting(worker, drafting: int, paused: int) -> None:
+    """Replace the load budget's pause decision by a fixed pattern (sent into
+    the worker with ``collective_rpc``)."""
+    steps = itertools.count()
+    worker.model_runner.tree_proposer.drafting_this_step = lambda: next(steps) % (drafting + paused) < drafting
 
 
 def main(job_path: str, out_path: str) -> None:
     with open(job_path, encoding="utf-8") as handle:
         job = json.load(handle)
+    in_process = not job.get("processes", False)
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if "pause_pattern" in job:
+        # collective_rpc pickles the function only with this set.
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
     from vllm import LLM, SamplingParams
 
@@ -43,7 +68,11 @@ def main(job_path: str, out_path: str) -> None:
             block_size=job.get("block_size"),
         ),
         **extra,
+        **({"distributed_executor_backend": "uni"} if in_process else {}),
     )
+    if "pause_pattern" in job:
+        llm.collective_rpc(functools.partial(pause_drafting, drafting=job["pause_pattern"][0],
+                                             paused=job["pause_pattern"][1]))
     engine = llm.llm_engine
     seeds = job.get("seeds") or [None] * len(prompts)
     for index, (ids, seed) in enumerate(zip(prompts, seeds)):

@@ -81,6 +81,7 @@ def test_loads_in_engine_processes_and_changes_nothing_unselected(demo_model, de
         "dtype": "float32",
         "prompt_token_ids": [chat_token_ids(demo_tokenizer, p.messages) for p in prompts],
         "max_tokens": 32,
+        "processes": True,
     }
     with_plugin = run_engine_job(tmp_path / "with", job)
     without_plugin = run_engine_job(tmp_path / "without", job, env={"VLLM_PLUGINS": "none-but-stock"})
