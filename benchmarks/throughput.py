@@ -445,9 +445,12 @@ def _row(
     if not speculative or not spec["drafts"]:
         row["tau"] = None
         row["verified_per_step"] = None
+        row["drafting_share"] = 0.0 if speculative else None
     else:
         row["tau"] = 1 + spec["accepted_tokens"] / spec["drafts"]
         row["verified_per_step"] = spec["draft_tokens"] / spec["drafts"]
+        # Every request step commits one token plus its accepted drafts.
+        row["drafting_share"] = spec["drafts"] / max(run["generated_tokens"] - spec["accepted_tokens"], 1)
     if base is not None:
         row["ratio_vs_none"] = run["tok_per_s"] / base["tok_per_s"]
         same = [a == b for a, b in zip(run["token_ids"], base["token_ids"])]
@@ -472,20 +475,22 @@ def markdown(report: dict) -> str:
         f"x{report['machine']['nproc']}; {report['timestamp']}",
         "",
         "tau = 1 + accepted / drafts (tokens per step of a drafting request); verified nodes/step = "
-        "draft tokens / drafts; same as none = prompts whose greedy token ids equal none's at that batch size.",
+        "draft tokens / drafts; drafting = share of request steps that verified a draft (generated tokens = "
+        "request steps + accepted tokens); same as none = prompts whose greedy token ids equal none's at that "
+        "batch size.",
         "",
-        "| batch | prompts | method | tok/s | vs none | tau | verified nodes/step | same as none |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| batch | prompts | method | tok/s | vs none | tau | verified nodes/step | drafting | same as none |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in report["results"]:
         if "error" in row:
-            lines.append(f"| {row['batch_size']} | {row['num_prompts']} | {row['method']} | error | | | | |")
+            lines.append(f"| {row['batch_size']} | {row['num_prompts']} | {row['method']} | error | | | | | |")
             continue
         same = row.get("same_as_none")
         lines.append(
             f"| {row['batch_size']} | {row['num_prompts']} | {row['method']} | {row['tok_per_s']:.1f} | "
             f"{_fmt(row.get('ratio_vs_none'), '.2f')} | {_fmt(row['tau'], '.2f')} | "
-            f"{_fmt(row['verified_per_step'], '.2f')} | "
+            f"{_fmt(row['verified_per_step'], '.2f')} | {_fmt(row.get('drafting_share'), '.0%')} | "
             f"{'n/a' if same is None else f'{same[0]}/{same[1]}'} |"
         )
     errors = [row for row in report["results"] if "error" in row]

@@ -39,15 +39,27 @@ class PagedDraftBackend:
         self._root_probs: dict[int, torch.Tensor] = {}
         self._root_hidden: dict[int, torch.Tensor] = {}
         self._context: dict[int, tuple[int, int]] = {}  # batch row -> (C, root row position)
+        self._behind: dict[str, int] = {}  # draft LM: request -> first position without draft KV
+
+    def forget(self, request_ids) -> None:
+        for request_id in request_ids:
+            self._behind.pop(request_id, None)
 
     # -- step start ---------------------------------------------------------------
     def first_pass(self, aux_hidden_states, block_table: torch.Tensor, accepted: dict[int, list[int]],
-                   sampled: list[list[int]]) -> None:
+                   sampled: list[list[int]], drafting: bool = True) -> None:
         """``accepted[row]``: for requests verified with a tree, the query rows
         (absolute) of their committed tokens in chain order; other requests
         committed all their scheduled rows. ``sampled``: each request's new
         tokens this step (empty for a partial prefill, whose next token is
-        the next prompt token)."""
+        the next prompt token).
+
+        ``drafting`` False (the load budget paused drafting): no distribution
+        is needed. An EAGLE-3 head still runs its layer (it reads the
+        target's hidden states of this step only), without its LM head; a
+        draft LM skips the pass and remembers where its KV stops, and the
+        next drafting step feeds it every token since (one batched catch-up
+        pass), so the draft KV is complete when drafting resumes."""
         runner = self.runner
         batch = runner.input_batch
         num_reqs = batch.num_reqs
@@ -66,6 +78,9 @@ class PagedDraftBackend:
             p0 = int(positions[chain[0]])
             m = len(chain)
             next_position = p0 + m
+            if not drafting and not self.is_eagle3:
+                self._behind.setdefault(batch.req_ids[i], p0)
+                continue
             if sampled[i]:
                 next_token = sampled[i][-1]
             elif next_position < int(batch.num_prompt_tokens[i]):
@@ -80,8 +95,10 @@ class PagedDraftBackend:
                 hidden_rows.append(chain_t)
                 self._context[i] = (p0 + m, p0 + m - 1)
             else:
-                tokens.append(torch.cat([ids, ids.new_tensor([next_token])]))
-                pos.append(torch.arange(p0, p0 + m + 1))
+                start = min(self._behind.pop(batch.req_ids[i], p0), p0)
+                missed = torch.from_numpy(batch.token_ids_cpu[i, start:p0].astype(np.int64)).to(ids.device)
+                tokens.append(torch.cat([missed, ids, ids.new_tensor([next_token])]))
+                pos.append(torch.arange(start, p0 + m + 1))
                 self._context[i] = (p0 + m + 1, p0 + m)
             lens.append(len(tokens[-1]))
             batch_rows.append(i)
@@ -101,9 +118,13 @@ class PagedDraftBackend:
             aux = torch.cat(aux_hidden_states, dim=-1)[torch.cat(hidden_rows)]
             hidden = self.native.model.combine_hidden_states(aux)
         tree_step.publish(None)
-        logits, out_hidden = self._run(tokens_t, positions_t, hidden, slots, starts, seq_lens, block_table[rows_t])
         last = starts[1:].long() - 1
-        probs = logits[last].float().softmax(-1)
+        logits, out_hidden = self._run(tokens_t, positions_t, hidden, slots, starts, seq_lens, block_table[rows_t],
+                                       logit_rows=last if drafting else last[:0])
+        if not drafting:
+            self._context.clear()
+            return
+        probs = logits.float().softmax(-1)
         for k, i in enumerate(batch_rows):
             self._root_probs[i] = probs[k]
             if out_hidden is not None:
@@ -208,7 +229,9 @@ class PagedDraftBackend:
         blocks = block_table[batch_rows, positions // block_size].to(torch.long)
         return blocks * block_size + positions % block_size
 
-    def _run(self, tokens, positions, hidden, slots, starts, seq_lens, block_table):
+    def _run(self, tokens, positions, hidden, slots, starts, seq_lens, block_table, logit_rows=None):
+        """One draft-model forward; the logits of ``logit_rows`` only (all rows
+        when None: the LM head is a large part of a small draft model's cost)."""
         native = self.native
         num_tokens = int(tokens.shape[0])
         metadata = CommonAttentionMetadata(
@@ -231,4 +254,6 @@ class PagedDraftBackend:
                 normed, prenorm = native.model(input_ids=tokens, positions=positions, hidden_states=hidden)
             else:
                 normed, prenorm = native.model(input_ids=tokens, positions=positions), None
+        if logit_rows is not None:
+            normed = normed[logit_rows]
         return native.model.compute_logits(normed), prenorm

@@ -111,6 +111,11 @@ class TreeProposer:
         if self.load_budget is not None:
             self.load_budget.observe_step(step_tokens, step_seconds, prefill_tokens)
 
+    def drafting_this_step(self) -> bool:
+        """Whether this step drafts at all (the load budget may pause it); asked
+        once per step, before any draft pass."""
+        return self.load_budget is None or self.load_budget.drafts()
+
     def propose_trees(
         self,
         request_ids: list[str],
@@ -119,13 +124,14 @@ class TreeProposer:
         token_ids: np.ndarray,
         eligible: list[bool],
         other_tokens: int = 0,
+        drafting: bool = True,
     ) -> list[list[int]]:
         """One tree of at most ``N`` nodes per request (empty when it may not
-        draft), cut by the load budget when it is on (``other_tokens``: the
-        next step's scheduled tokens besides the trees', as far as known);
-        returns each tree's tokens, breadth-first, as vLLM's draft token ids."""
+        draft, or when ``drafting`` is False), cut by the load budget when it
+        is on (``other_tokens``: the next step's scheduled tokens besides the
+        trees', as far as known); returns each tree's tokens, breadth-first,
+        as vLLM's draft token ids."""
         budgets, active, contexts = [], [], []
-        drafting = self.load_budget is None or self.load_budget.drafts()
         self.stats.proposals += 1
         self.stats.paused += not drafting
         for i, request_id in enumerate(request_ids):

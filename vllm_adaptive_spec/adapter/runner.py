@@ -73,6 +73,8 @@ class TreeRunnerMixin:
         result = super()._update_states(scheduler_output)
         gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
         self.tree_proposer.forget(gone)
+        if self._draft_backend is not None:
+            self._draft_backend.forget(gone)
         return result
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
@@ -191,15 +193,17 @@ class TreeRunnerMixin:
         spec_tokens = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
         other_tokens = max(step_tokens - len(scheduler_output.num_scheduled_tokens) - spec_tokens, 0)
         self.tree_proposer.observe_step(step_tokens, time.perf_counter() - self._step_started, other_tokens)
+        drafting = self.tree_proposer.drafting_this_step()
         if self._draft_backend is not None:
             self._draft_backend.first_pass(
-                aux_hidden_states, common_attn_metadata.block_table_tensor, self._accepted_rows, sampled_token_ids
+                aux_hidden_states, common_attn_metadata.block_table_tensor, self._accepted_rows, sampled_token_ids,
+                drafting,
             )
         eligible = [
             can_draft(self.requests[r].sampling_params, len(self.requests[r].output_token_ids)) for r in req_ids
         ]
         return self.tree_proposer.propose_trees(
-            req_ids, sampled_token_ids, num_tokens, batch.token_ids_cpu, eligible, other_tokens
+            req_ids, sampled_token_ids, num_tokens, batch.token_ids_cpu, eligible, other_tokens, drafting
         )
 
     def adaptive_tree_stats(self) -> dict[str, float]:
