@@ -99,13 +99,17 @@ def worker(job_path: str) -> None:
     # The timers are installed by sending a function to the worker process
     # (collective_rpc), which vLLM only pickles with this set.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    in_process = job.get("engine_layout") == "in-process"
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
     from vllm_adaptive_spec.adapter import step_profile
     from vllm_adaptive_spec.kv_cache_size import engine_kwargs
 
     llm = LLM(**engine_kwargs(job["model"], job["dtype"], job["max_model_len"], max(job["batch_sizes"]),
-                              job["speculative_config"]))
+                              job["speculative_config"]),
+              **({"distributed_executor_backend": "uni"} if in_process else {}))
     engine = llm.llm_engine
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in job["conversations"]]
@@ -169,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32",
                         help="float32 (default): on CPUs without native bf16 (AVX2 only), bf16 matmuls cost "
                              "the same per row whatever the batch, so no speculation can pay there")
+    parser.add_argument("--engine-layout", choices=("processes", "in-process"), default="processes",
+                        help="as in benchmarks/throughput.py: vLLM's processes, or engine and worker in one process")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -193,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
         job = {"model": model, "dtype": args.dtype, "speculative_config": method_config(method),
                "batch_sizes": batch_sizes, "max_tokens": args.max_tokens, "min_prompts": args.min_prompts,
                "max_model_len": _needed_model_len(model, conversations, args.max_tokens),
-               "conversations": conversations, "result_path": str(out / f"profile-{method}.result.json")}
+               "conversations": conversations, "result_path": str(out / f"profile-{method}.result.json"),
+               "engine_layout": args.engine_layout}
         job_path = out / f"profile-{method}.job.json"
         job_path.write_text(json.dumps(job), encoding="utf-8")
         print(f"{method} ...", flush=True)

@@ -250,6 +250,10 @@ def worker(job_path: str) -> None:
         # vLLM only pickles with this set.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
+    in_process = job["engine_layout"] == "in-process"
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
     import vllm
     from vllm import LLM, SamplingParams
 
@@ -257,7 +261,8 @@ def worker(job_path: str) -> None:
 
     started = time.perf_counter()
     llm = LLM(**engine_kwargs(job["model"], job["dtype"], job["max_model_len"], job["max_num_seqs"],
-                              job["speculative_config"]))
+                              job["speculative_config"]),
+              **({"distributed_executor_backend": "uni"} if in_process else {}))
     startup_s = time.perf_counter() - started
     params = SamplingParams(temperature=job["temperature"], max_tokens=job["max_tokens"], ignore_eos=False)
     conversations = job["conversations"]
@@ -470,7 +475,8 @@ def markdown(report: dict) -> str:
         "",
         f"prompts per pass: {s['num_prompts']} ({s['prompt_order']}), temperature={s['temperature']}, "
         f"max_tokens={s['max_tokens']}, dtype={s['dtype']}, retrieval budget={s['budget']}, ngram K={s['ngram_k']}, "
-        f"chain K={s['chain_k']}, eagle2 N={s['tree_budget']}, engine per {s['engine_per']}; "
+        f"chain K={s['chain_k']}, eagle2 N={s['tree_budget']}, engine per {s['engine_per']}, "
+        f"engine layout {s.get('engine_layout', 'processes')}; "
         f"vLLM {report['vllm_version']}, {report['machine']['cpu_model'] or report['machine']['processor']} "
         f"x{report['machine']['nproc']}; {report['timestamp']}",
         "",
@@ -542,6 +548,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32",
                         help="float32 (default): on CPUs without native bf16 (AVX2 only), bf16 matmuls cost "
                              "the same per row whatever the batch, so no speculation can pay there")
+    parser.add_argument("--engine-layout", choices=("processes", "in-process"), default="processes",
+                        help="processes (default): vLLM's own layout (an EngineCore process and a worker "
+                             "process); in-process: both in the benchmark's worker process (vLLM's "
+                             "VLLM_ENABLE_V1_MULTIPROCESSING=0 and the single-process executor). On a 2-core "
+                             "machine vLLM gives the worker one core and the engine core the other, and the "
+                             "processes' polling adds 20-40 ms to every step (more to speculative steps)")
     parser.add_argument("--max-model-len", type=int, default=0,
                         help="0 (default): the longest prompt plus --max-tokens plus 128, rounded up to 128; "
                              "the KV cache is sized for --max-num-seqs requests of this length")
@@ -597,6 +609,7 @@ def main(argv: list[str] | None = None) -> None:
         "categories": [p.category for p in prompts],
         "by_category": args.by_category,
         "temperature": args.temperature,
+        "engine_layout": args.engine_layout,
     }
     # (method, batch size) -> run or error; engine records per job.
     runs: dict[tuple[str, int], dict] = {}
@@ -686,6 +699,7 @@ def main(argv: list[str] | None = None) -> None:
             "tree_budget": args.tree_budget,
             "ignore_eos": False,
             "dtype": args.dtype,
+            "engine_layout": args.engine_layout,
             "max_model_len": args.max_model_len,
             "budget": args.budget,
             "ngram_k": args.ngram_k,

@@ -29,8 +29,10 @@ confident keeps many nodes, one with thin evidence none.
 Down to no speculation: drafting itself costs ``delta`` per request; after
 ``pause_after`` steps in a row whose expected rate with the kept nodes (and
 the drafting) was below the rate without drafting, drafting pauses for
-``pause_steps`` steps (doubling while it keeps not paying, up to
-``max_pause``), then drafts again to look.
+``pause_steps`` steps, then drafts one step to look (a probe): a probe that
+does not pay pauses again at once, for twice as long (up to ``max_pause``).
+Decision: one probe, not ``pause_after`` steps, since a model drafter's
+tree costs several draft passes however few of its nodes are kept.
 
 Shape: a branching tree may cost more than a chain of the same size (on
 vLLM's CPU platform a chain runs in vLLM's own attention kernel and a
@@ -101,6 +103,7 @@ class LoadBudget:
         self._losing_steps = 0
         self._paused = 0
         self._next_pause = pause_steps
+        self._probing = False  # the step after a pause
 
     # -- measurements -------------------------------------------------------
 
@@ -163,6 +166,7 @@ class LoadBudget:
         """Whether this step drafts at all (False while paused)."""
         if self._paused > 0:
             self._paused -= 1
+            self._probing = self._paused == 0
             return False
         return True
 
@@ -199,9 +203,10 @@ class LoadBudget:
         return chosen
 
     def _account(self, p_hat, kept, alpha, beta, other_tokens, delta) -> None:
-        """Pause drafting after ``pause_after`` steps in a row whose kept
-        nodes were expected to return less than the drafting cost."""
+        """Pause drafting after ``pause_after`` steps in a row (or one probe)
+        whose kept nodes were expected to return less than the drafting cost."""
         batch = len(p_hat)
+        probing, self._probing = self._probing, False
         if batch == 0 or delta <= 0.0:
             return
         gain = batch + sum(float(v[:k].sum()) for v, k in zip(p_hat, kept))
@@ -213,7 +218,7 @@ class LoadBudget:
             self._next_pause = self.pause_steps
             return
         self._losing_steps += 1
-        if self._losing_steps >= self.pause_after:
+        if probing or self._losing_steps >= self.pause_after:
             self._paused = self._next_pause
             self._next_pause = min(2 * self._next_pause, self.max_pause)
             self._losing_steps = 0
