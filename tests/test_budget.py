@@ -74,6 +74,26 @@ def test_cost_fit_tells_prompt_tokens_from_decode_rows():
     assert budget.cost() == pytest.approx((0.03, 0.004, 0.0002))
 
 
+def test_a_trees_fixed_cost_is_fitted_and_only_confident_trees_pay_it():
+    """Verifying a tree costs eta beyond its rows: the fit separates it from
+    the per-row cost, and a tree whose nodes return less than eta is not
+    verified while a confident one keeps all its nodes."""
+    budget = LoadBudget(max_budget=8, half_life=1e9)
+    rng = np.random.default_rng(2)
+    for _ in range(80):
+        trees = int(rng.integers(0, 5))
+        rows = 4 + trees * int(rng.integers(1, 9))
+        budget.observe_step(rows, 0.05 + 0.002 * rows + 0.03 * trees, 0, trees)
+    assert budget.cost() == pytest.approx((0.05, 0.002, 0.002))
+    assert budget.tree_cost() == pytest.approx(0.03)
+    confident = DraftTree.chain([1, 2, 3])
+    confident.q = [0.95, 0.95, 0.95]
+    weak = DraftTree.chain([4, 5, 6])
+    weak.q = [0.3, 0.3, 0.3]  # p = .3, .09, .03: less than eta's worth of tokens
+    assert budget.choose([confident, weak], other_tokens=0) == [confident, DraftTree()]
+    assert LoadBudget(max_budget=8).tree_cost() == 0.0  # unknown before any step
+
+
 def test_calibration_discounts_an_optimistic_drafter():
     budget = LoadBudget(max_budget=8, half_life=1e9)
     chain = DraftTree.chain([1, 2, 3, 4])  # q = 1: predicted 4 accepted nodes per tree

@@ -17,6 +17,11 @@ maximise the expected committed tokens per second of the next step::
   prompt-chunk tokens, with a slope of their own), fitted by exponentially
   weighted least squares on measured steps (fixed cost and per-row cost);
   ``delta``: the drafter's measured time per drafting request.
+* ``eta``: what verifying a tree costs beyond its rows (layout, verification,
+  KV compaction), fitted in the same regression with the step's number of
+  trees as a fourth column. Decision: without it that cost lands in
+  ``beta`` and the budget trims nodes while still paying it; with it a
+  request's tree is kept only when its nodes' net return pays ``eta``.
 
 A ratio of sums over nodes that each add ``p_hat`` to ``G`` and ``beta`` to
 ``C`` is maximised by keeping exactly the nodes with ``p_hat`` above
@@ -90,8 +95,8 @@ class LoadBudget:
         self.max_budget = max_budget
         self.decay = 0.5 ** (1.0 / half_life)
         self.cold_min_p = cold_min_p
-        self.gram = np.zeros((3, 3))  # decayed X^T X and X^T t, X = (1, rows, prefill tokens)
-        self.moment = np.zeros(3)
+        self.gram = np.zeros((4, 4))  # decayed X^T X and X^T t, X = (1, rows, prefill tokens, trees)
+        self.moment = np.zeros(4)
         self.steps_seen = 0
         self.predicted = 1.0  # decayed sums for rho = accepted / predicted
         self.accepted_nodes = 1.0
@@ -107,11 +112,11 @@ class LoadBudget:
 
     # -- measurements -------------------------------------------------------
 
-    def observe_step(self, tokens: int, seconds: float, prefill_tokens: int = 0) -> None:
+    def observe_step(self, tokens: int, seconds: float, prefill_tokens: int = 0, trees: int = 0) -> None:
         """One engine step: ``tokens`` scheduled (``prefill_tokens`` of them
         prompt chunks, the rest one row per decoding request and its tree
-        nodes), ``seconds`` of wall time."""
-        x = np.array([1.0, tokens - prefill_tokens, prefill_tokens])
+        nodes; ``trees`` requests verified a tree), ``seconds`` of wall time."""
+        x = np.array([1.0, tokens - prefill_tokens, prefill_tokens, trees])
         self.gram = self.gram * self.decay + np.outer(x, x)
         self.moment = self.moment * self.decay + x * seconds
         self.steps_seen += 1
@@ -131,16 +136,31 @@ class LoadBudget:
         gamma * prefill tokens (a prompt token costs less than a decode row,
         so one slope for both would understate a node's cost), or None while
         unknown. A prefill column never seen is left out of the fit."""
+        solution = self._solve()
+        return None if solution is None else tuple(solution[:3])
+
+    def tree_cost(self) -> float:
+        """``eta``: seconds a verified tree costs beyond its rows (0 until known)."""
+        solution = self._solve()
+        return 0.0 if solution is None else solution[3]
+
+    def _solve(self) -> list[float] | None:
+        """``[alpha, beta, gamma, eta]`` (each >= 0); a column never seen is
+        left out (gamma then equals beta, eta is 0), as is the trees column
+        when it cannot be told apart from the others."""
         if self.steps_seen < self.MIN_STEPS:
             return None
-        used = [0, 1] + ([2] if self.gram[2, 2] > 1e-9 * max(self.gram[0, 0], 1.0) else [])
-        gram = self.gram[np.ix_(used, used)]
-        if np.linalg.cond(gram) > 1e12:
+        seen = lambda k: self.gram[k, k] > 1e-9 * max(self.gram[0, 0], 1.0)  # noqa: E731
+        base = [0, 1] + ([2] if seen(2) else [])
+        for used in ([*base, 3], base) if seen(3) else (base,):
+            gram = self.gram[np.ix_(used, used)]
+            if np.linalg.cond(gram) <= 1e12:
+                break
+        else:
             return None
-        solution = np.linalg.solve(gram, self.moment[used])
-        alpha, beta = max(solution[0], 0.0), max(solution[1], 0.0)
-        gamma = max(solution[2], 0.0) if len(used) == 3 else beta
-        return alpha, beta, gamma
+        values = dict(zip(used, np.linalg.solve(gram, self.moment[used])))
+        alpha, beta = max(values[0], 0.0), max(values[1], 0.0)
+        return [alpha, beta, max(values.get(2, beta), 0.0), max(values.get(3, 0.0), 0.0)]
 
     def calibration(self) -> float:
         """``rho``: accepted nodes per unit of predicted acceptance."""
@@ -184,11 +204,14 @@ class LoadBudget:
             return [t.keep_best(int((v >= self.cold_min_p).sum())) for t, v in zip(trees, p_hat)]
         alpha, beta, gamma = fit
         alpha, other_tokens = alpha + gamma * other_tokens, 0  # prompt chunks: a fixed cost of the step
-        delta = self.draft_cost()
+        delta, eta = self.draft_cost(), self.tree_cost()
         kept = allocate(p_hat, alpha, beta, other_tokens, delta * len(trees))
-        gain = len(trees) + sum(float(v[:k].sum()) for v, k in zip(p_hat, kept))
-        seconds = alpha + delta * len(trees) + beta * (other_tokens + len(trees) + sum(kept))
-        rate = gain / seconds
+        for _ in range(2):  # drop the trees whose nodes do not pay eta, at the resulting rate
+            gain = len(trees) + sum(float(v[:k].sum()) for v, k in zip(p_hat, kept))
+            seconds = (alpha + delta * len(trees) + beta * (other_tokens + len(trees) + sum(kept))
+                       + eta * sum(k > 0 for k in kept))
+            rate = gain / seconds
+            kept = [k if float(v[:k].sum()) - beta * k * rate >= eta * rate else 0 for v, k in zip(p_hat, kept)]
         chosen = []
         for tree, count in zip(trees, kept):
             tree = tree.keep_best(count)
@@ -199,10 +222,10 @@ class LoadBudget:
                 if net < self.branch_cost() * rate:
                     tree = path
             chosen.append(tree)
-        self._account(p_hat, kept, alpha, beta, other_tokens, delta)
+        self._account(p_hat, kept, alpha, beta, other_tokens, delta, eta)
         return chosen
 
-    def _account(self, p_hat, kept, alpha, beta, other_tokens, delta) -> None:
+    def _account(self, p_hat, kept, alpha, beta, other_tokens, delta, eta=0.0) -> None:
         """Pause drafting after ``pause_after`` steps in a row (or one probe)
         whose kept nodes were expected to return less than the drafting cost."""
         batch = len(p_hat)
@@ -211,7 +234,7 @@ class LoadBudget:
             return
         gain = batch + sum(float(v[:k].sum()) for v, k in zip(p_hat, kept))
         base = alpha + beta * (other_tokens + batch)
-        with_drafting = gain / (base + beta * sum(kept) + delta * batch)
+        with_drafting = gain / (base + beta * sum(kept) + delta * batch + eta * sum(k > 0 for k in kept))
         without = batch / base
         if with_drafting >= without:
             self._losing_steps = 0

@@ -107,9 +107,9 @@ class TreeProposer:
         for tree, nodes in zip(trees, accepted):
             self.load_budget.observe_tree(tree, nodes)
 
-    def observe_step(self, step_tokens: int, step_seconds: float, prefill_tokens: int) -> None:
+    def observe_step(self, step_tokens: int, step_seconds: float, prefill_tokens: int, trees: int = 0) -> None:
         if self.load_budget is not None:
-            self.load_budget.observe_step(step_tokens, step_seconds, prefill_tokens)
+            self.load_budget.observe_step(step_tokens, step_seconds, prefill_tokens, trees)
 
     def drafting_this_step(self) -> bool:
         """Whether this step drafts at all (the load budget may pause it); asked

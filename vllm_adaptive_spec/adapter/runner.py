@@ -190,9 +190,11 @@ class TreeRunnerMixin:
             num_tokens = num_tokens[: len(req_ids)] + [len(s) for s in sampled_token_ids]
         step_tokens = scheduler_output.total_num_scheduled_tokens
         # Tokens beyond one row per request and its drafts: prefill chunks.
-        spec_tokens = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
+        drafts = scheduler_output.scheduled_spec_decode_tokens.values()
+        spec_tokens = sum(len(d) for d in drafts)
         other_tokens = max(step_tokens - len(scheduler_output.num_scheduled_tokens) - spec_tokens, 0)
-        self.tree_proposer.observe_step(step_tokens, time.perf_counter() - self._step_started, other_tokens)
+        self.tree_proposer.observe_step(step_tokens, time.perf_counter() - self._step_started, other_tokens,
+                                        sum(1 for d in drafts if d))
         drafting = self.tree_proposer.drafting_this_step()
         if self._draft_backend is not None:
             self._draft_backend.first_pass(
