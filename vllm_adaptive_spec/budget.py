@@ -150,9 +150,9 @@ class LoadBudget:
         when it cannot be told apart from the others."""
         if self.steps_seen < self.MIN_STEPS:
             return None
-        seen = lambda k: self.gram[k, k] > 1e-9 * max(self.gram[0, 0], 1.0)  # noqa: E731
-        base = [0, 1] + ([2] if seen(2) else [])
-        for used in ([*base, 3], base) if seen(3) else (base,):
+        seen = self.gram.diagonal() > 1e-9 * max(self.gram[0, 0], 1.0)
+        base = [0, 1] + ([2] if seen[2] else [])
+        for used in ([*base, 3], base) if seen[3] else (base,):
             gram = self.gram[np.ix_(used, used)]
             if np.linalg.cond(gram) <= 1e12:
                 break
@@ -199,18 +199,23 @@ class LoadBudget:
         rho = self.calibration()
         p_hat = [np.sort(np.asarray(t.path_probabilities(), dtype=np.float64))[::-1][: self.max_budget] * rho
                  for t in trees]
-        fit = self.cost()
+        fit = self._solve()
         if fit is None:
             return [t.keep_best(int((v >= self.cold_min_p).sum())) for t, v in zip(trees, p_hat)]
-        alpha, beta, gamma = fit
+        alpha, beta, gamma, eta = fit
         alpha, other_tokens = alpha + gamma * other_tokens, 0  # prompt chunks: a fixed cost of the step
-        delta, eta = self.draft_cost(), self.tree_cost()
-        kept = allocate(p_hat, alpha, beta, other_tokens, delta * len(trees))
-        for _ in range(2):  # drop the trees whose nodes do not pay eta, at the resulting rate
+        delta = self.draft_cost()
+
+        def expected_rate(kept: list[int]) -> float:
+            """Committed tokens per second of the step with ``kept`` nodes per tree."""
             gain = len(trees) + sum(float(v[:k].sum()) for v, k in zip(p_hat, kept))
             seconds = (alpha + delta * len(trees) + beta * (other_tokens + len(trees) + sum(kept))
                        + eta * sum(k > 0 for k in kept))
-            rate = gain / seconds
+            return gain / seconds
+
+        kept = allocate(p_hat, alpha, beta, other_tokens, delta * len(trees))
+        for _ in range(2):  # drop the trees whose nodes do not pay eta, at the resulting rate
+            rate = expected_rate(kept)
             kept = [k if float(v[:k].sum()) - beta * k * rate >= eta * rate else 0 for v, k in zip(p_hat, kept)]
         chosen = []
         for tree, count in zip(trees, kept):
@@ -222,20 +227,17 @@ class LoadBudget:
                 if net < self.branch_cost() * rate:
                     tree = path
             chosen.append(tree)
-        self._account(p_hat, kept, alpha, beta, other_tokens, delta, eta)
+        measurable = bool(trees) and delta > 0.0
+        self._account(expected_rate(kept) if measurable else None, len(trees) / (alpha + beta * len(trees)))
         return chosen
 
-    def _account(self, p_hat, kept, alpha, beta, other_tokens, delta, eta=0.0) -> None:
+    def _account(self, with_drafting: float | None, without: float) -> None:
         """Pause drafting after ``pause_after`` steps in a row (or one probe)
-        whose kept nodes were expected to return less than the drafting cost."""
-        batch = len(p_hat)
+        whose expected rate with the kept nodes and the drafting cost was
+        below the rate without drafting (None: not measurable yet)."""
         probing, self._probing = self._probing, False
-        if batch == 0 or delta <= 0.0:
+        if with_drafting is None:
             return
-        gain = batch + sum(float(v[:k].sum()) for v, k in zip(p_hat, kept))
-        base = alpha + beta * (other_tokens + batch)
-        with_drafting = gain / (base + beta * sum(kept) + delta * batch + eta * sum(k > 0 for k in kept))
-        without = batch / base
         if with_drafting >= without:
             self._losing_steps = 0
             self._next_pause = self.pause_steps
