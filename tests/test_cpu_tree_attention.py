@@ -21,12 +21,12 @@ def _random_tree(rng: torch.Generator, size: int) -> DraftTree:
     return DraftTree(list(range(size)), [-1 if parents[i] == -1 else index[parents[i]] for i in order], [1.0] * size)
 
 
-def _case(seed: int, dtype, window: bool):
+def _case(seed: int, dtype, window: bool, requests: int = 3):
     from vllm_adaptive_spec.adapter.attention_cpu import cache_views
 
     rng = torch.Generator().manual_seed(seed)
     heads, group, head_dim, block_size = 3, 3, 64, 32
-    sizes = [int(torch.randint(1, 9, (1,), generator=rng)) for _ in range(3)]
+    sizes = [int(torch.randint(1, 9, (1,), generator=rng)) for _ in range(requests)]
     trees = [_random_tree(rng, n) for n in sizes]
     rows_mask = TreeBatch.from_trees(trees).row_mask()
     contexts = [int(torch.randint(1, 90, (1,), generator=rng)) for _ in trees]
@@ -54,13 +54,16 @@ def _case(seed: int, dtype, window: bool):
     return query, kv_cache, block_table, query_start_loc, seq_lens, query_mask, window_lens, expected
 
 
+@pytest.mark.parametrize("requests", [1, 3])  # 1: every padded query slot is a row (no scatter)
 @pytest.mark.parametrize("window", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(4))
-def test_page_reader_matches_the_reference(seed, dtype, window):
+def test_page_reader_matches_the_reference(seed, dtype, window, requests):
     from vllm_adaptive_spec.adapter.attention_cpu import paged_tree_attention, plan_pages
 
-    query, kv_cache, block_table, starts, seq_lens, query_mask, window_lens, expected = _case(seed, dtype, window)
+    query, kv_cache, block_table, starts, seq_lens, query_mask, window_lens, expected = _case(
+        seed, dtype, window, requests
+    )
     plan = plan_pages(block_table, starts, seq_lens, query_mask, kv_cache.shape[2], window_lens)
     got = paged_tree_attention(query, kv_cache, plan, 0.125)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
