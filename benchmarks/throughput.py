@@ -151,6 +151,7 @@ BASELINE = "none"
 # The default run stays within 15 minutes on 2 CPU cores.
 DEFAULT_METHODS = ("none", "ngram", "tree-retrieval", "tree-retrieval-fixed")
 
+TREE_COUNTERS = ("draft_passes", "drafting_steps")
 SPEC_COUNTERS = {
     "drafts": "vllm:spec_decode_num_drafts",
     "draft_tokens": "vllm:spec_decode_num_draft_tokens",
@@ -231,6 +232,14 @@ def _generate(llm, conversations, params, in_flight: int, max_num_seqs: int):
     return results
 
 
+def _tree_counters(llm, tree_method: bool) -> dict[str, int]:
+    """The plugin's draft passes and drafting steps so far (``adaptive_tree_stats``)."""
+    if not tree_method:
+        return {}
+    stats = llm.collective_rpc("adaptive_tree_stats")[0]
+    return {"draft_passes": stats["draft_passes"], "drafting_steps": stats["proposals"] - stats["paused"]}
+
+
 def _reset_suffix_cache(worker) -> int:
     """Runs in vLLM's worker (``collective_rpc``): replace the suffix drafter's cache,
     with its global tree of past responses, by an empty one. Returns the responses
@@ -266,7 +275,9 @@ def worker(job_path: str) -> None:
     startup_s = time.perf_counter() - started
     params = SamplingParams(temperature=job["temperature"], max_tokens=job["max_tokens"], ignore_eos=False)
     conversations = job["conversations"]
-    categories = job["categories"] if job["by_category"] else [None] * len(conversations)
+    # by_category: True (every batch size) or the list of batch sizes timed per category.
+    split = job["by_category"]
+    tree_method = (job["speculative_config"] or {}).get("method") == "adaptive_tree"
 
     warm = conversations[-job["warmup_prompts"]:] if job["warmup_prompts"] else []
     started = time.perf_counter()
@@ -282,29 +293,33 @@ def worker(job_path: str) -> None:
     }
     for batch_size, num_prompts in zip(job["batch_sizes"], job["num_prompts"]):
         # One timed pass, or (--by-category) one per category, in order of first appearance.
+        per_category = split is True or (isinstance(split, list) and batch_size in split)
         groups: dict = {}
         for index in range(num_prompts):
-            groups.setdefault(categories[index], []).append(index)
+            groups.setdefault(job["categories"][index] if per_category else None, []).append(index)
         token_ids = [None] * num_prompts
         wall_s, spec, by_category, prompt_tokens = 0.0, {key: 0 for key in SPEC_COUNTERS}, {}, 0
+        tree = {key: 0 for key in TREE_COUNTERS} if tree_method else {}
         for category, indices in groups.items():
             llm.reset_prefix_cache()
             if suffix:
                 dropped = llm.collective_rpc(_reset_suffix_cache)[0]
                 print(f"[worker] suffix decoding cache emptied ({dropped} cached responses)", flush=True)
-            before = _counters(llm)
+            before, tree_before = _counters(llm), _tree_counters(llm, tree_method)
             started = time.perf_counter()
             outputs = _generate(llm, [conversations[i] for i in indices], params, batch_size, job["max_num_seqs"])
             elapsed = time.perf_counter() - started
-            after = _counters(llm)
+            after, tree_after = _counters(llm), _tree_counters(llm, tree_method)
             counted = {key: after[key] - before[key] for key in SPEC_COUNTERS}
+            tree_counted = {key: tree_after[key] - tree_before[key] for key in tree_after}
+            tree = {key: tree[key] + tree_counted[key] for key in tree_counted}
             for i, output in zip(indices, outputs):
                 token_ids[i] = list(output.outputs[0].token_ids)
             wall_s += elapsed
             prompt_tokens += sum(len(o.prompt_token_ids or ()) for o in outputs)
             spec = {key: spec[key] + counted[key] for key in SPEC_COUNTERS}
             if category is not None:
-                by_category[category] = {"wall_s": elapsed, "spec": counted,
+                by_category[category] = {"wall_s": elapsed, "spec": counted, "tree": tree_counted,
                                          "generated_tokens": sum(len(token_ids[i]) for i in indices)}
         generated = sum(len(ids) for ids in token_ids)
         result["runs"].append(
@@ -316,6 +331,7 @@ def worker(job_path: str) -> None:
                 "prompt_tokens": prompt_tokens,
                 "tok_per_s": generated / wall_s,
                 "spec": spec,
+                "tree": tree,
                 "by_category": by_category,
                 "token_ids": token_ids,
             }

@@ -7,7 +7,9 @@ dtype, speculative_config, temperature, top_p, top_k, seeds (one per prompt),
 stop, ignore_eos, max_model_len, max_num_seqs, max_num_batched_tokens,
 num_gpu_blocks_override, block_size, abort_after_steps ({prompt index: engine steps}),
 pause_pattern ([d, p]: the plugin drafts d steps, then pauses p steps, as the load
-budget does when drafting does not pay; repeated), processes (default false).
+budget does when drafting does not pay; repeated), processes (default false),
+serial_first (k: the first k prompts run one at a time, batch size 1, before the
+others are submitted together).
 
 max_model_len defaults to the longest prompt plus max_tokens plus 128 (so
 drafting is never cut near the end), rounded up to a multiple of 128. The KV
@@ -75,29 +77,41 @@ def main(job_path: str, out_path: str) -> None:
                                              paused=job["pause_pattern"][1]))
     engine = llm.llm_engine
     seeds = job.get("seeds") or [None] * len(prompts)
-    for index, (ids, seed) in enumerate(zip(prompts, seeds)):
+
+    def submit(index: int) -> None:
         params = SamplingParams(
             temperature=job.get("temperature", 0.0),
             top_p=job.get("top_p", 1.0),
             top_k=job.get("top_k", 0),
             max_tokens=job["max_tokens"],
-            seed=seed,
+            seed=seeds[index],
             stop=job.get("stop"),
             ignore_eos=job.get("ignore_eos", False),
         )
-        engine.add_request(str(index), {"prompt_token_ids": ids}, params)
+        engine.add_request(str(index), {"prompt_token_ids": prompts[index]}, params)
 
     aborts = {str(k): v for k, v in job.get("abort_after_steps", {}).items()}
     finished = {}
     steps = 0
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output.outputs[0]
-        steps += 1
-        due = [rid for rid, at in aborts.items() if at == steps and rid not in finished]
-        if due:
-            engine.abort_request(due)
+
+    def drain() -> None:
+        nonlocal steps
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output.outputs[0]
+            steps += 1
+            due = [rid for rid, at in aborts.items() if at == steps and rid not in finished]
+            if due:
+                engine.abort_request(due)
+
+    serial = min(job.get("serial_first", 0), len(prompts))
+    for index in range(serial):
+        submit(index)
+        drain()
+    for index in range(serial, len(prompts)):
+        submit(index)
+    drain()
 
     def result(index):
         out = finished.get(str(index))

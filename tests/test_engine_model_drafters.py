@@ -2,7 +2,7 @@
 
 Greedy output with ``eagle3`` (the committed trained head) and ``draft_model``
 trees equals vLLM without speculation, token for token, at batch sizes 1 and
-8. Two checks that fail if the draft KV or the draft tree attention is wrong:
+8, for every policy (``eagle2``, ``talon``, ``deagle``, ``dynatree``). Two checks that fail if the draft KV or the draft tree attention is wrong:
 the chain policy drafts exactly what vLLM's own ``eagle3`` method drafts with
 the same head (same tau), and the target drafting for itself is accepted in
 full.
@@ -47,35 +47,55 @@ def baseline(demo_model, prompt_ids, tmp_path_factory):
     )
 
 
-def _run(tmp_path, demo_model, prompt_ids, spec, batch_size, pause_pattern=None):
-    """Run ``spec``; batch size 1 on the first ``SERIAL_PROMPTS`` prompts only."""
-    ids = prompt_ids[:SERIAL_PROMPTS] if batch_size == 1 else prompt_ids
-    job = {"model": demo_model, "prompt_token_ids": ids, "max_tokens": MAX_TOKENS, "max_num_seqs": batch_size,
+def _run(tmp_path, demo_model, prompt_ids, spec, pause_pattern=None):
+    """Run ``spec`` on every prompt at batch 8."""
+    job = {"model": demo_model, "prompt_token_ids": prompt_ids, "max_tokens": MAX_TOKENS, "max_num_seqs": 8,
            "speculative_config": spec}
     if pause_pattern:
         job["pause_pattern"] = pause_pattern
     return run_engine_job(tmp_path, job)
 
 
-def _expected(baseline, run):
-    return baseline.token_ids[: len(run.token_ids)]
-
-
-@pytest.mark.parametrize("batch_size", [1, 8])
-def test_eagle3_eagle2_tree_greedy_equals_no_speculation(batch_size, demo_model, prompt_ids, baseline, tmp_path):
-    """At batch 8 drafting pauses 2 steps in every 5 (the head keeps reading
-    the target's hidden states meanwhile)."""
-    run = _run(tmp_path, demo_model, prompt_ids, adaptive("eagle3", HEAD, 24, policy="eagle2", top_k=4, depth=6),
-               batch_size, pause_pattern=[3, 2] if batch_size > 1 else None)
-    assert run.token_ids == _expected(baseline, run)
+def _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec, pause_pattern=None):
+    """One engine: the first prompts one at a time (batch 1), then all of
+    them together (batch 8); greedy output must equal no speculation in both."""
+    serial = prompt_ids[:SERIAL_PROMPTS]
+    job = {"model": demo_model, "prompt_token_ids": serial + prompt_ids, "max_tokens": MAX_TOKENS,
+           "max_num_seqs": 8, "serial_first": len(serial), "speculative_config": spec}
+    if pause_pattern:
+        job["pause_pattern"] = pause_pattern
+    run = run_engine_job(tmp_path, job)
+    assert run.token_ids[: len(serial)] == baseline.token_ids[: len(serial)]
+    assert run.token_ids[len(serial):] == baseline.token_ids
     assert run.tree_stats["draft_passes"] > 0
-    assert run.tau > 1.5  # the trained head really drafts (an untrained one gives about 1.0)
+    assert run.tau > 1.5, run.tree_stats  # the trained head really drafts (an untrained one gives about 1.0)
+    return run
+
+
+def test_eagle3_eagle2_tree_greedy_equals_no_speculation(demo_model, prompt_ids, baseline, tmp_path):
+    """Drafting pauses 2 steps in every 5 (the head keeps reading the
+    target's hidden states meanwhile)."""
+    spec = adaptive("eagle3", HEAD, 24, policy="eagle2", top_k=4, depth=6)
+    _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec, pause_pattern=[3, 2])
+
+
+@pytest.mark.parametrize(
+    "policy, settings",
+    [
+        ("talon", {"mu": 0.03}),
+        ("deagle", {"top_k": 4, "depth": 12}),
+        ("dynatree", {"window": 2}),  # history tuning moves D_0 and tau_h within the run
+    ],
+)
+def test_adaptive_policies_greedy_equal_no_speculation(policy, settings, demo_model, prompt_ids, baseline, tmp_path):
+    spec = adaptive("eagle3", HEAD, 24, policy=policy, **settings)
+    _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec)
 
 
 def test_eagle3_chain_matches_native_eagle3(demo_model, prompt_ids, baseline, tmp_path):
-    ours = _run(tmp_path / "ours", demo_model, prompt_ids, adaptive("eagle3", HEAD, 4, policy="chain"), 8)
+    ours = _run(tmp_path / "ours", demo_model, prompt_ids, adaptive("eagle3", HEAD, 4, policy="chain"))
     native = _run(tmp_path / "native", demo_model, prompt_ids,
-                  {"method": "eagle3", "model": HEAD, "num_speculative_tokens": 4}, 8)
+                  {"method": "eagle3", "model": HEAD, "num_speculative_tokens": 4})
     assert ours.token_ids == baseline.token_ids
     assert native.token_ids == baseline.token_ids
     assert abs(ours.tau - native.tau) <= 0.03 * native.tau, (ours.tau, native.tau)
@@ -88,8 +108,8 @@ def test_draft_model_tree_greedy_equals_no_speculation(demo_model, prompt_ids, b
 
     draft = str(ensure_draft_lm(layers=4, minutes=0))
     spec = adaptive("draft_model", draft, 16, policy="eagle2", top_k=4, depth=4, load_budget="adaptive")
-    run = _run(tmp_path, demo_model, prompt_ids, spec, 8)
-    assert run.token_ids == _expected(baseline, run)
+    run = _run(tmp_path, demo_model, prompt_ids, spec)
+    assert run.token_ids == baseline.token_ids
     assert run.tree_stats["draft_passes"] > 0
 
 
@@ -98,7 +118,7 @@ def test_target_drafting_for_itself_is_accepted_in_full(demo_model, prompt_ids, 
     drafting does not pay): the draft model skips its passes meanwhile and
     catches up on resume; without a complete draft KV its drafts would stop
     matching the target."""
-    run = _run(tmp_path, demo_model, prompt_ids, adaptive("draft_model", demo_model, 4, policy="chain"), 8,
+    run = _run(tmp_path, demo_model, prompt_ids, adaptive("draft_model", demo_model, 4, policy="chain"),
                pause_pattern=[1, 2])
     assert run.token_ids == baseline.token_ids
     stats = run.tree_stats

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.draft_distribution import DraftDistribution, draft_distribution_reference
 from vllm_adaptive_spec.drafters.model import Eagle3Drafter
 from vllm_adaptive_spec.growth import grow
 from vllm_adaptive_spec.policies import ChainPolicy, Eagle2Policy
@@ -16,15 +17,22 @@ VOCAB = 7
 
 class TableBackend:
     """Node distributions depend only on the node's token; ``capacity`` nodes
-    per request at most are fed."""
+    per request at most are fed. Distributions are summarised by the same
+    reference as the engine's backend (``kernels.draft_distribution``)."""
+
+    top_k, top_m = 1, 0
 
     def __init__(self, roots: torch.Tensor, table: torch.Tensor, capacity: int = 1000) -> None:
         self.roots, self.table, self.capacity = roots, table, capacity
         self.fed_tokens: list[list[int]] = []
 
+    def summary(self, probs: torch.Tensor) -> DraftDistribution:
+        flat = draft_distribution_reference(probs.reshape(-1, probs.shape[-1]).log(), self.top_k, self.top_m)
+        return DraftDistribution(*(x.view(*probs.shape[:-1], *x.shape[1:]) for x in flat))
+
     def begin(self, rows):
         self.count = torch.zeros(len(rows), dtype=torch.long)
-        return self.roots[rows]
+        return self.summary(self.roots[rows])
 
     def feed(self, live, tokens, parents):
         rank = live.long().cumsum(1) - 1
@@ -32,8 +40,9 @@ class TableBackend:
         fed = live & (ids < self.capacity)
         self.count += fed.sum(1)
         self.fed_tokens.append(tokens[fed].tolist())
-        probs = torch.where(fed.unsqueeze(-1), self.table[tokens.clamp(min=0)], 0.0)
-        return torch.where(fed, ids, -1), probs
+        dist = self.summary(self.table[tokens.clamp(min=0)])
+        dist = dist._replace(probs=torch.where(fed.unsqueeze(-1), dist.probs, 0.0))
+        return torch.where(fed, ids, -1), dist
 
 
 def make(seed: int = 0, batch: int = 2):
@@ -45,7 +54,7 @@ def make(seed: int = 0, batch: int = 2):
 
 def grow_with(backend, policy, budget, batch=2):
     drafter = Eagle3Drafter()
-    drafter.bind(backend, policy.fanout)
+    drafter.bind(backend, policy.fanout, policy.entropy_top_m)
     drafter.prepare([f"r{b}" for b in range(batch)], [None] * batch, list(range(batch)))
     return grow(drafter, policy, torch.full((batch,), budget), drafter.max_depth)[0]
 

@@ -21,11 +21,19 @@ from vllm_adaptive_spec.tree import ROOT, DraftTree
 class Candidates:
     """Children of the frontier: ``tokens``/``q``/``handles`` [B, F, C]; a
     candidate with ``q == 0`` does not exist. Children of one frontier node are
-    sorted by descending ``q`` and carry distinct tokens."""
+    sorted by descending ``q`` and carry distinct tokens. ``entropy`` [B, F]:
+    the entropy of each frontier node's draft distribution over its top ``M``
+    probabilities (C2T's feature; None where the drafter has none)."""
 
     tokens: torch.Tensor
     q: torch.Tensor
     handles: torch.Tensor
+    entropy: torch.Tensor | None = None
+
+    @property
+    def confidence(self) -> torch.Tensor:
+        """[B, F] each frontier node's largest draft probability (its first child's ``q``)."""
+        return self.q[..., 0]
 
 
 @dataclass
@@ -33,13 +41,19 @@ class Layer:
     """What a policy sees: the candidates, the frontier's path probabilities
     ``parent_p`` [B, F] (0 on empty slots), the candidates' ``depth`` (1 for
     children of the root), the nodes already in each tree ``size`` [B] and the
-    node ``budget`` [B]."""
+    node ``budget`` [B]. ``stop`` [B] starts False; a policy sets it for the
+    requests whose chosen layer is their last (it is not expanded)."""
 
     candidates: Candidates
     parent_p: torch.Tensor
     depth: int
     size: torch.Tensor
     budget: torch.Tensor
+    stop: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = torch.zeros_like(self.budget, dtype=torch.bool)
 
     @property
     def p(self) -> torch.Tensor:
@@ -62,7 +76,8 @@ class Policy(Protocol):
         """The deepest layer grown for a largest budget of ``budget``."""
 
     def select(self, layer: Layer) -> torch.Tensor:
-        """[B, F, C] bool: the candidates that form the next layer (none: stop)."""
+        """[B, F, C] bool: the candidates that form the next layer (none: stop);
+        may set ``layer.stop`` for requests that grow no deeper."""
 
     def finish(self, p: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
         """[B, M] bool: which grown nodes (path probabilities ``p``) to keep."""
@@ -114,7 +129,7 @@ def grow(drafter: Drafter, policy: Policy, budget: torch.Tensor, max_depth: int)
         size = size + count
         frontier_handles = candidates.handles.flatten(1).gather(1, order)
         frontier_index = new_index
-        frontier_p, frontier_live = p[-1], live
+        frontier_p, frontier_live = p[-1], live & ~layer.stop.unsqueeze(1)
     return _assemble(tokens, parents, q, p, policy, budget), stats
 
 

@@ -18,6 +18,11 @@ Per engine step, after verification:
    ``kernels.tree_attention``, to the committed context and their ancestors.
    vLLM reserves that scratch: the adapter asks for ``draft_slots`` lookahead
    tokens, and nodes beyond a request's allocated blocks are not fed.
+
+Every pass reduces its logits to what the policies read
+(``kernels.draft_distribution``: the top ``top_k`` tokens and probabilities,
+the confidence and the top-``top_m`` entropy), on the device the model runs
+on; dense distributions never leave the backend.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
+from kernels.draft_distribution import DraftDistribution, draft_distribution
 from vllm_adaptive_spec.adapter import step as tree_step
 
 
@@ -36,7 +42,9 @@ class PagedDraftBackend:
         self.native = native
         self.is_eagle3 = native.method == "eagle3"
         self.max_nodes = max_nodes
-        self._root_probs: dict[int, torch.Tensor] = {}
+        self.top_k, self.top_m = 1, 0  # what each pass keeps of its distributions (set by the drafter)
+        self._roots: DraftDistribution | None = None
+        self._root_index: dict[int, int] = {}  # batch row -> row of _roots
         self._root_hidden: dict[int, torch.Tensor] = {}
         self._context: dict[int, tuple[int, int]] = {}  # batch row -> (C, root row position)
         self._behind: dict[str, int] = {}  # draft LM: request -> first position without draft KV
@@ -66,7 +74,8 @@ class PagedDraftBackend:
         query_start = runner.query_start_loc.np[: num_reqs + 1]
         input_ids = runner.input_ids.gpu
         positions = runner.positions
-        self._root_probs.clear()
+        self._roots = None
+        self._root_index.clear()
         self._root_hidden.clear()
         self._context.clear()
 
@@ -124,20 +133,20 @@ class PagedDraftBackend:
         if not drafting:
             self._context.clear()
             return
-        probs = logits.float().softmax(-1)
+        self._roots = draft_distribution(logits, self.top_k, self.top_m)
         for k, i in enumerate(batch_rows):
-            self._root_probs[i] = probs[k]
+            self._root_index[i] = k
             if out_hidden is not None:
                 self._root_hidden[i] = out_hidden[last[k]]
         self._block_table = block_table
 
     # -- tree growth ----------------------------------------------------------------
-    def begin(self, rows: list[int]) -> torch.Tensor:
-        """Start one tree per drafting request (batch rows); the root distributions."""
+    def begin(self, rows: list[int]) -> DraftDistribution:
+        """Start one tree per drafting request (batch rows); the roots' draft
+        distributions, ``[B, top_k]`` (zero probabilities where a request has none)."""
         runner = self.runner
         block_size = runner.input_batch.block_table[0].block_size
         allocated = runner.input_batch.block_table[0].num_blocks_per_row
-        vocab = next((p.shape[-1] for p in self._root_probs.values()), 1)
         batch = len(rows)
         self.rows = torch.tensor(rows, dtype=torch.long)
         self.context = torch.tensor([self._context.get(i, (0, 0))[0] for i in rows], dtype=torch.long)
@@ -149,10 +158,12 @@ class PagedDraftBackend:
         self.depth = torch.zeros(batch, self.max_nodes, dtype=torch.long)
         self.ancestors = torch.zeros(batch, self.max_nodes, self.max_nodes, dtype=torch.bool)
         self.hidden = None
-        roots = torch.zeros(batch, vocab)
-        for b, i in enumerate(rows):
-            if i in self._root_probs:
-                roots[b] = self._root_probs[i]
+        roots = _empty_distribution((batch,), self.top_k)
+        found = [(b, self._root_index[i]) for b, i in enumerate(rows) if i in self._root_index]
+        if found:
+            at, source = (torch.tensor(x, dtype=torch.long) for x in zip(*found))
+            for mine, theirs in zip(roots, self._roots):
+                mine[at] = theirs[source.to(theirs.device)].to(mine.device)
         if self.is_eagle3 and self._root_hidden:
             width = next(iter(self._root_hidden.values())).shape[-1]
             dtype = next(iter(self._root_hidden.values())).dtype
@@ -165,15 +176,16 @@ class PagedDraftBackend:
 
     def feed(self, live: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor):
         """Run the draft model on the live frontier nodes; their node ids
-        (-1: not fed) and draft distributions ``[B, F, V]``."""
+        (-1: not fed) and draft distributions, ``[B, F, top_k]``."""
         rank = live.long().cumsum(1) - 1
         ids = self.count.unsqueeze(1) + rank
         fed = live & (ids < self.capacity.unsqueeze(1))
         ids = torch.where(fed, ids, -1)
         self.count += fed.sum(1)
         b_idx, f_idx = fed.nonzero(as_tuple=True)
+        out = _empty_distribution(live.shape, self.top_k)
         if b_idx.numel() == 0:
-            return ids, torch.zeros(*live.shape, 1)
+            return ids, out
         node = ids[b_idx, f_idx]
         parent = parents[b_idx, f_idx]
         has_parent = parent >= 0
@@ -218,9 +230,8 @@ class PagedDraftBackend:
             tree_step.publish(None)
         if out_hidden is not None:
             self.hidden[b_idx, node] = out_hidden
-        probs = logits.float().softmax(-1)
-        out = torch.zeros(*live.shape, probs.shape[-1])
-        out[b_idx, f_idx] = probs
+        for mine, theirs in zip(out, draft_distribution(logits, self.top_k, self.top_m)):
+            mine[b_idx, f_idx] = theirs.to(mine.device)
         return ids, out
 
     # -- one forward of the draft model ----------------------------------------------
@@ -257,3 +268,10 @@ class PagedDraftBackend:
         if logit_rows is not None:
             normed = normed[logit_rows]
         return native.model.compute_logits(normed), prenorm
+
+
+def _empty_distribution(shape: tuple[int, ...], top_k: int) -> DraftDistribution:
+    """Zero probabilities (no candidates) for ``shape`` nodes."""
+    return DraftDistribution(
+        torch.zeros(*shape, top_k, dtype=torch.long), torch.zeros(*shape, top_k), torch.zeros(shape), torch.zeros(shape)
+    )

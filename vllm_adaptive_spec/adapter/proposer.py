@@ -49,6 +49,8 @@ class TreeStats:
             "nodes_verified": self.nodes_verified,
             "tokens_accepted": self.tokens_accepted,
             "draft_passes": self.draft_passes,
+            "proposals": self.proposals,
+            "paused": self.paused,
             "drafting_share": 1.0 - self.paused / max(self.proposals, 1),
             "tau": 1.0 + self.tokens_accepted / trees,
             "nodes_per_tree": self.nodes_verified / trees,
@@ -100,12 +102,15 @@ class TreeProposer:
         for request_id in request_ids:
             self.trees.pop(request_id, None)
             self.drafter.forget(request_id)
+            self.policy.forget(request_id)
 
-    def observe(self, trees: list[DraftTree], accepted: list[list[int]]) -> None:
+    def observe(self, request_ids: list[str], trees: list[DraftTree], accepted: list[list[int]]) -> None:
         """Verified trees (possibly cut by the scheduler) and their accepted
-        nodes, for the load budget's calibration."""
-        for tree, nodes in zip(trees, accepted):
-            self.load_budget.observe_tree(tree, nodes)
+        nodes, for the load budget's calibration and the policy's history."""
+        for request_id, tree, nodes in zip(request_ids, trees, accepted):
+            if self.load_budget is not None:
+                self.load_budget.observe_tree(tree, nodes)
+            self.policy.observe(request_id, tree, len(nodes))
 
     def observe_step(self, step_tokens: int, step_seconds: float, prefill_tokens: int, trees: int = 0) -> None:
         if self.load_budget is not None:
@@ -148,6 +153,7 @@ class TreeProposer:
             return drafts
         started = time.perf_counter()
         self.drafter.prepare([request_ids[i] for i in active], contexts, active)
+        self.policy.begin([request_ids[i] for i in active])
         trees, stats = grow(self.drafter, self.policy, torch.tensor(budgets), self.drafter.max_depth)
         if getattr(self.drafter, "is_model", False):
             self.stats.draft_passes += stats.draft_passes

@@ -63,7 +63,8 @@ class TreeRunnerMixin:
             self._tree_proposer = TreeProposer(vllm_config)
             config = self._tree_proposer.config
             self._draft_backend = PagedDraftBackend(self, self.drafter, config.draft_slots())
-            self._tree_proposer.drafter.bind(self._draft_backend, self._tree_proposer.policy.fanout)
+            policy = self._tree_proposer.policy
+            self._tree_proposer.drafter.bind(self._draft_backend, policy.fanout, policy.entropy_top_m)
 
     @property
     def tree_proposer(self) -> TreeProposer:
@@ -133,9 +134,10 @@ class TreeRunnerMixin:
         proposer.stats.record_step(
             len(step.trees), int(step.tree_batch.num_nodes.sum()), int(acceptance.num_accepted.sum())
         )
+        paths = zip(acceptance.path.tolist(), acceptance.num_accepted.tolist())
+        request_ids = [self.input_batch.req_ids[i] for i in step.batch_indices.tolist()]
+        proposer.observe(request_ids, step.trees, [row[:count] for row, count in paths])
         if proposer.load_budget is not None:
-            paths = zip(acceptance.path.tolist(), acceptance.num_accepted.tolist())
-            proposer.observe(step.trees, [row[:count] for row, count in paths])
             if step.attention is not None:
                 proposer.load_budget.observe_branching(len(step.attention.batch_indices), step.attention.seconds)
 

@@ -7,12 +7,16 @@ candidate becomes which fed node. The backend (the engine adapter, or a test
 double) owns the model, its KV cache and attention:
 
 * ``begin(rows)``: start trees for the drafting requests (their rows in the
-  engine batch); returns the root distributions ``[B, V]`` (from the pass
-  over the request's newly committed tokens, already run);
+  engine batch); returns the root distributions (from the pass over the
+  request's newly committed tokens, already run);
 * ``feed(live, tokens, parents)``: run the draft model on new nodes
   (``[B, F]`` each; ``parents`` are node ids, -1 for the root); returns the
   nodes' ids (-1 where not fed, e.g. out of KV scratch) and their draft
-  distributions ``[B, F, V]``.
+  distributions.
+
+Distributions are :class:`kernels.draft_distribution.DraftDistribution`
+summaries (top ``top_k`` tokens and probabilities, confidence, top-``top_m``
+entropy), which the drafter sets on the backend at :meth:`ModelDrafter.bind`.
 
 Decision (ALGORITHMS.md section 0): candidates are the top-``fanout`` tokens
 of the draft distribution at temperature 1, deterministically, so sampling
@@ -25,6 +29,7 @@ from typing import Protocol
 
 import torch
 
+from kernels.draft_distribution import DraftDistribution
 from vllm_adaptive_spec.growth import Candidates
 from vllm_adaptive_spec.policies import Param
 
@@ -32,9 +37,14 @@ ROOT_HANDLE = -1
 
 
 class DraftBackend(Protocol):
-    def begin(self, rows: list[int]) -> torch.Tensor: ...
+    top_k: int
+    top_m: int
 
-    def feed(self, live: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def begin(self, rows: list[int]) -> DraftDistribution: ...
+
+    def feed(
+        self, live: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor
+    ) -> tuple[torch.Tensor, DraftDistribution]: ...
 
 
 class ModelDrafter:
@@ -51,9 +61,12 @@ class ModelDrafter:
         self._tokens: torch.Tensor | None = None  # last candidates' tokens [B, F * C]
         self._parents: torch.Tensor | None = None  # their parent node ids [B, F * C]
 
-    def bind(self, backend: DraftBackend, fanout: int) -> None:
+    def bind(self, backend: DraftBackend, fanout: int, entropy_top_m: int = 0) -> None:
+        """Use ``backend``; candidates are the top ``fanout`` tokens of each
+        distribution, and ``entropy_top_m`` > 0 asks for the top-M entropy."""
         self.backend = backend
         self.fanout = fanout
+        backend.top_k, backend.top_m = fanout, entropy_top_m
 
     def prepare(self, request_ids: list[str], contexts, rows: list[int]) -> None:
         if self.backend is None:
@@ -66,20 +79,22 @@ class ModelDrafter:
     def expand(self, handles: torch.Tensor, live: torch.Tensor) -> Candidates:
         batch, width = handles.shape
         if bool((handles == ROOT_HANDLE).all()):
-            probs = self._root.unsqueeze(1).expand(batch, width, -1)
+            dist = DraftDistribution(*(x.unsqueeze(1).expand(batch, width, *x.shape[1:]) for x in self._root))
             parents = torch.full((batch, width), ROOT_HANDLE, dtype=torch.long)
         else:
             flat = handles.clamp(min=0)
             tokens = self._tokens.gather(1, flat)
             parent_ids = self._parents.gather(1, flat)
-            parents, probs = self.backend.feed(live, tokens, parent_ids)
+            parents, dist = self.backend.feed(live, tokens, parent_ids)
             live = live & (parents >= 0)
-        q, tokens = probs.float().topk(self.fanout, dim=-1)
+        tokens, q = dist.tokens[..., : self.fanout], dist.probs[..., : self.fanout].float()
         q = torch.where(live.unsqueeze(-1), q, 0.0)
+        fanout = q.shape[-1]
         self._tokens = tokens.flatten(1)
-        self._parents = parents.unsqueeze(-1).expand(-1, -1, self.fanout).flatten(1)
-        handles = torch.arange(width * self.fanout).view(1, width, self.fanout).expand(batch, -1, -1)
-        return Candidates(tokens=tokens, q=q, handles=handles.clone())
+        self._parents = parents.unsqueeze(-1).expand(-1, -1, fanout).flatten(1)
+        handles = torch.arange(width * fanout).view(1, width, fanout).expand(batch, -1, -1)
+        entropy = dist.entropy if self.backend.top_m else None
+        return Candidates(tokens=tokens, q=q, handles=handles.clone(), entropy=entropy)
 
 
 class Eagle3Drafter(ModelDrafter):

@@ -1,0 +1,253 @@
+"""Tree policies side by side on the demo pair (SmolLM2-135M-Instruct and the
+project's EAGLE-3 head), in one run.
+
+Methods (every tree at ``load_budget: fixed``, so the policy alone decides
+what is verified): the ``chain`` baseline (depth ``--chain-k``); ``eagle2``
+(N=60, K=10, D=8) and eagle2 at each depth of the DEAGLE sweep; ``talon``
+(N=60, ``mu`` 0.03 and 0.01); ``deagle`` (N=60, K=10, maximum depth ``D`` from
+``--depths``); ``dynatree`` (N=60, the spec's defaults); and no speculation.
+
+For every method, at batch 1 and 16 (``--batch-sizes``), and temperature 0 and 1
+(``--temperatures``; one engine per method and temperature): tau (tokens
+committed per step of a request that drafted), delta (draft passes per engine
+step that drafted), gamma (nodes verified per tree), tok/s and the ratio to no
+speculation at the same batch size and temperature; at batch 1 each prompt
+category is a pass of its own, so tau, delta and gamma are also reported per
+category.
+
+Engines run through ``benchmarks/throughput.py``'s worker (a fresh process per
+engine, vLLM's in-process layout by default). Outputs in ``--out``:
+``policy_sweep.json`` (every number and setting), ``policy_sweep.md`` (tables)
+and, with matplotlib installed (``pip install -e .[bench]``),
+``policy_sweep_tau_gamma.png`` and ``policy_sweep_tau_delta.png`` (one point
+per method, per batch size and temperature).
+
+Reproduce (about 40 minutes on 2 CPU cores)::
+
+    .venv/bin/python benchmarks/policy_sweep.py
+    # a smaller run
+    .venv/bin/python benchmarks/policy_sweep.py --methods none,eagle2,talon-0.03,dynatree --temperatures 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+for path in (REPO, BENCH):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import throughput  # noqa: E402
+
+TREE_BUDGET = 60
+
+
+def _tree(head: str, policy: str, budget: int = TREE_BUDGET, **params) -> dict:
+    return {"method": "adaptive_tree", "num_speculative_tokens": budget, "model": head,
+            "tree": {"drafter": "eagle3", "policy": policy, "load_budget": "fixed", **params}}
+
+
+def sweep_methods(head: str, chain_k: int, depths: list[int]) -> dict[str, dict | None]:
+    methods: dict[str, dict | None] = {
+        "none": None,
+        "chain": _tree(head, "chain", chain_k),
+        "eagle2": _tree(head, "eagle2", top_k=10, depth=8),
+        "talon-0.03": _tree(head, "talon", mu=0.03),
+        "talon-0.01": _tree(head, "talon", mu=0.01),
+        "dynatree": _tree(head, "dynatree"),
+    }
+    for depth in depths:
+        methods[f"deagle-D{depth}"] = _tree(head, "deagle", top_k=10, depth=depth)
+        if depth != 8:
+            methods[f"eagle2-D{depth}"] = _tree(head, "eagle2", top_k=10, depth=depth)
+    return methods
+
+
+def summarize(spec: dict, tree: dict | None, tokens: int, wall_s: float) -> dict:
+    """tau, gamma, delta of one pass from vLLM's counters and the plugin's."""
+    row = {"tok_per_s": tokens / wall_s if wall_s else None, "tau": None, "gamma": None, "delta": None}
+    if spec["drafts"]:
+        row["tau"] = 1 + spec["accepted_tokens"] / spec["drafts"]
+        row["gamma"] = spec["draft_tokens"] / spec["drafts"]
+    if tree and tree.get("drafting_steps"):
+        row["delta"] = tree["draft_passes"] / tree["drafting_steps"]
+    return row
+
+
+def _fmt(value, spec: str = ".2f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def markdown(report: dict) -> str:
+    lines = []
+    for temperature in report["settings"]["temperatures"]:
+        for batch in report["settings"]["batch_sizes"]:
+            lines += [f"### temperature {temperature}, batch {batch}", "",
+                      "| method | tau | delta | gamma | tok/s | vs none |", "|---|---:|---:|---:|---:|---:|"]
+            for row in report["rows"]:
+                if row["temperature"] != temperature or row["batch_size"] != batch:
+                    continue
+                if "error" in row:
+                    lines.append(f"| {row['method']} | {row['error']} |")
+                    continue
+                lines.append(f"| {row['method']} | {_fmt(row['tau'])} | {_fmt(row['delta'])} | {_fmt(row['gamma'], '.1f')} "
+                             f"| {_fmt(row['tok_per_s'], '.1f')} | {_fmt(row.get('ratio_vs_none'))} |")
+            lines.append("")
+    categories = sorted({c for row in report["rows"] for c in row.get("by_category", {})})
+    if categories:
+        for temperature in report["settings"]["temperatures"]:
+            lines += [f"### tau per category (batch 1, temperature {temperature})", "",
+                      "| method | " + " | ".join(categories) + " |", "|---|" + "---:|" * len(categories)]
+            for row in report["rows"]:
+                if row["temperature"] == temperature and row["batch_size"] == 1 and row.get("by_category"):
+                    cells = [_fmt(row["by_category"].get(c, {}).get("tau")) for c in categories]
+                    lines.append(f"| {row['method']} | " + " | ".join(cells) + " |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def plots(report: dict, out: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e .[bench]): no plots written", flush=True)
+        return []
+    written = []
+    for x_key, label in (("gamma", "nodes verified per tree (gamma)"), ("delta", "draft passes per step (delta)")):
+        fig, axes = plt.subplots(1, len(report["settings"]["batch_sizes"]), figsize=(6 * len(report["settings"]["batch_sizes"]), 4.5),
+                                 squeeze=False)
+        for axis, batch in zip(axes[0], report["settings"]["batch_sizes"]):
+            for temperature, marker in zip(report["settings"]["temperatures"], "os^"):
+                for row in report["rows"]:
+                    if row["batch_size"] != batch or row["temperature"] != temperature:
+                        continue
+                    if row.get(x_key) is None or row.get("tau") is None:
+                        continue
+                    axis.scatter(row[x_key], row["tau"], marker=marker)
+                    axis.annotate(f"{row['method']} T{temperature:g}", (row[x_key], row["tau"]), fontsize=7,
+                                  xytext=(3, 3), textcoords="offset points")
+            axis.set_xlabel(label)
+            axis.set_ylabel("tokens per step (tau)")
+            axis.set_title(f"batch {batch}")
+            axis.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out / f"policy_sweep_tau_{x_key}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(str(path))
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", help="comma list (default: all of the sweep)")
+    parser.add_argument("--depths", default="6,10,18", help="DEAGLE's (and eagle2's) maximum depths")
+    parser.add_argument("--batch-sizes", default="1,16")
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--prompts-at-batch-1", type=int, default=7, help="prompts of the batch-1 pass (round-robin over categories)")
+    parser.add_argument("--prompts-at-batch", type=int, default=32, help="prompts of the other passes")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--chain-k", type=int, default=4)
+    parser.add_argument("--head", default=str(REPO / "heads" / "smollm2-135m-eagle3"))
+    parser.add_argument("--engine-layout", choices=("processes", "in-process"), default="in-process")
+    parser.add_argument("--worker-timeout", type=float, default=1800)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = parser.parse_args(argv)
+
+    from vllm_adaptive_spec.demo_model import ensure_demo_model
+    from vllm_adaptive_spec.prompts import load_prompts
+
+    t0 = time.perf_counter()
+    depths = [int(d) for d in args.depths.split(",") if d.strip()]
+    methods = sweep_methods(args.head, args.chain_k, depths)
+    if args.methods:
+        chosen = [m.strip() for m in args.methods.split(",") if m.strip()]
+        unknown = [m for m in chosen if m not in methods]
+        if unknown:
+            parser.error(f"unknown method(s) {unknown}; choose from {', '.join(methods)}")
+        methods = {m: methods[m] for m in chosen}
+    if "none" not in methods:
+        methods = {"none": None, **methods}
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    model = str(ensure_demo_model())
+    prompts = throughput.interleave_categories(load_prompts())
+    sizes = [args.prompts_at_batch_1 if b == 1 else args.prompts_at_batch for b in batch_sizes]
+    prompts = prompts[: max(sizes + [2])]
+    out = Path(args.out)
+    work = out / "logs"
+    work.mkdir(parents=True, exist_ok=True)
+    base_job = {
+        "model": model,
+        "dtype": "float32",
+        "max_model_len": throughput._needed_model_len(model, [p.messages for p in prompts], args.max_tokens),
+        "max_tokens": args.max_tokens,
+        "warmup_prompts": 2,
+        "conversations": [p.messages for p in prompts],
+        "categories": [p.category for p in prompts],
+        "by_category": [1],
+        "engine_layout": args.engine_layout,
+        "batch_sizes": batch_sizes,
+        "num_prompts": sizes,
+        "max_num_seqs": max(batch_sizes),
+    }
+    rows, base = [], {}
+    plan = [(t, m) for t in temperatures for m in methods]
+    for index, (temperature, method) in enumerate(plan, 1):
+        print(f"[{time.perf_counter() - t0:6.0f} s] engine {index}/{len(plan)}: {method}, temperature {temperature}", flush=True)
+        job = {**base_job, "temperature": temperature, "speculative_config": methods[method]}
+        label = f"sweep-{method}-T{temperature:g}"
+        result = throughput._run_engine(job, work, label, args.worker_timeout)
+        done = {run["batch_size"]: run for run in result["runs"]}
+        for batch in batch_sizes:
+            row = {"method": method, "temperature": temperature, "batch_size": batch}
+            run = done.get(batch)
+            if run is None:
+                row["error"] = result.get("error", "no result")
+                rows.append(row)
+                continue
+            row.update(summarize(run["spec"], run.get("tree"), run["generated_tokens"], run["wall_s"]))
+            row["by_category"] = {
+                category: summarize(part["spec"], part.get("tree"), part["generated_tokens"], part["wall_s"])
+                for category, part in run["by_category"].items()
+            }
+            if method == "none":
+                base[(temperature, batch)] = row["tok_per_s"]
+            elif base.get((temperature, batch)):
+                row["ratio_vs_none"] = row["tok_per_s"] / base[(temperature, batch)]
+            print(f"  b={batch}: tau {_fmt(row['tau'])} delta {_fmt(row['delta'])} gamma {_fmt(row['gamma'], '.1f')} "
+                  f"{_fmt(row['tok_per_s'], '.1f')} tok/s ({_fmt(row.get('ratio_vs_none'))}x)", flush=True)
+            rows.append(row)
+        if "error" in result:
+            print(f"  FAILED: {result['error']}; log: {result.get('log')}", flush=True)
+
+    report = {
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "vllm_version": throughput._installed_vllm_version(),
+        "machine": throughput._machine(),
+        "settings": {"methods": methods, "batch_sizes": batch_sizes, "temperatures": temperatures,
+                     "prompts": sizes, "max_tokens": args.max_tokens, "engine_layout": args.engine_layout,
+                     "prompt_ids": [p.id for p in prompts]},
+        "rows": rows,
+        "elapsed_s": time.perf_counter() - t0,
+    }
+    (out / "policy_sweep.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    text = markdown(report)
+    (out / "policy_sweep.md").write_text(text + "\n", encoding="utf-8")
+    print(text)
+    for path in plots(report, out):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

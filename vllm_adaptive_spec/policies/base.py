@@ -1,0 +1,104 @@
+"""What every tree policy shares: the parameter schema, the interface and
+the selection helpers.
+
+A policy turns each layer of the drafter's candidates into the next layer of
+the tree, or stops (ALGORITHMS.md sections 2-6). The growth loop
+(:func:`vllm_adaptive_spec.growth.grow`) calls ``select`` once per draft
+pass for the whole batch; ``finish`` trims the grown trees. Policies with
+state per request (DynaTree's history tuning) keep it keyed by request id:
+``begin`` before a step's growth, ``observe`` after its verification and
+``forget`` when a request finishes or is preempted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from kernels.tree_gating import keep_best
+from vllm_adaptive_spec.growth import Layer
+from vllm_adaptive_spec.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class Param:
+    """A tunable setting: its type, default and the rule a value must obey."""
+
+    kind: type
+    default: Any
+    rule: str
+    check: Callable[[Any], bool]
+
+
+def fraction(default: float) -> Param:
+    return Param(float, default, "a number from 0 to 1", lambda v: 0.0 <= v <= 1.0)
+
+
+def integer(default: int, low: int, high: int) -> Param:
+    return Param(int, default, f"an integer from {low} to {high}", lambda v: low <= v <= high)
+
+
+def top_by_path_probability(p: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+    """Keep each request's ``budget`` nodes of highest path probability.
+
+    Ties go to the earlier node. The kept set is closed under ancestors: a
+    child's ``p`` never exceeds its parent's (``q <= 1``) and a parent comes
+    first, so it always ranks before its children.
+    """
+    return keep_best(p, valid, budget)
+
+
+def best_of_layer(layer: Layer, chosen: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """[B, F, C] the ``count`` [B] chosen candidates of highest ``p`` in each
+    request's layer (all parents together)."""
+    p = layer.p
+    return top_by_path_probability(p.flatten(1), chosen.flatten(1), count).view_as(p)
+
+
+def remaining(layer: Layer) -> torch.Tensor:
+    """[B] nodes each request may still add before its budget is spent."""
+    return (layer.budget - layer.size).clamp(min=0)
+
+
+class TreePolicy:
+    """Defaults for the optional parts of the interface."""
+
+    PARAMS: dict[str, Param] = {}
+    # Whether growth continues once a tree holds ``budget`` nodes (``finish``
+    # then trims it back, as after a rerank).
+    grows_past_budget = False
+    # Candidates per frontier node a model drafter returns (0: the drafter decides).
+    fanout = 1
+    # The top-M entropy a model drafter computes per node (0: none; C2T's feature).
+    entropy_top_m = 0
+
+    def depth_limit(self, budget: int) -> int:
+        """The deepest layer grown for a largest budget of ``budget``."""
+        return budget
+
+    def max_fed_nodes(self, budget: int) -> int:
+        """Nodes a model drafter runs on while growing one tree (its KV scratch):
+        a policy that never grows past the budget feeds at most ``budget - 1``
+        (a frontier is fed only while its tree has room)."""
+        return budget - 1
+
+    def select(self, layer: Layer) -> torch.Tensor:
+        """[B, F, C] bool: the candidates that form the next layer (none: stop);
+        a policy may set ``layer.stop`` for requests that keep this layer but
+        grow no deeper."""
+        raise NotImplementedError
+
+    def finish(self, p: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+        """[B, M] bool: which grown nodes (path probabilities ``p``) to keep."""
+        return valid
+
+    def begin(self, request_ids: list[str]) -> None:
+        """A step's growth starts for these requests (batch order)."""
+
+    def observe(self, request_id: str, tree: DraftTree, accepted: int) -> None:
+        """The request's verified ``tree`` had ``accepted`` nodes accepted."""
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or was preempted."""

@@ -1,0 +1,37 @@
+"""The EAGLE-2/3 dynamic tree, the seeds' common baseline (ALGORITHMS.md section 2)."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_adaptive_spec.growth import Layer
+from vllm_adaptive_spec.policies.base import TreePolicy, best_of_layer, integer, top_by_path_probability
+
+
+class Eagle2Policy(TreePolicy):
+    """The root's top-``K`` children, then at each depth the ``K`` best (by
+    path probability ``p``) of the frontier's ``K * K`` top-``K`` children,
+    for ``D`` layers; at the end the ``N`` nodes of highest ``p`` are kept
+    (ancestor-closed, as ``p`` only falls along a path)."""
+
+    name = "eagle2"
+    PARAMS = {"top_k": integer(10, 1, 64), "depth": integer(8, 1, 64)}
+    grows_past_budget = True
+
+    def __init__(self, top_k: int = 10, depth: int = 8) -> None:
+        self.top_k = top_k
+        self.depth = depth
+        self.fanout = top_k
+
+    def depth_limit(self, budget: int) -> int:
+        return self.depth
+
+    def max_fed_nodes(self, budget: int) -> int:
+        return self.top_k * (self.depth - 1)
+
+    def select(self, layer: Layer) -> torch.Tensor:
+        width = torch.full_like(layer.budget, self.top_k)
+        return best_of_layer(layer, layer.p > 0, width)
+
+    def finish(self, p: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+        return top_by_path_probability(p, valid, budget)

@@ -1,0 +1,39 @@
+"""The retrieval tree (ALGORITHMS.md section 7)."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_adaptive_spec.growth import Layer
+from vllm_adaptive_spec.policies.base import TreePolicy, fraction, top_by_path_probability
+
+
+class RetrievalPolicy(TreePolicy):
+    """Take every retrieved continuation whose path probability ``p`` is at
+    least ``min_p``, then prune the least likely subtrees (lowest ``p``)
+    until the tree fits the budget.
+
+    Decision: ``min_p`` (not in the paper) drafts only what the evidence
+    supports; with the retrieval drafter's calibrated ``q``, ``p`` is the
+    node's chance of acceptance, so a node below ``min_p`` is expected to
+    add less than ``min_p`` tokens for the cost of a verified row."""
+
+    name = "retrieval"
+    PARAMS = {"min_p": fraction(0.05)}
+    grows_past_budget = True
+    fanout = 0  # the retrieval drafter's trie decides
+
+    def __init__(self, min_p: float = 0.05) -> None:
+        self.min_p = min_p
+
+    def depth_limit(self, budget: int) -> int:
+        return 1 << 30  # the drafter's max_depth decides
+
+    def max_fed_nodes(self, budget: int) -> int:
+        return 0
+
+    def select(self, layer: Layer) -> torch.Tensor:
+        return (layer.candidates.q > 0) & (layer.p >= self.min_p)
+
+    def finish(self, p: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+        return top_by_path_probability(p, valid, budget)
