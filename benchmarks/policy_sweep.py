@@ -3,7 +3,8 @@ project's EAGLE-3 head), in one run.
 
 Methods (every tree at ``load_budget: fixed``, so the policy alone decides
 what is verified): the ``chain`` baseline (depth ``--chain-k``); ``eagle2``
-(N=60, K=10, D=8) and eagle2 at each depth of the DEAGLE sweep; ``talon``
+(N=60, K=10, D=8), eagle2 at each depth of the DEAGLE sweep and at the
+budgets of ``--eagle2-budgets`` (to compare with a policy that verifies fewer nodes); ``talon``
 (N=60, ``mu`` 0.03 and 0.01); ``deagle`` (N=60, K=10, maximum depth ``D`` from
 ``--depths``); ``dynatree`` (N=60, the spec's defaults); and no speculation.
 
@@ -54,7 +55,7 @@ def _tree(head: str, policy: str, budget: int = TREE_BUDGET, **params) -> dict:
             "tree": {"drafter": "eagle3", "policy": policy, "load_budget": "fixed", **params}}
 
 
-def sweep_methods(head: str, chain_k: int, depths: list[int]) -> dict[str, dict | None]:
+def sweep_methods(head: str, chain_k: int, depths: list[int], budgets: list[int] = ()) -> dict[str, dict | None]:
     methods: dict[str, dict | None] = {
         "none": None,
         "chain": _tree(head, "chain", chain_k),
@@ -63,6 +64,8 @@ def sweep_methods(head: str, chain_k: int, depths: list[int]) -> dict[str, dict 
         "talon-0.01": _tree(head, "talon", mu=0.01),
         "dynatree": _tree(head, "dynatree"),
     }
+    for budget in budgets:  # eagle2 trees of the size another policy verifies
+        methods[f"eagle2-N{budget}"] = _tree(head, "eagle2", budget, top_k=10, depth=8)
     for depth in depths:
         methods[f"deagle-D{depth}"] = _tree(head, "deagle", top_k=10, depth=depth)
         if depth != 8:
@@ -152,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", help="comma list (default: all of the sweep)")
     parser.add_argument("--depths", default="6,10,18", help="DEAGLE's (and eagle2's) maximum depths")
+    parser.add_argument("--eagle2-budgets", default="", help="extra eagle2 trees of these N (methods eagle2-N<n>)")
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--prompts-at-batch-1", type=int, default=7, help="prompts of the batch-1 pass (round-robin over categories)")
@@ -169,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
 
     t0 = time.perf_counter()
     depths = [int(d) for d in args.depths.split(",") if d.strip()]
-    methods = sweep_methods(args.head, args.chain_k, depths)
+    budgets = [int(n) for n in args.eagle2_budgets.split(",") if n.strip()]
+    methods = sweep_methods(args.head, args.chain_k, depths, budgets)
     if args.methods:
         chosen = [m.strip() for m in args.methods.split(",") if m.strip()]
         unknown = [m for m in chosen if m not in methods]

@@ -9,6 +9,8 @@ For every batch size and every method this measures, on the same workload:
   the timed pass): tau = 1 + accepted / drafts, the tokens committed per engine
   step by a request that drafted, and verified nodes per step = draft tokens /
   drafts (the tree size, or K for a chain);
+* for ``adaptive_tree`` methods, the plugin's draft passes and drafting steps
+  in the pass (``tree`` in the JSON; ``benchmarks/policy_sweep.py`` reads them);
 * whether each method's greedy output token ids equal those of ``none`` at the
   same batch size ("same as none": prompts identical / prompts; reported, not
   enforced: verifying many tokens in one forward can flip argmax near-ties; in

@@ -280,3 +280,28 @@ def test_policy_defaults_are_the_specs():
     assert (deagle.top_k, deagle.tau_s, deagle.tau_rho, deagle.depth) == (10, 0.15, 0.6, 18)
     assert (dyna.d0, dyna.d_max, dyna.branches, dyna.tau_h, dyna.tau_l, dyna.tau) == (5, 8, (1, 2, 3), 0.9, 0.4, 0.03)
     assert (dyna.rho_stop, dyna.rho_deep, dyna.window) == (0.01, 0.1, 8)
+
+
+def test_the_proposer_keeps_policy_state_per_request_until_it_is_forgotten():
+    """The engine adapter's proposer: ``begin`` with the step's requests,
+    ``observe`` after verification, ``forget`` when vLLM reports a request
+    finished or preempted."""
+    from types import SimpleNamespace
+
+    from vllm_adaptive_spec.adapter.config_hook import ADDITIONAL_CONFIG_KEY
+    from vllm_adaptive_spec.adapter.proposer import TreeProposer
+    from vllm_adaptive_spec.config import TreeConfig
+
+    config = TreeConfig("retrieval", "dynatree", 8, policy_params={"window": 1, "tau_h": 0.9}, load_budget="fixed")
+    vllm_config = SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: config.to_dict()},
+                                  model_config=SimpleNamespace(max_model_len=256))
+    proposer = TreeProposer(vllm_config)
+    tokens = np.array([[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3, 1, 2, 3, 1, 2]])
+    drafts = proposer.propose_trees(["a", "b"], [[6], [2]], np.array([8, 8]), tokens, [True, True])
+    assert all(drafts)  # both repeat their context: the retrieval drafter finds continuations
+    trees = [proposer.trees["a"], proposer.trees["b"]]
+    proposer.observe(["a", "b"], trees, [list(range(max(trees[0].depths()))), []])
+    history = proposer.policy._history
+    assert history["a"].tau_h == pytest.approx(0.85) and history["b"].tau_h == pytest.approx(0.95)
+    proposer.forget(["a"])
+    assert "a" not in history and "b" in history

@@ -21,9 +21,12 @@ class TalonPolicy(TreePolicy):
     never runs on the last layer. ``K_c`` is 16 by default (ALGORITHMS.md:
     a parent can place at most ``1 / mu`` children above the gate).
 
-    Decision (retrieval): with the retrieval drafter, ``q`` is a calibrated
-    chance of acceptance rather than a softmax, and the gate keeps what is
-    within a factor ``mu`` of the layer's best continuation. The gate, the
+    Decision: not offered for the retrieval drafter. There ``q`` is a
+    calibrated chance of acceptance, and the relative gate fills the budget
+    whatever the absolute evidence: replaying the target's greedy answers at
+    N=16, TALON verified 9.2 nodes per step for tau 2.02 where the retrieval
+    policy verified 5.2 for tau 1.95 (0.11 against 0.18 accepted tokens per
+    verified node). The gate, the
     root's top-``K`` and the budget cut are one fused operation for the batch
     (``kernels.tree_gating``)."""
 
