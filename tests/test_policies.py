@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from test_model_drafter import TableBackend, grow_with, paths
-from test_verify import chi_square_pvalue
+from test_verify import chi_square_pvalue, committed_pair_counts
 from vllm_adaptive_spec.config import TreeConfigError, parse_tree_config
 from vllm_adaptive_spec.policies import (
     ChainPolicy,
@@ -22,8 +22,7 @@ from vllm_adaptive_spec.policies import (
     Eagle2Policy,
     TalonPolicy,
 )
-from vllm_adaptive_spec.tree import DraftTree, TreeBatch
-from vllm_adaptive_spec.verify import accept, sample_with_noise
+from vllm_adaptive_spec.tree import DraftTree
 
 
 def table_model(seed: int, batch: int = 3, vocab: int = 24, sharpness: float = 4.0):
@@ -240,17 +239,7 @@ def test_every_policy_tree_is_verified_losslessly(policy):
     Q = rng.dirichlet(np.ones(V), size=V)
     row_of = {tree.tokens[i]: 1 + i for i in range(len(tree)) if tree.parents[i] == -1}
     exact = np.stack([P[0, x] * (P[row_of[x]] if x in row_of else Q[x]) for x in range(V)])
-    trials = 100_000
-    gen = torch.Generator().manual_seed(0)
-    target = torch.tensor(P, dtype=torch.float32).expand(trials, -1, -1)
-    row_tokens = sample_with_noise(target, torch.empty(trials, 1 + len(tree), V).exponential_(generator=gen))
-    one = TreeBatch.from_trees([tree])
-    batch = TreeBatch(one.tokens.expand(trials, -1), one.parents.expand(trials, -1), one.num_nodes.expand(trials))
-    result = accept(batch, row_tokens)
-    x1 = result.output_tokens[:, 0]
-    off_tree = torch.multinomial(torch.tensor(Q, dtype=torch.float32)[x1], 1, generator=gen).squeeze(1)
-    x2 = torch.where(result.num_accepted >= 1, result.output_tokens[:, 1], off_tree)
-    counts = torch.bincount(x1 * V + x2, minlength=V * V).numpy()
+    counts = committed_pair_counts(tree, P, Q, 100_000, torch.Generator().manual_seed(0))
     assert chi_square_pvalue(counts, exact) >= 1e-3
 
 

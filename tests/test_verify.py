@@ -143,6 +143,25 @@ def joint_counts(pairs) -> np.ndarray:
     return counts
 
 
+def committed_pair_counts(tree: DraftTree, rows_law: np.ndarray, Q: np.ndarray, trials: int,
+                          gen: torch.Generator) -> np.ndarray:
+    """Verify ``trials`` copies of ``tree`` with each row's target token drawn
+    as ``sample_with_noise(rows_law[row], Exp(1))``; counts [V * V] of the first
+    two committed tokens (x2 drawn from ``Q[x1]`` when x1 left the tree, as the
+    next step would)."""
+    vocab = rows_law.shape[1]
+    target = torch.tensor(rows_law, dtype=torch.float32).expand(trials, -1, -1)
+    noise = torch.empty(trials, rows_law.shape[0], vocab).exponential_(generator=gen)
+    row_tokens = sample_with_noise(target, noise)
+    one = TreeBatch.from_trees([tree])
+    batch = TreeBatch(one.tokens.expand(trials, -1), one.parents.expand(trials, -1), one.num_nodes.expand(trials))
+    result = accept(batch, row_tokens)
+    x1 = result.output_tokens[:, 0]
+    off_tree = torch.multinomial(torch.tensor(Q, dtype=torch.float32)[x1], 1, generator=gen).squeeze(1)
+    x2 = torch.where(result.num_accepted >= 1, result.output_tokens[:, 1], off_tree)
+    return torch.bincount(x1 * vocab + x2, minlength=vocab * vocab).numpy()
+
+
 @pytest.mark.parametrize("seed, wrong_rows", [(0, False), (1, False), (0, True)])
 def test_accept_with_sampled_row_tokens_is_lossless(seed, wrong_rows):
     """200k trials in one batch of identical trees: every row's target token is
@@ -151,18 +170,9 @@ def test_accept_with_sampled_row_tokens_is_lossless(seed, wrong_rows):
     Their joint law must be the target's: chi-square at alpha = 1e-3. Power
     check: sampling every row from the root's distribution must be rejected."""
     P, Q = distributions(seed)
-    trials, rows = 200_000, 1 + len(TREE)
+    rows = 1 + len(TREE)
     gen = torch.Generator().manual_seed(seed)
-    target = torch.tensor(P[[0] * rows] if wrong_rows else P, dtype=torch.float32)
-    noise = torch.empty(trials, rows, V).exponential_(generator=gen)
-    row_tokens = sample_with_noise(target.expand(trials, rows, V), noise)
-    one = TreeBatch.from_trees([TREE])
-    batch = TreeBatch(one.tokens.expand(trials, -1), one.parents.expand(trials, -1), one.num_nodes.expand(trials))
-    result = accept(batch, row_tokens)
-    x1 = result.output_tokens[:, 0]
-    off_tree = torch.multinomial(torch.tensor(Q, dtype=torch.float32)[x1], 1, generator=gen).squeeze(1)
-    x2 = torch.where(result.num_accepted >= 1, result.output_tokens[:, 1], off_tree)
-    counts = torch.bincount(x1 * V + x2, minlength=V * V).numpy()
+    counts = committed_pair_counts(TREE, P[[0] * rows] if wrong_rows else P, Q, 200_000, gen)
     pvalue = chi_square_pvalue(counts, exact_joint(P, Q))
     assert (pvalue < ALPHA) == wrong_rows, pvalue
 
