@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.gpu_timing import bench, copy_bandwidth, require_cuda  # noqa: E402
 from kernels.draft_distribution import draft_distribution_reference, draft_distribution_triton  # noqa: E402
 from kernels.tree_gating import (  # noqa: E402
     dynatree_gate_reference,
@@ -40,27 +41,13 @@ from kernels.tree_gating import (  # noqa: E402
 )
 
 
-def copy_bandwidth(bench) -> float:
-    """Bytes per second of a 2 GiB bf16 device-to-device copy, read plus written."""
-    x = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    seconds = bench(lambda: y.copy_(x)) / 1e3
-    return 2 * x.numel() * x.element_size() / seconds
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=640)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/policy_kernels.py times CUDA kernels: no CUDA GPU is visible here")
-    import triton.testing
-
-    def bench(fn) -> float:
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-
-    bandwidth = copy_bandwidth(bench)
+    require_cuda("benchmarks/policy_kernels.py")
+    bandwidth = copy_bandwidth()
     rows = []
     for vocab in (128256, 49152):
         for dtype in (torch.bfloat16, torch.float32):

@@ -10,16 +10,31 @@ masked key of the row's request. A causal request uses
 wider than the query serves tree drafting, where one pass queries only the
 newest layer of a tree whose earlier nodes are already cached.
 
-The Triton kernel runs one program per (query row, query head) and streams the
-row's keys in tiles of ``BLOCK_N`` with an online softmax in float32 (base 2,
-the scale folded with log2 e). Tiles are not aligned to cache blocks: each key
-finds its physical block on its own. The caches are read through their
+The Triton kernel is built for the GPU (flash-decoding with GQA packing):
+
+* a program owns one request, one KV head and one slice of the request's keys,
+  and packs that request's query rows times the group's query heads into the
+  M dimension of ``tl.dot`` (``BLOCK_M`` at most 128; longer trees take
+  several query tiles, adjacent in the grid so their KV reads meet in L2).
+  Each KV tile is loaded once for all of them and both products run on
+  tensor cores, with an online softmax in float32 (base 2, the scale folded
+  with log2 e); float32 inputs use exact ("ieee") products;
+* the keys are split into slices when the batch alone cannot fill the GPU,
+  each slice writing its normalised output and log-sum-exp, and a second
+  kernel merging the slices;
+* whole context tiles run without any mask; only the last tiles of a slice
+  (a partial tile and the masked window) read ``query_mask``.
+
+Tiles are not aligned to cache blocks: each key finds its physical block on
+its own, so slices may cut a block. The caches are read through their
 strides, so strided views are used as they are.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 
@@ -109,21 +124,36 @@ def tree_attention_reference(
 if triton is not None:
 
     @triton.jit
+    def _mma(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        """``tl.dot``; with ``UPCAST`` in float32, for the interpreter, whose
+        product reads bfloat16 operands as raw bits."""
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        return tl.dot(a, b, input_precision=PRECISION)
+
+    @triton.jit
     def _tree_attention_kernel(
         out_ptr,
+        lse_ptr,
         q_ptr,
         k_ptr,
         v_ptr,
         block_table_ptr,
         query_start_loc_ptr,
         seq_lens_ptr,
-        query_mask_ptr,
         window_lens_ptr,
-        row_request_ptr,
+        query_mask_ptr,
         scale_log2e,
+        num_kv_heads,
+        keys_per_split,
+        mask_width,
+        head_dim,
+        stride_os,
         stride_ot,
         stride_oh,
-        stride_od,
+        stride_ls,
+        stride_lt,
         stride_qt,
         stride_qh,
         stride_qd,
@@ -139,73 +169,163 @@ if triton is not None:
         stride_bt_i,
         stride_mt,
         stride_mj,
-        head_dim,
         GROUP: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        SPLIT: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
     ):
-        row = tl.program_id(0)
-        head = tl.program_id(1)
-        kv_head = head // GROUP
-        request = tl.load(row_request_ptr + row)
+        """One program: ``BLOCK_M`` (query row, query head) pairs of one request
+        and one KV group, over one slice of the request's keys."""
+        m_tile = tl.program_id(0)
+        request = tl.program_id(1) // num_kv_heads
+        kv_head = tl.program_id(1) % num_kv_heads
+        split = tl.program_id(2)
+        q_start = tl.load(query_start_loc_ptr + request)
+        q_len = tl.load(query_start_loc_ptr + request + 1) - q_start
+        if m_tile * BLOCK_M >= q_len * GROUP:
+            return
         seq_len = tl.load(seq_lens_ptr + request)
-        context = seq_len - tl.load(window_lens_ptr + request)
+        if HAS_WINDOW:
+            context = seq_len - tl.load(window_lens_ptr + request)
+        else:
+            context = seq_len - q_len
+        lo = split * keys_per_split
+        hi = tl.minimum(lo + keys_per_split, seq_len)
 
+        offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        local = offs_m // GROUP
+        head = kv_head * GROUP + offs_m % GROUP
+        row = (q_start + local).to(tl.int64)
+        m_valid = local < q_len
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < head_dim
-        q = tl.load(q_ptr + row * stride_qt + head * stride_qh + offs_d * stride_qd, mask=d_mask, other=0.0)
-        q = q.to(tl.float32) * scale_log2e
+        q = tl.load(
+            q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+            mask=m_valid[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        table = block_table_ptr + request.to(tl.int64) * stride_bt_b
+        k_head = k_ptr + kv_head * stride_kh + offs_d[None, :] * stride_kd
+        v_head = v_ptr + kv_head * stride_vh + offs_d[None, :] * stride_vd
 
-        # A finite start keeps exp2(m_i - m_new) defined when a tile is fully masked.
-        m_i = tl.full([], -1.0e30, tl.float32)
-        l_i = tl.full([], 0.0, tl.float32)
-        acc = tl.zeros([BLOCK_D], tl.float32)
-        for start in range(0, seq_len, BLOCK_N):
+        # A finite start keeps exp2(m_i - m_new) defined while a row has seen no key.
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+        # Context keys every row sees: whole tiles, no mask.
+        prefix_end = lo + tl.maximum(tl.minimum(hi, context) - lo, 0) // BLOCK_N * BLOCK_N
+        for start in range(lo, prefix_end, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            in_seq = offs_n < seq_len
-            physical = tl.load(
-                block_table_ptr + request * stride_bt_b + (offs_n // BLOCK_SIZE) * stride_bt_i, mask=in_seq, other=0
-            ).to(tl.int64)
+            slot = tl.load(table + (offs_n // BLOCK_SIZE) * stride_bt_i).to(tl.int64)
             offset = offs_n % BLOCK_SIZE
-            kv_mask = in_seq[:, None] & d_mask[None, :]
-            k = tl.load(
-                k_ptr
-                + physical[:, None] * stride_kb
-                + offset[:, None] * stride_ks
-                + kv_head * stride_kh
-                + offs_d[None, :] * stride_kd,
-                mask=kv_mask,
-                other=0.0,
-            ).to(tl.float32)
-            j = offs_n - context
-            in_query = in_seq & (j >= 0)
-            tree_bit = tl.load(query_mask_ptr + row * stride_mt + j * stride_mj, mask=in_query, other=0)
-            visible = in_seq & ((j < 0) | (tree_bit != 0))
-            s = tl.where(visible, tl.sum(q[None, :] * k, axis=1), float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            k = tl.load(k_head + slot[:, None] * stride_kb + offset[:, None] * stride_ks, mask=d_mask[None, :], other=0.0)
+            s = _mma(q, tl.trans(k), PRECISION, UPCAST) * scale_log2e
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new)
-            v = tl.load(
-                v_ptr
-                + physical[:, None] * stride_vb
-                + offset[:, None] * stride_vs
-                + kv_head * stride_vh
-                + offs_d[None, :] * stride_vd,
-                mask=kv_mask,
-                other=0.0,
-            ).to(tl.float32)
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_head + slot[:, None] * stride_vb + offset[:, None] * stride_vs, mask=d_mask[None, :], other=0.0)
+            acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, PRECISION, UPCAST)
             m_i = m_new
 
-        out = acc / l_i
-        tl.store(
-            out_ptr + row * stride_ot + head * stride_oh + offs_d * stride_od,
-            out.to(out_ptr.dtype.element_ty),
-            mask=d_mask,
+        # The rest of the slice: a partial context tile and the masked window.
+        for start in range(prefix_end, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            in_slice = offs_n < hi
+            slot = tl.load(table + (offs_n // BLOCK_SIZE) * stride_bt_i, mask=in_slice, other=0).to(tl.int64)
+            offset = offs_n % BLOCK_SIZE
+            kv_mask = in_slice[:, None] & d_mask[None, :]
+            k = tl.load(k_head + slot[:, None] * stride_kb + offset[:, None] * stride_ks, mask=kv_mask, other=0.0)
+            s = _mma(q, tl.trans(k), PRECISION, UPCAST) * scale_log2e
+            j = offs_n - context
+            in_window = in_slice & (j >= 0) & (j < mask_width)
+            bits = tl.load(
+                query_mask_ptr + row[:, None] * stride_mt + j[None, :] * stride_mj,
+                mask=m_valid[:, None] & in_window[None, :],
+                other=0,
+            )
+            visible = (in_slice & (j < 0))[None, :] | (bits != 0)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_head + slot[:, None] * stride_vb + offset[:, None] * stride_vs, mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, PRECISION, UPCAST)
+            m_i = m_new
+
+        seen = l_i > 0
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        out_rows = out_ptr + split * stride_os + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
+        if SPLIT:
+            lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+            tl.store(lse_ptr + split * stride_ls + row * stride_lt + head, lse, mask=m_valid)
+
+    @triton.jit
+    def _merge_splits_kernel(
+        out_ptr,
+        part_ptr,
+        lse_ptr,
+        num_splits,
+        head_dim,
+        stride_ot,
+        stride_oh,
+        stride_ps,
+        stride_pt,
+        stride_ph,
+        stride_ls,
+        stride_lt,
+        BLOCK_S: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        """One program per (query row, query head): the log-sum-exp weighted
+        sum of its slices' normalised outputs."""
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        s_mask = offs_s < num_splits
+        lse = tl.load(lse_ptr + offs_s * stride_ls + row * stride_lt + head, mask=s_mask, other=float("-inf"))
+        weight = tl.exp2(lse - tl.max(lse, axis=0))
+        part = tl.load(
+            part_ptr + offs_s[:, None] * stride_ps + row * stride_pt + head * stride_ph + offs_d[None, :],
+            mask=s_mask[:, None] & (offs_d < head_dim)[None, :],
+            other=0.0,
         )
+        out = tl.sum(weight[:, None] * part, axis=0) / tl.sum(weight, axis=0)
+        tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < head_dim)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _split_plan(max_seq_len: int, programs: int, block_n: int, device: torch.device) -> tuple[int, int]:
+    """(number of slices, keys per slice): enough programs to give every
+    multiprocessor one when the batch alone does not, each slice at least four
+    tiles and a whole number of them (flash-decoding). Measured on an H100:
+    slicing past one program per multiprocessor only adds the merge."""
+    tiles = -(-max_seq_len // block_n)
+    splits = max(1, min(-(-_multiprocessors(device) // programs), tiles // 4))
+    keys_per_split = -(-tiles // splits) * block_n
+    return -(-max_seq_len // keys_per_split), keys_per_split
+
+
+def _launch_choice(packed: int) -> dict:
+    """Tiles, warps and pipeline depth by the packed query rows, from the
+    H100 sweep of ``benchmarks/kernels.py --tune``: query tiles of 128 need
+    8 warps and key tiles of 128 (4 warps spill and run 2.6 times slower)."""
+    if packed >= 128:
+        return dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
+    return dict(block_m=max(16, triton.next_power_of_2(packed)), block_n=64, num_warps=4, num_stages=2)
 
 
 def tree_attention_triton(
@@ -218,45 +338,96 @@ def tree_attention_triton(
     query_mask: torch.Tensor,
     scale: float,
     window_lens: torch.Tensor | None = None,
-    block_n: int = 64,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    **launch: int,
 ) -> torch.Tensor:
-    """Launch the kernel on a (T, Hq) grid; ``block_n`` is the key tile (a power of two)."""
+    """Launch the kernel on a (query tiles, requests x KV heads, slices) grid,
+    then merge the slices when there are several.
+
+    ``max_query_len`` and ``max_seq_len`` are read off the device when not
+    given (an attention backend has them on the host). ``num_splits`` and
+    ``launch`` (``block_m``: packed (row, head) pairs per program, ``block_n``:
+    the key tile, ``num_warps``, ``num_stages``) override the heuristic, for
+    the tests and the benchmark's sweep.
+    """
     num_rows, num_heads, head_dim = query.shape
     out = torch.empty((num_rows, num_heads, head_dim), dtype=query.dtype, device=query.device)
     if num_rows == 0:
         return out
-    num_requests = seq_lens.shape[0]
-    row_request = torch.repeat_interleave(
-        torch.arange(num_requests, dtype=torch.int32, device=query.device),
-        query_start_loc.diff(),
-        output_size=num_rows,
-    )
+    num_requests, num_kv_heads = seq_lens.shape[0], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if max_query_len is None:
+        max_query_len = int(query_start_loc.diff().max())
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    packed = max_query_len * group
+    launch = _launch_choice(packed) | launch
+    block_m, block_n = launch["block_m"], launch["block_n"]
+    m_tiles = -(-packed // block_m)
+    if num_splits is None:
+        num_splits, keys_per_split = _split_plan(max_seq_len, m_tiles * num_requests * num_kv_heads, block_n, query.device)
+    else:
+        keys_per_split = -(-max_seq_len // (num_splits * block_n)) * block_n
+        num_splits = -(-max_seq_len // keys_per_split)
     mask = query_mask.view(torch.uint8)
-    windows = query_start_loc.diff() if window_lens is None else window_lens
-    _tree_attention_kernel[(num_rows, num_heads)](
-        out,
+    upcast = query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    if num_splits > 1:
+        partial = torch.empty((num_splits, num_rows, num_heads, head_dim), dtype=torch.float32, device=query.device)
+        lse = torch.empty((num_splits, num_rows, num_heads), dtype=torch.float32, device=query.device)
+        target, lse_strides = partial, lse.stride()[:2]
+    else:
+        target, lse, lse_strides = out.unsqueeze(0), out, (0, 0)
+    _tree_attention_kernel[(m_tiles, num_requests * num_kv_heads, num_splits)](
+        target,
+        lse,
         query,
         key_cache,
         value_cache,
         block_table,
         query_start_loc,
         seq_lens,
+        seq_lens if window_lens is None else window_lens,
         mask,
-        windows.to(torch.int32),
-        row_request,
         scale * math.log2(math.e),
-        *out.stride(),
+        num_kv_heads,
+        keys_per_split,
+        mask.shape[1],
+        head_dim,
+        *target.stride()[:3],
+        *lse_strides,
         *query.stride(),
         *key_cache.stride(),
         *value_cache.stride(),
         *block_table.stride(),
         *mask.stride(),
-        head_dim,
-        GROUP=num_heads // key_cache.shape[2],
+        GROUP=group,
         BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        SPLIT=num_splits > 1,
+        HAS_WINDOW=window_lens is not None,
+        PRECISION="ieee" if query.dtype == torch.float32 or upcast else "tf32",
+        UPCAST=upcast,
+        num_warps=launch["num_warps"],
+        num_stages=launch["num_stages"],
     )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_rows, num_heads)](
+            out,
+            partial,
+            lse,
+            num_splits,
+            head_dim,
+            *out.stride()[:2],
+            *partial.stride()[:3],
+            *lse.stride()[:2],
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=triton.next_power_of_2(head_dim),
+        )
     return out
 
 

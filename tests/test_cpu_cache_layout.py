@@ -49,7 +49,7 @@ def test_compaction_through_the_views_moves_whole_tokens(cpu_ops):
     # Root at slot 30; accepted nodes 2 and 5 (slots 33, 36) move to slots 31, 32.
     src = torch.tensor([[33, 36]])
     dst = torch.tensor([[31, 32]])
-    compact_kv(key_view, value_view, src, dst)
+    compact_kv([key_view], [value_view], src, dst)
     flat_k, flat_v = key_view.reshape(-1, heads, head_dim), value_view.reshape(-1, heads, head_dim)
     old_k, old_v = before_k.reshape(-1, heads, head_dim), before_v.reshape(-1, heads, head_dim)
     assert torch.equal(flat_k[31], old_k[33]) and torch.equal(flat_v[32], old_v[36])

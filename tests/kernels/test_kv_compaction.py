@@ -1,5 +1,6 @@
-"""KV compaction: the Triton kernel (interpreted off GPU) against the torch
-reference, and the reference against hand-computed and independent results."""
+"""KV compaction: the Triton kernel (on CUDA tensors where a GPU is present,
+interpreted elsewhere) against the torch reference, and the reference against
+hand-computed and independent results."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 from kernels.kv_compaction import compact_kv, compact_kv_reference, compact_kv_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def random_cache(gen, num_blocks, block_size, heads, head_dim, dtype, transposed):
@@ -64,7 +67,9 @@ def make_rows(gen, num_requests, tree_size, block_size):
     ids=["plain", "key-transposed-d24", "bf16-transposed"],
 )
 @pytest.mark.parametrize("seed", range(2))
-def test_triton_matches_reference(config, seed):
+@pytest.mark.parametrize("block_e", [16, 512])
+def test_triton_matches_reference(config, seed, block_e):
+    """Whole rows in one program (512 elements) and rows cut into chunks of 16."""
     gen = torch.Generator().manual_seed(seed)
     block_size = config["block_size"]
     src, dst, num_blocks, paths = make_rows(gen, num_requests=5, tree_size=7, block_size=block_size)
@@ -72,8 +77,10 @@ def test_triton_matches_reference(config, seed):
     originals = make_caches(gen, num_blocks, block_size, **other)
     expected = [c.clone() for c in originals]
     actual = [c.clone() for c in originals]
-    compact_kv_reference(*expected, src, dst)
-    compact_kv_triton(*actual, src, dst)
+    compact_kv_reference(expected[:1], expected[1:], src, dst)
+    on_device = [c.to(DEVICE) for c in actual]
+    compact_kv_triton(on_device[:1], on_device[1:], src.to(DEVICE), dst.to(DEVICE), block_e=block_e)
+    actual = [c.cpu() for c in on_device]
 
     written = torch.zeros(num_blocks, block_size, dtype=torch.bool)
     for s in dst[dst >= 0].tolist():
@@ -110,8 +117,8 @@ EXPECTED = [0, 2, 3, 3, 4, 5, 7, 7]
 
 @pytest.mark.parametrize("impl", [compact_kv_reference, compact_kv_triton, compact_kv], ids=lambda f: f.__name__)
 def test_hand_computed_overlap(impl):
-    key, value = slot_id_caches()
-    impl(key, value, SRC, DST)
+    key, value = (c.to(DEVICE) for c in slot_id_caches())
+    impl([key], [value], SRC.to(DEVICE), DST.to(DEVICE))
     assert slot_ids(key) == EXPECTED
     assert torch.equal(value, -key)
 
@@ -120,5 +127,28 @@ def test_out_of_order_copy_would_differ():
     """Copying row 0's pairs out of order (as unordered parallel copies may)
     overwrites slot 2 before it is read, so the order is observable."""
     key, value = slot_id_caches()
-    compact_kv_reference(key, value, SRC.flip(1), DST.flip(1))
+    compact_kv_reference([key], [value], SRC.flip(1), DST.flip(1))
     assert slot_ids(key) != EXPECTED
+
+
+def test_every_layer_in_one_launch():
+    """Three layers' caches, separately allocated, each compacted as the
+    reference compacts it on its own; the rows' order is layer-independent."""
+    gen = torch.Generator().manual_seed(7)
+    src, dst, num_blocks, _ = make_rows(gen, num_requests=6, tree_size=8, block_size=4)
+    layers = [make_caches(gen, num_blocks, 4, 2, 16, transposed=(True, False)) for _ in range(3)]
+    expected = [[c.clone() for c in layer] for layer in layers]
+    originals = [[c.clone() for c in layer] for layer in layers]
+    for key, value in expected:
+        compact_kv_reference([key], [value], src, dst)
+    on_device = [[c.to(DEVICE) for c in layer] for layer in originals]
+    compact_kv_triton([k for k, _ in on_device], [v for _, v in on_device], src.to(DEVICE), dst.to(DEVICE))
+    for (key, value), (want_key, want_value) in zip(on_device, expected):
+        assert torch.equal(key.cpu(), want_key) and torch.equal(value.cpu(), want_value)
+    assert not torch.equal(expected[0][0], layers[0][0])  # something moved
+
+
+def test_layers_of_different_layouts_are_refused():
+    key = torch.zeros(2, 4, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="one shape, stride, dtype and device"):
+        compact_kv_triton([key, key.double()], [key, key], SRC.to(DEVICE), DST.to(DEVICE))

@@ -1,5 +1,6 @@
-"""Tree attention: the Triton kernel (interpreted off GPU) against the torch
-reference, and the reference against a dense computation."""
+"""Tree attention: the Triton kernel (on CUDA tensors where a GPU is present,
+interpreted elsewhere) against the torch reference, and the reference against
+a dense computation."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from kernels.tree_attention import (
     tree_attention_reference,
     tree_attention_triton,
 )
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def random_tree_mask(gen: torch.Generator, size: int) -> torch.Tensor:
@@ -76,7 +79,7 @@ def make_case(
             mask[:, :q_len] = torch.ones(q_len, q_len, dtype=torch.bool).tril()
         rows.append(mask)
 
-    return dict(
+    case = dict(
         query=torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype),
         key_cache=caches[0],
         value_cache=caches[1],
@@ -84,52 +87,71 @@ def make_case(
         query_start_loc=torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).int(),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         query_mask=torch.cat(rows),
-        scale=head_dim**-0.5,
     )
+    return {name: tensor.to(DEVICE) for name, tensor in case.items()} | {"scale": head_dim**-0.5}
 
 
 # With blocks of 4: context 5 (mid-block) with a tree ending on a block boundary,
 # context 8 (ends on a boundary) with one token, a causal prefill of 13 without
 # context, context 11 with a tree, and another lone decode token.
 RAGGED = [(5, "tree:7"), (8, 1), (0, 13), (11, "tree:5"), (3, 1)]
+# Longer contexts, for slices of several tiles that cut cache blocks.
+LONG = [(70, "tree:9"), (40, 1), (0, 20), (33, 4)]
+
+SHAPES = {
+    "group1-d16": dict(num_heads=2, num_kv_heads=2),
+    "group4-d64": dict(num_heads=8, num_kv_heads=2, head_dim=64),
+    "group8-d128-key-transposed": dict(num_heads=8, num_kv_heads=1, head_dim=128, transposed=(True, False), seed=1),
+    "group2-d24-both-transposed": dict(num_heads=4, num_kv_heads=2, head_dim=24, transposed=(True, True), seed=2),
+}
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        dict(),
-        dict(num_heads=4, num_kv_heads=2),
-        dict(num_heads=4, num_kv_heads=2, transposed=(True, False), head_dim=24),
-        dict(num_heads=4, num_kv_heads=1, block_size=16, seed=1),
-    ],
-    ids=["mha", "gqa", "gqa-key-transposed-d24", "mqa-block16"],
-)
-def test_triton_matches_reference_float32(config):
-    case = make_case(RAGGED, **config)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+def test_triton_matches_reference(shape, dtype):
+    """Ragged trees and causal rows in blocks of 4, one slice or three, and the
+    heuristic's choice of tiles."""
+    case = make_case(RAGGED, dtype=dtype, **SHAPES[shape])
     expected = tree_attention_reference(**case)
-    for block_n in (8, 32):
-        torch.testing.assert_close(tree_attention_triton(**case, block_n=block_n), expected, atol=1e-5, rtol=1e-5)
+    for launch in (dict(block_n=16, num_splits=1), dict(block_n=16, num_splits=3), dict()):
+        out = tree_attention_triton(**case, **launch)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
-def test_triton_matches_reference_bfloat16():
-    case = make_case(RAGGED, num_heads=4, num_kv_heads=2, transposed=(True, True), dtype=torch.bfloat16)
-    out = tree_attention_triton(**case, block_n=16)
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out, tree_attention_reference(**case), atol=2e-2, rtol=2e-2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_slices_cutting_blocks_and_several_query_tiles(dtype):
+    """Blocks of 32 read in slices of 48 keys, and query tiles of 16 packed
+    (row, head) pairs, so a 9-node tree of a group of 4 spans three tiles."""
+    case = make_case(LONG, num_heads=8, num_kv_heads=2, head_dim=64, block_size=32, dtype=dtype, seed=5)
+    expected = tree_attention_reference(**case)
+    for launch in (dict(block_n=16, num_splits=2), dict(block_n=16, num_splits=2, block_m=16), dict(block_m=16)):
+        torch.testing.assert_close(tree_attention_triton(**case, **launch), expected, **TOLERANCE[dtype])
+
+
+def test_launch_shape_does_not_change_float32_results():
+    """The max lengths given by the caller, as an attention backend does,
+    give the result of the ones read off the device."""
+    case = make_case(LONG, num_heads=4, num_kv_heads=1, block_size=16, seed=6)
+    lengths = dict(max_query_len=int(case["query_start_loc"].diff().max()), max_seq_len=int(case["seq_lens"].max()))
+    torch.testing.assert_close(
+        tree_attention_triton(**case, **lengths), tree_attention_triton(**case), atol=1e-6, rtol=1e-6
+    )
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_random_trees(seed):
     case = make_case([(6, "tree:9"), (4, "tree:12"), (9, "tree:3")], seed=seed, block_size=8)
-    torch.testing.assert_close(tree_attention_triton(**case, block_n=16), tree_attention_reference(**case), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tree_attention_triton(**case, num_splits=2), tree_attention_reference(**case), atol=1e-5, rtol=1e-5)
 
 
 def test_tree_mask_matters():
     case = make_case([(6, "tree:9"), (4, "tree:12")], seed=3)
     all_visible = dict(case, query_mask=torch.ones_like(case["query_mask"]))
-    tree_out = tree_attention_triton(**case, block_n=16)
+    tree_out = tree_attention_triton(**case)
     assert not torch.allclose(tree_out, tree_attention_reference(**all_visible), atol=1e-3)
-    assert not torch.allclose(tree_out, tree_attention_triton(**all_visible, block_n=16), atol=1e-3)
+    assert not torch.allclose(tree_out, tree_attention_triton(**all_visible), atol=1e-3)
 
 
 @pytest.mark.parametrize("context", [0, 7])
@@ -181,17 +203,18 @@ def test_causal_query_mask():
     assert torch.equal(mask, expected)
 
 
-def test_dispatch_uses_reference_on_cpu():
+def test_dispatch_picks_the_kernel_on_cuda_and_the_reference_elsewhere():
     case = make_case([(3, "tree:4")])
-    assert torch.equal(tree_attention(**case), tree_attention_reference(**case))
+    expected = tree_attention_triton if DEVICE == "cuda" else tree_attention_reference
+    assert torch.equal(tree_attention(**case), expected(**case))
 
 
 def test_rows_seeing_only_themselves():
     """Each row attends to its own key alone, so it returns that key's value; a
     row's first tiles are then fully masked."""
     case = make_case([(0, "tree:12"), (0, 3)], num_heads=4, num_kv_heads=2, block_size=4, seed=4)
-    case["query_mask"] = torch.eye(12, dtype=torch.bool)[[*range(12), *range(3)]]
-    out = tree_attention_triton(**case, block_n=8)
+    case["query_mask"] = torch.eye(12, dtype=torch.bool, device=DEVICE)[[*range(12), *range(3)]]
+    out = tree_attention_triton(**case, block_n=16, num_splits=2)
     positions = [*range(12), *range(3)]
     requests = [0] * 12 + [1] * 3
     own_values = torch.stack(
@@ -208,9 +231,9 @@ def test_window_wider_than_query(impl):
     full = make_case([(5, "tree:7"), (9, "tree:4")], num_heads=4, num_kv_heads=2, seed=3)
     newest = [3, 2]  # the last 3 nodes of the first tree, the last 2 of the second
     ends = full["query_start_loc"][1:].tolist()
-    rows = torch.cat([torch.arange(end - k, end) for end, k in zip(ends, newest)])
+    rows = torch.cat([torch.arange(end - k, end) for end, k in zip(ends, newest)]).to(DEVICE)
     expected = tree_attention_reference(**full)[rows]
     partial = dict(full, query=full["query"][rows], query_mask=full["query_mask"][rows],
-                   query_start_loc=torch.tensor([0, *newest]).cumsum(0).int(),
+                   query_start_loc=torch.tensor([0, *newest], device=DEVICE).cumsum(0).int(),
                    window_lens=full["query_start_loc"].diff())
     torch.testing.assert_close(impl(**partial), expected, atol=1e-5, rtol=1e-5)

@@ -156,9 +156,8 @@ class TreeRunnerMixin:
         dst = slot_mapping[(first_node.unsqueeze(1) + depth).flatten()].view_as(path)
         src = torch.where(live, src, -1).to(torch.int64)
         dst = torch.where(live, dst, -1).to(torch.int64)
-        for kv_cache in self.kv_caches:
-            key_cache, value_cache = type(self).kv_views(kv_cache)
-            compact_kv(key_cache, value_cache, src, dst)
+        views = [type(self).kv_views(kv_cache) for kv_cache in self.kv_caches]
+        compact_kv([key for key, _ in views], [value for _, value in views], src, dst)
 
     def _record_chains(self, step: tree_step.TreeStep, acceptance: Acceptance) -> None:
         """Each tree request's committed query rows in chain order: rows
