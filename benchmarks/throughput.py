@@ -41,8 +41,10 @@ engine does a warm-up pass over a few prompts before anything is timed.
 
 Methods: ``none``; vLLM's ``ngram`` (K = ``--ngram-k``) and ``eagle3`` (a chain of
 ``--chain-k`` with the committed head ``heads/smollm2-135m-eagle3``); the plugin's
-``tree-retrieval`` / ``chain-retrieval`` / ``tree-retrieval-fixed`` (retrieval
-drafter, budget ``--budget``), ``chain-eagle3`` / ``tree-eagle3`` (the same head,
+``tree-retrieval`` / ``chain-retrieval`` / ``tree-retrieval-fixed`` /
+``tree-retrieval-shared`` (retrieval drafter, budget ``--budget``; the last with
+the shared datastore of finished outputs, emptied before each timed pass like
+Suffix Decoding's cache), ``chain-eagle3`` / ``tree-eagle3`` (the same head,
 chain of ``--chain-k`` or an EAGLE-2 tree of N = ``--tree-budget``, K = 10, D = 8)
 and ``chain-draft-lm`` / ``tree-draft-lm`` (the draft LM of ``vllm-adaptive-spec
 draft-lm``, built on first use); vLLM's ``suffix`` (Suffix Decoding, vLLM's defaults:
@@ -137,6 +139,7 @@ METHODS = {
     "tree-retrieval": lambda args: _tree(args, "retrieval", "retrieval"),
     "chain-retrieval": lambda args: _tree(args, "retrieval", "chain"),
     "tree-retrieval-fixed": lambda args: _tree(args, "retrieval", "retrieval", load_budget="fixed"),
+    "tree-retrieval-shared": lambda args: _tree(args, "retrieval", "retrieval", datastore="shared"),
     "eagle3": lambda args: {"method": "eagle3", "model": _head(args), "num_speculative_tokens": args.chain_k},
     "chain-eagle3": lambda args: _tree(args, "eagle3", "chain", args.chain_k, _head(args)),
     "tree-eagle3": lambda args: _tree(args, "eagle3", "eagle2", args.tree_budget, _head(args)),
@@ -307,6 +310,10 @@ def worker(job_path: str) -> None:
             if suffix:
                 dropped = llm.collective_rpc(_reset_suffix_cache)[0]
                 print(f"[worker] suffix decoding cache emptied ({dropped} cached responses)", flush=True)
+            if tree_method:
+                dropped = llm.collective_rpc("adaptive_tree_clear_datastore")[0]
+                if dropped:
+                    print(f"[worker] shared datastore emptied ({dropped} tokens)", flush=True)
             before, tree_before = _counters(llm), _tree_counters(llm, tree_method)
             started = time.perf_counter()
             outputs = _generate(llm, [conversations[i] for i in indices], params, batch_size, job["max_num_seqs"])

@@ -32,6 +32,11 @@ def build_config(demo_model, speculative_config):
             r"unknown key\(s\) \['depth'\].*'drafter', 'evidence_prior', 'l_max', 'l_min', 'load_budget', 'max_depth', 'max_matches', 'min_p', 'policy'",
         ),
         ({"num_speculative_tokens": 8, "tree": {**GOOD_TREE, "l_max": 0}}, r"\['tree'\]\['l_max'\] must be an integer >= 1, got 0"),
+        ({"num_speculative_tokens": 8, "tree": {**GOOD_TREE, "datastore": "global"}}, r"\['tree'\]\['datastore'\] must be one of 'off', 'shared', got 'global'"),
+        (
+            {"num_speculative_tokens": 8, "tree": {**GOOD_TREE, "corpus": "/nonexistent/corpus.txt"}},
+            r"\['tree'\]\['corpus'\] must be the path of a readable text file, or '' for none, got '/nonexistent/corpus.txt'",
+        ),
         ({"num_speculative_tokens": 0, "tree": GOOD_TREE}, r"\['num_speculative_tokens'\] must be an integer from 1 to 128"),
         ({"num_speculative_tokens": 8}, r"\['tree'\] must be a dict"),
         ({"num_speculative_tokens": 8, "model": "x", "tree": GOOD_TREE}, r"\['model'\] is not used by tree drafter 'retrieval'"),

@@ -206,3 +206,28 @@ def test_sampling_distribution_unchanged_by_a_tree(tree, sampling_job, sampled_w
     for position in (1, 2):
         pvalue = _homogeneity_pvalue([t[position] for t in plain.token_ids], [t[position] for t in run.token_ids])
         assert pvalue > 1e-3, f"token {position}: p = {pvalue:.2g}"
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_greedy_with_the_shared_datastore(batch_size, demo_model, prompts, prompt_ids, baseline, tmp_path):
+    """Trees drawn from earlier requests' outputs keep the greedy output: at
+    batch 1 five prompts in turn, the last the repetition of the longest (its
+    answer is then in the datastore), at batch 8 every prompt."""
+    keep = list(range(len(prompt_ids)))
+    if batch_size == 1:
+        keep = keep[:4] + keep[-1:]
+    tree = {**TREE, "tree": {**TREE["tree"], "datastore": "shared"}}
+    run = run_engine_job(
+        tmp_path,
+        {
+            "model": demo_model,
+            "prompt_token_ids": [prompt_ids[i] for i in keep],
+            "max_tokens": MAX_TOKENS,
+            "max_num_seqs": batch_size,
+            "speculative_config": tree,
+        },
+    )
+    expected = [baseline.token_ids[i] for i in keep]
+    assert not _mismatches([prompts[i] for i in keep[:-1]], expected, run.token_ids)
+    assert run.tree_stats["datastore_tokens"] > 0, "no finished output reached the datastore"
+    assert run.metrics["vllm:spec_decode_num_accepted_tokens"] > 0

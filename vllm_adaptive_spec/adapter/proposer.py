@@ -85,6 +85,12 @@ class TreeProposer:
         if self.config is None:
             raise ValueError("TreeProposer is only used with method='adaptive_tree'")
         self.drafter = self.config.make_drafter()
+        if getattr(self.drafter, "corpus_path", ""):
+            from transformers import AutoTokenizer
+
+            model_config = vllm_config.model_config
+            tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer, revision=model_config.tokenizer_revision)
+            self.drafter.load_corpus(lambda text: tokenizer.encode(text, add_special_tokens=False))
         self.policy = self.config.make_policy()
         self.max_model_len = vllm_config.model_config.max_model_len
         self.trees: dict[str, DraftTree] = {}
@@ -98,11 +104,17 @@ class TreeProposer:
     def propose(self, *args, **kwargs):
         raise RuntimeError("TreeProposer is driven by the adaptive_tree model runner (propose_trees)")
 
-    def forget(self, request_ids) -> None:
+    def forget(self, request_ids, finished=()) -> None:
+        """Drop what is kept per request; ``finished`` ones (not preempted)
+        may leave their output to the drafter's shared datastore."""
         for request_id in request_ids:
             self.trees.pop(request_id, None)
-            self.drafter.forget(request_id)
+            self.drafter.forget(request_id, finished=request_id in finished)
             self.policy.forget(request_id)
+
+    def clear_shared_datastore(self) -> int:
+        """Empty the retrieval drafter's shared datastore; the tokens dropped."""
+        return self.drafter.clear_shared() if hasattr(self.drafter, "clear_shared") else 0
 
     def observe(self, request_ids: list[str], trees: list[DraftTree], accepted: list[list[int]]) -> None:
         """Verified trees (possibly cut by the scheduler) and their accepted
@@ -130,12 +142,14 @@ class TreeProposer:
         eligible: list[bool],
         other_tokens: int = 0,
         drafting: bool = True,
+        prompt_lens: np.ndarray | None = None,
     ) -> list[list[int]]:
         """One tree of at most ``N`` nodes per request (empty when it may not
         draft, or when ``drafting`` is False), cut by the load budget when it
         is on (``other_tokens``: the next step's scheduled tokens besides the
         trees', as far as known); returns each tree's tokens, breadth-first,
-        as vLLM's draft token ids."""
+        as vLLM's draft token ids. ``prompt_lens``: each request's prompt
+        length, where a drafter's shared datastore keeps outputs only."""
         budgets, active, contexts = [], [], []
         self.stats.proposals += 1
         self.stats.paused += not drafting
@@ -152,7 +166,8 @@ class TreeProposer:
         if not active:
             return drafts
         started = time.perf_counter()
-        self.drafter.prepare([request_ids[i] for i in active], contexts, active)
+        lens = None if prompt_lens is None else [int(prompt_lens[i]) for i in active]
+        self.drafter.prepare([request_ids[i] for i in active], contexts, active, lens)
         self.policy.begin([request_ids[i] for i in active])
         trees, stats = grow(self.drafter, self.policy, torch.tensor(budgets), self.drafter.max_depth)
         if getattr(self.drafter, "is_model", False):

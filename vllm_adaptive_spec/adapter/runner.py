@@ -73,7 +73,7 @@ class TreeRunnerMixin:
     def _update_states(self, scheduler_output):
         result = super()._update_states(scheduler_output)
         gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
-        self.tree_proposer.forget(gone)
+        self.tree_proposer.forget(gone, set(scheduler_output.finished_req_ids))
         if self._draft_backend is not None:
             self._draft_backend.forget(gone)
         return result
@@ -206,8 +206,14 @@ class TreeRunnerMixin:
             can_draft(self.requests[r].sampling_params, len(self.requests[r].output_token_ids)) for r in req_ids
         ]
         return self.tree_proposer.propose_trees(
-            req_ids, sampled_token_ids, num_tokens, batch.token_ids_cpu, eligible, other_tokens, drafting
+            req_ids, sampled_token_ids, num_tokens, batch.token_ids_cpu, eligible, other_tokens, drafting,
+            batch.num_prompt_tokens,
         )
 
     def adaptive_tree_stats(self) -> dict[str, float]:
-        return self.tree_proposer.stats.as_dict()
+        shared = getattr(self.tree_proposer.drafter, "shared", None)
+        return self.tree_proposer.stats.as_dict() | {"datastore_tokens": 0 if shared is None else shared.num_tokens}
+
+    def adaptive_tree_clear_datastore(self) -> int:
+        """Empty the retrieval drafter's shared datastore (``LLM.collective_rpc``); the tokens dropped."""
+        return self.tree_proposer.clear_shared_datastore()

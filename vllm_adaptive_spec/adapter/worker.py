@@ -36,3 +36,6 @@ class TreeCPUWorker(CPUWorker):
 
     def adaptive_tree_stats(self) -> dict[str, float]:
         return self.model_runner.adaptive_tree_stats()
+
+    def adaptive_tree_clear_datastore(self) -> int:
+        return self.model_runner.adaptive_tree_clear_datastore()

@@ -68,12 +68,12 @@ class ModelDrafter:
         self.fanout = fanout
         backend.top_k, backend.top_m = fanout, entropy_top_m
 
-    def prepare(self, request_ids: list[str], contexts, rows: list[int]) -> None:
+    def prepare(self, request_ids: list[str], contexts, rows: list[int], prompt_lens=None) -> None:
         if self.backend is None:
             raise RuntimeError(f"the {self.name} drafter has no backend; the engine adapter binds one")
         self._root = self.backend.begin(rows)
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str, finished: bool = False) -> None:
         """Model drafters keep nothing per request between steps (the KV is the engine's)."""
 
     def expand(self, handles: torch.Tensor, live: torch.Tensor) -> Candidates:

@@ -27,15 +27,28 @@ with ``n`` the siblings' total count; ``evidence_prior = 0`` gives the
 spec's plain share. The default (2.0) and the exponent were fitted on those
 replays; path probabilities ``p`` are then expected acceptances, which the
 policy's ``min_p`` and the budget compare with a node's cost.
+
+Shared datastore (``datastore: "shared"``, off by default): the outputs of
+finished requests, at most ``datastore_tokens`` of them, oldest dropped first;
+``corpus`` adds a text file's paragraphs, kept for the engine's life. The
+longest suffix is then matched in the request's own index and in these; at
+that length the request's own occurrences come first (most recent first),
+then the datastore's, up to ``max_matches``, all counted in one trie. Off by
+default because it lets one user's request draft from another's answer: the
+drafts are only proposals that the target verifies, so outputs are
+unchanged, but acceptance rates (and so timing) then depend on other users'
+text.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from vllm_adaptive_spec.drafters.datastore import Datastore, SuffixIndex
 from vllm_adaptive_spec.growth import Candidates
 from vllm_adaptive_spec.policies import Param
 
@@ -43,21 +56,8 @@ ROOT_HANDLE = -1
 EVIDENCE_EXPONENT = 1.3
 
 
-@dataclass
-class _Index:
-    tokens: list[int] = field(default_factory=list)
-    # ends[k][ngram] = positions where that k-gram ended, oldest first.
-    ends: list[dict[tuple[int, ...], list[int]]] = field(default_factory=list)
-
-    def extend(self, new_tokens: list[int], l_max: int) -> None:
-        if not self.ends:
-            self.ends = [defaultdict(list) for _ in range(l_max + 1)]
-        tokens = self.tokens
-        for token in new_tokens:
-            tokens.append(token)
-            end = len(tokens) - 1
-            for k in range(1, min(l_max, len(tokens)) + 1):
-                self.ends[k][tuple(tokens[-k:])].append(end)
+def _readable_file(path: str) -> bool:
+    return path == "" or (os.path.isfile(path) and os.access(path, os.R_OK))
 
 
 @dataclass
@@ -78,49 +78,102 @@ class RetrievalDrafter:
         "max_matches": Param(int, 32, "an integer >= 1", lambda v: v >= 1),
         "max_depth": Param(int, 16, "an integer >= 1", lambda v: v >= 1),
         "evidence_prior": Param(float, 2.0, "a number >= 0", lambda v: v >= 0),
+        "datastore": Param(str, "off", "one of 'off', 'shared'", lambda v: v in ("off", "shared")),
+        "datastore_tokens": Param(int, 100_000, "an integer >= 1", lambda v: v >= 1),
+        "corpus": Param(str, "", "the path of a readable text file, or '' for none", _readable_file),
     }
 
     def __init__(
-        self, l_max: int = 8, l_min: int = 1, max_matches: int = 32, max_depth: int = 16, evidence_prior: float = 2.0
+        self,
+        l_max: int = 8,
+        l_min: int = 1,
+        max_matches: int = 32,
+        max_depth: int = 16,
+        evidence_prior: float = 2.0,
+        datastore: str = "off",
+        datastore_tokens: int = 100_000,
+        corpus: str = "",
     ) -> None:
         if l_min > l_max:
             raise ValueError(f"l_min ({l_min}) must not exceed l_max ({l_max})")
         self.l_max, self.l_min = l_max, l_min
         self.max_matches, self.max_depth = max_matches, max_depth
         self.evidence_prior = evidence_prior
-        self._indexes: dict[str, _Index] = {}
+        self.shared = Datastore(l_max, datastore_tokens) if datastore == "shared" else None
+        self.corpus_path = corpus
+        self.corpus: Datastore | None = None
+        self._indexes: dict[str, SuffixIndex] = {}
+        self._prompt_lens: dict[str, int] = {}
         self._tries: list[_Trie] = []
 
-    def forget(self, request_id: str) -> None:
-        self._indexes.pop(request_id, None)
+    def load_corpus(self, tokenize: Callable[[str], list[int]]) -> None:
+        """Index the ``corpus`` file's paragraphs (blank-line separated), if one is set."""
+        if not self.corpus_path:
+            return
+        with open(self.corpus_path, encoding="utf-8") as handle:
+            paragraphs = [p for p in handle.read().split("\n\n") if p.strip()]
+        documents = [tokenize(p) for p in paragraphs]
+        self.corpus = Datastore(self.l_max, max(1, sum(len(d) for d in documents)))
+        for document in documents:
+            self.corpus.add(document)
 
-    def prepare(self, request_ids: list[str], contexts: list[list[int]], rows=None) -> None:
-        """Update each request's index with its context and build this step's tries."""
+    def forget(self, request_id: str, finished: bool = False) -> None:
+        """Drop a request's index; a finished request's output joins the shared datastore."""
+        index = self._indexes.pop(request_id, None)
+        prompt_len = self._prompt_lens.pop(request_id, 0)
+        if finished and index is not None and self.shared is not None:
+            self.shared.add(index.tokens[prompt_len:])
+
+    def clear_shared(self) -> int:
+        """Empty the shared datastore (benchmarks, between timed passes); returns the tokens dropped."""
+        if self.shared is None:
+            return 0
+        dropped = self.shared.num_tokens
+        self.shared.clear()
+        return dropped
+
+    def prepare(self, request_ids: list[str], contexts: list[list[int]], rows=None, prompt_lens=None) -> None:
+        """Update each request's index with its context and build this step's
+        tries. ``prompt_lens`` (where known) marks where each request's output
+        starts; otherwise it starts at the first context seen."""
         self._tries = []
-        for request_id, context in zip(request_ids, contexts):
+        for b, (request_id, context) in enumerate(zip(request_ids, contexts)):
             context = list(context)
             index = self._indexes.get(request_id)
             if index is None or context[: len(index.tokens)] != index.tokens:
-                index = self._indexes[request_id] = _Index()
-            index.extend(context[len(index.tokens):], self.l_max)
+                index = self._indexes[request_id] = SuffixIndex(self.l_max)
+                self._prompt_lens[request_id] = len(context) if prompt_lens is None else int(prompt_lens[b])
+            index.extend(context[len(index.tokens):])
             self._tries.append(self._build_trie(index))
 
-    def _build_trie(self, index: _Index) -> _Trie:
+    def _matches(self, index: SuffixIndex) -> tuple[int, list[list[int]]]:
+        """The longest matched suffix's length and the continuations that
+        followed it: the request's own (most recent first), then the shared
+        datastore's and the corpus's, at most ``max_matches``."""
         tokens = index.tokens
         last = len(tokens) - 1
-        starts: list[int] = []
-        match_length = 0
+        stores = [store for store in (self.shared, self.corpus) if store is not None]
         for k in range(min(self.l_max, len(tokens)), self.l_min - 1, -1):
-            ends = index.ends[k].get(tuple(tokens[-k:]), [])
-            starts = [end + 1 for end in ends if end < last][-self.max_matches:]
-            if starts:
-                match_length = k
-                break
+            suffix = tuple(tokens[-k:])
+            own = [end + 1 for end in index.match_ends(suffix) if end < last][-self.max_matches:]
+            found = [tokens[start:start + self.max_depth] for start in reversed(own)]
+            for store in stores:
+                room = self.max_matches - len(found)
+                if room <= 0:
+                    break
+                ends = store.match_ends(suffix)[-room:]
+                found += [c for c in (store.continuation(end + 1, self.max_depth) for end in reversed(ends)) if c]
+            if found:
+                return k, found
+        return 0, []
+
+    def _build_trie(self, index: SuffixIndex) -> _Trie:
+        match_length, continuations = self._matches(index)
         counts: list[dict[int, list[int]]] = [{}]  # node -> token -> [count, child]
         depths = [0]
-        for start in reversed(starts):  # most recent first: ties go to it
+        for continuation in continuations:  # in priority order: ties go to the first
             node = 0
-            for token in tokens[start:start + self.max_depth]:
+            for token in continuation:
                 entry = counts[node].get(token)
                 if entry is None:
                     entry = counts[node][token] = [0, len(counts)]
