@@ -6,7 +6,10 @@ what is verified): the ``chain`` baseline (depth ``--chain-k``); ``eagle2``
 (N=60, K=10, D=8), eagle2 at each depth of the DEAGLE sweep and at the
 budgets of ``--eagle2-budgets`` (to compare with a policy that verifies fewer nodes); ``talon``
 (N=60, ``mu`` 0.03 and 0.01); ``deagle`` (N=60, K=10, maximum depth ``D`` from
-``--depths``); ``dynatree`` (N=60, the spec's defaults); and no speculation.
+``--depths``); ``dynatree`` (N=60, the spec's defaults); Talon's comparison:
+``retrieval`` alone (N=16, the retrieval policy), and ``hybrid-eagle2`` /
+``hybrid-dynatree`` (the head and the retrieval trie merged, with the same
+policy and settings as ``eagle2`` / ``dynatree``); and no speculation.
 
 For every method, at batch 1 and 16 (``--batch-sizes``), and temperature 0 and 1
 (``--temperatures``; one engine per method and temperature): tau (tokens
@@ -50,9 +53,12 @@ import throughput  # noqa: E402
 TREE_BUDGET = 60
 
 
-def _tree(head: str, policy: str, budget: int = TREE_BUDGET, **params) -> dict:
+RETRIEVAL_BUDGET = 16
+
+
+def _tree(head: str, policy: str, budget: int = TREE_BUDGET, drafter: str = "eagle3", **params) -> dict:
     return {"method": "adaptive_tree", "num_speculative_tokens": budget, "model": head,
-            "tree": {"drafter": "eagle3", "policy": policy, "load_budget": "fixed", **params}}
+            "tree": {"drafter": drafter, "policy": policy, "load_budget": "fixed", **params}}
 
 
 def sweep_methods(head: str, chain_k: int, depths: list[int], budgets: list[int] = ()) -> dict[str, dict | None]:
@@ -63,6 +69,10 @@ def sweep_methods(head: str, chain_k: int, depths: list[int], budgets: list[int]
         "talon-0.03": _tree(head, "talon", mu=0.03),
         "talon-0.01": _tree(head, "talon", mu=0.01),
         "dynatree": _tree(head, "dynatree"),
+        "retrieval": {"method": "adaptive_tree", "num_speculative_tokens": RETRIEVAL_BUDGET,
+                      "tree": {"drafter": "retrieval", "policy": "retrieval", "load_budget": "fixed"}},
+        "hybrid-eagle2": _tree(head, "eagle2", drafter="hybrid", top_k=10, depth=8),
+        "hybrid-dynatree": _tree(head, "dynatree", drafter="hybrid"),
     }
     for budget in budgets:  # eagle2 trees of the size another policy verifies
         methods[f"eagle2-N{budget}"] = _tree(head, "eagle2", budget, top_k=10, depth=8)

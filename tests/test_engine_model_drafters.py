@@ -92,6 +92,15 @@ def test_adaptive_policies_greedy_equal_no_speculation(policy, settings, demo_mo
     _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec)
 
 
+@pytest.mark.parametrize("datastore", ["off", "shared"])
+def test_hybrid_greedy_equals_no_speculation(datastore, demo_model, prompt_ids, baseline, tmp_path):
+    """The head's eagle2 tree merged with the retrieval trie (Talon's hybrid),
+    with the shared datastore of finished outputs off and on."""
+    spec = adaptive("hybrid", HEAD, 24, policy="eagle2", top_k=4, depth=6, datastore=datastore)
+    run = _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec)
+    assert (run.tree_stats["datastore_tokens"] > 0) == (datastore == "shared")
+
+
 def test_eagle3_chain_matches_native_eagle3(demo_model, prompt_ids, baseline, tmp_path):
     ours = _run(tmp_path / "ours", demo_model, prompt_ids, adaptive("eagle3", HEAD, 4, policy="chain"))
     native = _run(tmp_path / "native", demo_model, prompt_ids,

@@ -27,7 +27,7 @@ ENGINE_PARAMS = {
         str, "adaptive", "one of 'adaptive', 'fixed'", lambda v: v in ("adaptive", "fixed")
     ),
 }
-DRAFTERS_NEEDING_MODEL = frozenset({"eagle3", "draft_model"})
+DRAFTERS_NEEDING_MODEL = frozenset({"eagle3", "draft_model", "hybrid"})
 
 
 class TreeConfigError(ValueError):
@@ -60,6 +60,13 @@ class TreeConfig:
 
     def make_drafter(self):
         return DRAFTERS[self.drafter](**self.drafter_params)
+
+    @property
+    def model_kind(self) -> str | None:
+        """The kind of draft model the drafter runs: 'eagle3', 'draft_model' or None (retrieval)."""
+        if self.drafter == "hybrid":
+            return self.drafter_params["base"]
+        return self.drafter if self.drafter in DRAFTERS_NEEDING_MODEL else None
 
     def make_policy(self):
         return POLICIES[self.policy](**self.policy_params)

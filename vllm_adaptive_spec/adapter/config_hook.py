@@ -4,7 +4,7 @@
 ``SpeculativeConfig``; the wrapper validates the plugin's keys there, hands
 vLLM a native method that loads what the drafter needs (retrieval ->
 ``custom_class`` with the plugin's proposer; eagle3 -> ``eagle3`` and
-draft_model -> ``draft_model``, so vLLM loads the weights, captures the
+draft_model -> ``draft_model`` (hybrid: its ``base``), so vLLM loads the weights, captures the
 auxiliary hidden states and gives the draft layers KV in the paged cache),
 selects the plugin's worker and
 carries the tree settings, as a plain dict, in
@@ -23,7 +23,7 @@ from vllm_adaptive_spec.config import METHOD, TreeConfig, TreeConfigError, parse
 ADDITIONAL_CONFIG_KEY = "adaptive_tree"
 PROPOSER_CLASS = "vllm_adaptive_spec.adapter.proposer.TreeProposer"
 CPU_WORKER = "vllm_adaptive_spec.adapter.worker.TreeCPUWorker"
-NATIVE_METHOD = {"retrieval": "custom_class", "eagle3": "eagle3", "draft_model": "draft_model"}
+NATIVE_METHOD = {None: "custom_class", "eagle3": "eagle3", "draft_model": "draft_model"}
 
 
 def tree_config_of(vllm_config) -> TreeConfig | None:
@@ -58,7 +58,7 @@ def install() -> None:
                 f"method={METHOD!r} cannot run on this vLLM: missing internals {', '.join(missing)}"
             )
         native = {k: v for k, v in spec.items() if k != "tree"}
-        native["method"] = NATIVE_METHOD[tree.drafter]
+        native["method"] = NATIVE_METHOD[tree.model_kind]
         if native["method"] == "custom_class":
             native["model"] = PROPOSER_CLASS
         else:

@@ -68,6 +68,11 @@ class ModelDrafter:
         self.fanout = fanout
         backend.top_k, backend.top_m = fanout, entropy_top_m
 
+    @property
+    def root(self) -> DraftDistribution:
+        """The root distributions of this step's drafting requests."""
+        return self._root
+
     def prepare(self, request_ids: list[str], contexts, rows: list[int], prompt_lens=None) -> None:
         if self.backend is None:
             raise RuntimeError(f"the {self.name} drafter has no backend; the engine adapter binds one")

@@ -193,22 +193,15 @@ class RetrievalDrafter:
             children.append(sorted(scored, key=lambda e: -e[1]))
         return _Trie(children)
 
+    def children(self, b: int, handle: int) -> list[tuple[int, float, int]]:
+        """Request ``b``'s trie children of the node ``handle`` (-1: the root),
+        as (token, q, child handle), by descending ``q``."""
+        return [(tok, q, child - 1) for tok, q, child in self._tries[b].children[handle + 1]]
+
     def expand(self, handles: torch.Tensor, live: torch.Tensor) -> Candidates:
         batch, width = handles.shape
-        rows: list[list[list[tuple[int, float, int]]]] = []
-        fanout = 1
-        for b in range(batch):
-            trie = self._tries[b]
-            row = []
-            for f in range(width):
-                if not live[b, f]:
-                    row.append([])
-                    continue
-                node = int(handles[b, f]) + 1  # the root handle -1 is trie node 0
-                kids = trie.children[node]
-                row.append([(tok, q, child - 1) for tok, q, child in kids])
-                fanout = max(fanout, len(kids))
-            rows.append(row)
+        rows = [[self.children(b, int(handles[b, f])) if live[b, f] else [] for f in range(width)] for b in range(batch)]
+        fanout = max([1] + [len(kids) for row in rows for kids in row])
         tokens = torch.full((batch, width, fanout), -1, dtype=torch.long)
         q = torch.zeros(batch, width, fanout)
         out_handles = torch.full((batch, width, fanout), ROOT_HANDLE, dtype=torch.long)

@@ -1,0 +1,72 @@
+"""The hybrid drafter over the model drafter's fake backend: the model's tree
+and the retrieval trie merged from the root by shared prefixes (plain logic,
+no engine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_model_drafter import TableBackend, make, paths
+from vllm_adaptive_spec.drafters.hybrid import HybridDrafter
+from vllm_adaptive_spec.drafters.model import Eagle3Drafter
+from vllm_adaptive_spec.growth import grow
+from vllm_adaptive_spec.policies import ChainPolicy, Eagle2Policy
+
+
+def grow_hybrid(backend, policy, budget, contexts, **retrieval):
+    batch = len(contexts)
+    drafter = HybridDrafter(evidence_prior=0, **retrieval)
+    drafter.bind(backend, policy.fanout, policy.entropy_top_m)
+    drafter.prepare([f"r{b}" for b in range(batch)], contexts, list(range(batch)))
+    return grow(drafter, policy, torch.full((batch,), budget), drafter.max_depth)[0]
+
+
+def grow_model(backend, policy, budget, batch):
+    drafter = Eagle3Drafter()
+    drafter.bind(backend, policy.fanout, policy.entropy_top_m)
+    drafter.prepare([f"r{b}" for b in range(batch)], [None] * batch, list(range(batch)))
+    return grow(drafter, policy, torch.full((batch,), budget), drafter.max_depth)[0]
+
+
+@pytest.mark.parametrize("policy", [Eagle2Policy(top_k=3, depth=3), ChainPolicy()], ids=["eagle2", "chain"])
+def test_without_retrieval_evidence_it_is_the_model_tree(policy):
+    roots, table = make(seed=1)
+    no_repeats = [[0, 1, 2, 3], [4, 5, 6]]
+    hybrid = grow_hybrid(TableBackend(roots, table), policy, 8, no_repeats)
+    assert hybrid == grow_model(TableBackend(roots, table), policy, 8, batch=2)
+
+
+def test_a_retrieval_path_joins_the_tree_and_is_fed_to_the_model():
+    roots, table = make(seed=2)
+    # Request 0's context ends with [5, 6], which was followed by 4, 4, 4: a
+    # certain continuation (q = 1) the model may not offer.
+    contexts = [[5, 6, 4, 4, 4, 0, 5, 6], [1, 2, 3]]
+    backend = TableBackend(roots, table)
+    tree = grow_hybrid(backend, Eagle2Policy(top_k=2, depth=4), 12, contexts, l_max=2)[0]
+    tree.validate()
+    assert (4, 4, 4) in paths(tree)
+    path_q = {path: q for path, q in zip(paths(tree), tree.q)}
+    assert path_q[(4,)] == 1.0 and path_q[(4, 4)] == 1.0 and path_q[(4, 4, 4)] == 1.0
+    fed = [token for layer in backend.fed_tokens for token in layer]
+    assert fed.count(4) >= 3  # the retrieval-only nodes were run through the model
+    # Model candidates fill the rest of each layer (eagle2: 2 per layer, 4 layers).
+    assert len(tree) == 8 and any(path[0] != 4 for path in paths(tree))
+
+
+def test_a_token_offered_by_both_is_one_node_with_the_larger_q():
+    roots, table = make(seed=3)
+    top = int(roots[0].argmax())
+    a, b = [t for t in range(7) if t != top][:2]  # two other tokens
+    contexts = [[a, top, b, a], [a]]  # request 0: [a] was followed by `top` (count 1, prior 0: q = 1)
+    tree = grow_hybrid(TableBackend(roots, table), Eagle2Policy(top_k=3, depth=1), 3, contexts, l_max=1)[0]
+    root_children = [t for t, parent in zip(tree.tokens, tree.parents) if parent == -1]
+    assert root_children.count(top) == 1
+    assert tree.q[tree.tokens.index(top)] == 1.0 > float(roots[0, top])
+
+
+def test_unfed_nodes_get_no_children_from_either_side():
+    roots, table = make(seed=4)
+    contexts = [[5, 6, 4, 4, 4, 0, 5, 6], [5, 6, 4, 4, 4, 0, 5, 6]]
+    tree = grow_hybrid(TableBackend(roots, table, capacity=1), ChainPolicy(), 6, contexts, l_max=2)
+    assert all(len(t) <= 2 for t in tree)  # the root's child, and one fed node's child at most
