@@ -163,10 +163,12 @@ def _homogeneity_pvalue(a: list[int], b: list[int]) -> float:
 # name -> (speculative config, seeds sampled with it)
 SAMPLED_TREES = {
     "retrieval-32": ({**TREE, "num_speculative_tokens": 32}, 300),
-    # A seed policy on a model drafter: TALON's gated tree from the project's EAGLE-3 head.
-    "eagle3-talon-6": ({"method": "adaptive_tree", "num_speculative_tokens": 6,
+    # A seed policy on a model drafter merged with retrieval: TALON's gated tree from the
+    # project's EAGLE-3 head and the retrieval trie (Talon's hybrid), finished outputs shared.
+    "hybrid-talon-6": ({"method": "adaptive_tree", "num_speculative_tokens": 6,
                         "model": str(Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-eagle3"),
-                        "tree": {"drafter": "eagle3", "policy": "talon", "top_k": 3, "load_budget": "fixed"}}, 150),
+                        "tree": {"drafter": "hybrid", "policy": "talon", "top_k": 3, "datastore": "shared",
+                                 "load_budget": "fixed"}}, 150),
 }
 
 
@@ -193,7 +195,8 @@ def sampled_without_speculation(sampling_job, tmp_path_factory):
 
 @pytest.mark.parametrize("tree", list(SAMPLED_TREES))
 def test_sampling_distribution_unchanged_by_a_tree(tree, sampling_job, sampled_without_speculation, tmp_path):
-    """Temperature 1, large trees (retrieval, and TALON on the EAGLE-3 head):
+    """Temperature 1, large trees (retrieval, and TALON on the EAGLE-3 head
+    merged with the retrieval trie):
     the 2nd and 3rd generated tokens (the first ones a tree decides) have the
     same law as without speculation (300 seeds without, 300 or 150 with;
     two-sample chi-square, alpha = 1e-3 per position)."""
@@ -208,14 +211,15 @@ def test_sampling_distribution_unchanged_by_a_tree(tree, sampling_job, sampled_w
         assert pvalue > 1e-3, f"token {position}: p = {pvalue:.2g}"
 
 
-@pytest.mark.parametrize("batch_size", [1, 8])
-def test_greedy_with_the_shared_datastore(batch_size, demo_model, prompts, prompt_ids, baseline, tmp_path):
-    """Trees drawn from earlier requests' outputs keep the greedy output: at
-    batch 1 five prompts in turn, the last the repetition of the longest (its
-    answer is then in the datastore), at batch 8 every prompt."""
+def test_greedy_with_the_shared_datastore(demo_model, prompts, prompt_ids, baseline, tmp_path):
+    """Trees drawn from earlier requests' outputs keep the greedy output: five
+    prompts in turn (batch 1), the last the repetition of the longest (its
+    answer is then in the datastore). Batch 8 with the datastore: the hybrid
+    drafter's test."""
     keep = list(range(len(prompt_ids)))
-    if batch_size == 1:
-        keep = keep[:4] + keep[-1:]
+    longest = max(keep[:-1], key=lambda i: len(prompt_ids[i]))
+    keep = sorted(set(keep[:3]) | {longest}) + keep[-1:]
+    batch_size = 1
     tree = {**TREE, "tree": {**TREE["tree"], "datastore": "shared"}}
     run = run_engine_job(
         tmp_path,

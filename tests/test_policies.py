@@ -294,3 +294,23 @@ def test_the_proposer_keeps_policy_state_per_request_until_it_is_forgotten():
     assert history["a"].tau_h == pytest.approx(0.85) and history["b"].tau_h == pytest.approx(0.95)
     proposer.forget(["a"])
     assert "a" not in history and "b" in history
+
+
+def test_contexts_include_the_sampled_tokens_vllm_has_not_stored_yet():
+    """Model drafters run before vLLM writes the step's sampled tokens into
+    its token table: the retrieval side (hybrid) must still see them, so its
+    context is the committed tokens followed by the step's samples."""
+    from types import SimpleNamespace
+
+    from vllm_adaptive_spec.adapter.config_hook import ADDITIONAL_CONFIG_KEY
+    from vllm_adaptive_spec.adapter.proposer import TreeProposer
+    from vllm_adaptive_spec.config import TreeConfig
+
+    config = TreeConfig("retrieval", "retrieval", 8, {"evidence_prior": 0.0}, {"min_p": 0.05}, load_budget="fixed")
+    vllm_config = SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: config.to_dict()},
+                                  model_config=SimpleNamespace(max_model_len=256))
+    proposer = TreeProposer(vllm_config)
+    stale = 9  # what the table holds past the committed tokens (an old draft)
+    tokens = np.array([[5, 6, 7, 1, stale, stale, stale, stale]])
+    drafts = proposer.propose_trees(["a"], [[5, 6]], np.array([6]), tokens, [True], sampled_pending=True)
+    assert drafts[0][:2] == [7, 1]  # [5, 6] matched: what followed it, not what followed [9, 9]

@@ -143,13 +143,17 @@ class TreeProposer:
         other_tokens: int = 0,
         drafting: bool = True,
         prompt_lens: np.ndarray | None = None,
+        sampled_pending: bool = False,
     ) -> list[list[int]]:
         """One tree of at most ``N`` nodes per request (empty when it may not
         draft, or when ``drafting`` is False), cut by the load budget when it
         is on (``other_tokens``: the next step's scheduled tokens besides the
         trees', as far as known); returns each tree's tokens, breadth-first,
         as vLLM's draft token ids. ``prompt_lens``: each request's prompt
-        length, where a drafter's shared datastore keeps outputs only."""
+        length, where a drafter's shared datastore keeps outputs only.
+        ``sampled_pending``: ``token_ids`` does not hold this step's sampled
+        tokens yet (model drafters run before vLLM's bookkeeping), so each
+        context is its committed tokens followed by them."""
         budgets, active, contexts = [], [], []
         self.stats.proposals += 1
         self.stats.paused += not drafting
@@ -161,7 +165,11 @@ class TreeProposer:
                 continue
             active.append(i)
             budgets.append(budget)
-            contexts.append(token_ids[i, :length])
+            if sampled_pending:
+                sampled = sampled_token_ids[i]
+                contexts.append(np.concatenate([token_ids[i, : length - len(sampled)], sampled]))
+            else:
+                contexts.append(token_ids[i, :length])
         drafts: list[list[int]] = [[] for _ in request_ids]
         if not active:
             return drafts

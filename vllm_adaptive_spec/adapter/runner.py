@@ -181,7 +181,8 @@ class TreeRunnerMixin:
         batch = self.input_batch
         req_ids = batch.req_ids
         num_tokens = batch.num_tokens_no_spec
-        if torch.is_tensor(sampled_token_ids):
+        sampled_pending = torch.is_tensor(sampled_token_ids)
+        if sampled_pending:
             # Model drafters run before vLLM's bookkeeping: the step's tokens
             # are a padded tensor, and partial prefills' samples are discarded.
             discarded = self.discard_request_mask.np[: len(req_ids)]
@@ -207,7 +208,7 @@ class TreeRunnerMixin:
         ]
         return self.tree_proposer.propose_trees(
             req_ids, sampled_token_ids, num_tokens, batch.token_ids_cpu, eligible, other_tokens, drafting,
-            batch.num_prompt_tokens,
+            batch.num_prompt_tokens, sampled_pending,
         )
 
     def adaptive_tree_stats(self) -> dict[str, float]:
