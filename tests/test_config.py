@@ -66,7 +66,7 @@ def test_unknown_drafter(drafter):
     tree = {} if drafter is None else {"drafter": drafter}
     with pytest.raises(TreeConfigError) as error:
         parse_tree_config({"num_speculative_tokens": 4, "tree": tree})
-    assert "speculative_config['tree']['drafter'] must be one of 'draft_model', 'eagle3', 'retrieval'" in str(error.value)
+    assert "speculative_config['tree']['drafter'] must be one of 'draft_model', 'eagle3', 'hybrid', 'retrieval'" in str(error.value)
 
 
 def test_unknown_policy_for_drafter():
@@ -115,7 +115,7 @@ def test_model_not_used_by_retrieval():
         parse_tree_config({**spec(), "model": "/models/draft"})
 
 
-@pytest.mark.parametrize("drafter", ["eagle3", "draft_model"])
+@pytest.mark.parametrize("drafter", ["eagle3", "draft_model", "hybrid"])
 def test_model_drafters_need_a_model(drafter):
     with pytest.raises(TreeConfigError, match=rf"speculative_config\['model'\] is required with tree drafter '{drafter}'"):
         parse_tree_config({"num_speculative_tokens": 8, "tree": {"drafter": drafter}})
@@ -135,3 +135,19 @@ def test_eagle2_bad_values_and_scratch_limit():
     assert str(error.value) == "speculative_config['tree']['top_k'] must be an integer from 1 to 64, got 0"
     with pytest.raises(TreeConfigError, match="at most 512 .*lower 'top_k' or 'depth'"):
         parse_tree_config({"num_speculative_tokens": 8, "model": "/m", "tree": {"drafter": "eagle3", "top_k": 64, "depth": 64}})
+
+
+def test_hybrid_settings_reach_both_sides():
+    from vllm_adaptive_spec.drafters.hybrid import HybridDrafter
+
+    config = parse_tree_config({
+        "num_speculative_tokens": 20, "model": "head",
+        "tree": {"drafter": "hybrid", "policy": "talon", "max_depth": 12, "retrieval_depth": 5, "l_max": 4,
+                 "datastore": "shared", "base": "draft_model"},
+    })
+    assert config.model_kind == "draft_model" and config.policy_params["max_depth"] == 12
+    drafter = config.make_drafter()
+    assert isinstance(drafter, HybridDrafter) and drafter.base == "draft_model"
+    assert (drafter.retrieval.max_depth, drafter.retrieval.l_max, drafter.shared is not None) == (5, 4, True)
+    with pytest.raises(TreeConfigError, match=r"\['tree'\]\['base'\] must be one of 'draft_model', 'eagle3', got 'medusa'"):
+        parse_tree_config({"num_speculative_tokens": 8, "model": "head", "tree": {"drafter": "hybrid", "base": "medusa"}})

@@ -22,7 +22,7 @@ def build_config(demo_model, speculative_config):
 @pytest.mark.parametrize(
     "spec,message",
     [
-        ({"num_speculative_tokens": 8, "tree": {"drafter": "eagle9"}}, r"\['tree'\]\['drafter'\] must be one of 'draft_model', 'eagle3', 'retrieval', got 'eagle9'"),
+        ({"num_speculative_tokens": 8, "tree": {"drafter": "eagle9"}}, r"\['tree'\]\['drafter'\] must be one of 'draft_model', 'eagle3', 'hybrid', 'retrieval', got 'eagle9'"),
         (
             {"num_speculative_tokens": 8, "tree": {"drafter": "retrieval", "policy": "talon"}},
             r"\['tree'\]\['policy'\] must be one of 'chain', 'retrieval' with drafter 'retrieval', got 'talon'",
