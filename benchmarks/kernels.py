@@ -57,19 +57,10 @@ if str(REPO) not in sys.path:
 from benchmarks.gpu_timing import bench, copy_bandwidth, graph_bench, require_cuda  # noqa: E402
 from kernels.kv_compaction import compact_kv_reference, compact_kv_triton  # noqa: E402
 from kernels.tree_attention import tree_attention_reference, tree_attention_triton  # noqa: E402
+from tests.kernels.test_tree_attention import random_tree_mask  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 REFERENCE_MAX_KEYS = 1 << 18
-
-
-def tree_mask(gen: torch.Generator, size: int) -> torch.Tensor:
-    """Ancestor-or-self mask of a random breadth-first tree of ``size`` nodes."""
-    mask = torch.eye(size, dtype=torch.bool)
-    parent = 0
-    for node in range(1, size):
-        parent = int(torch.randint(parent, node, (1,), generator=gen))
-        mask[node] |= mask[parent]
-    return mask
 
 
 def attention_case(batch: int, context: int, nodes: int, seed: int = 0) -> dict:
@@ -78,7 +69,7 @@ def attention_case(batch: int, context: int, nodes: int, seed: int = 0) -> dict:
     seq_len = context + nodes
     blocks = -(-seq_len // BLOCK)
     table = torch.randperm(batch * blocks, generator=gen).view(batch, blocks).int()
-    masks = torch.stack([tree_mask(gen, nodes) for _ in range(batch)])
+    masks = torch.stack([random_tree_mask(gen, nodes) for _ in range(batch)])
     dev = "cuda"
     return dict(
         query=torch.randn(batch * nodes, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16),

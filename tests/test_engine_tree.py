@@ -73,14 +73,9 @@ def _mismatches(prompts, expected, got):
     ]
 
 
-@pytest.mark.parametrize("batch_size", [1, 4, 16])
-def test_greedy_tree_equals_no_speculation(batch_size, demo_model, prompts, prompt_ids, baseline, tmp_path):
-    # Batch size 1 serves the prompts one by one: the first SERIAL_PROMPTS, then the
-    # longest one and its repetition (a prefix-cache hit).
-    keep = list(range(len(prompt_ids)))
-    if batch_size == 1:
-        longest = max(keep[:-1], key=lambda i: len(prompt_ids[i]))
-        keep = sorted(set(keep[:SERIAL_PROMPTS]) | {longest}) + keep[-1:]
+def _run_and_compare(tmp_path, demo_model, prompts, prompt_ids, baseline, keep, batch_size, spec):
+    """Run the prompts ``keep`` (the last one: the repeated longest prompt) with
+    ``spec`` at ``batch_size``; their greedy tokens must equal the baseline's."""
     run = run_engine_job(
         tmp_path,
         {
@@ -88,11 +83,23 @@ def test_greedy_tree_equals_no_speculation(batch_size, demo_model, prompts, prom
             "prompt_token_ids": [prompt_ids[i] for i in keep],
             "max_tokens": MAX_TOKENS,
             "max_num_seqs": batch_size,
-            "speculative_config": TREE,
+            "speculative_config": spec,
         },
     )
     expected = [baseline.token_ids[i] for i in keep]
     assert not _mismatches([prompts[i] for i in keep[:-1]], expected, run.token_ids)
+    return run
+
+
+@pytest.mark.parametrize("batch_size", [1, 16])
+def test_greedy_tree_equals_no_speculation(batch_size, demo_model, prompts, prompt_ids, baseline, tmp_path):
+    # Batch size 1 serves the prompts one by one: the first SERIAL_PROMPTS, then the
+    # longest one and its repetition (a prefix-cache hit).
+    keep = list(range(len(prompt_ids)))
+    if batch_size == 1:
+        longest = max(keep[:-1], key=lambda i: len(prompt_ids[i]))
+        keep = sorted(set(keep[:SERIAL_PROMPTS]) | {longest}) + keep[-1:]
+    run = _run_and_compare(tmp_path, demo_model, prompts, prompt_ids, baseline, keep, batch_size, TREE)
     # The trees were really verified, and paid off where answers repeat the prompt.
     assert run.metrics["vllm:spec_decode_num_drafts"] > 0
     assert run.tree_stats["nodes_verified"] == run.metrics["vllm:spec_decode_num_draft_tokens"]
@@ -168,7 +175,7 @@ SAMPLED_TREES = {
     "hybrid-talon-6": ({"method": "adaptive_tree", "num_speculative_tokens": 6,
                         "model": str(Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-eagle3"),
                         "tree": {"drafter": "hybrid", "policy": "talon", "top_k": 3, "datastore": "shared",
-                                 "load_budget": "fixed"}}, 150),
+                                 "load_budget": "fixed"}}, 100),
 }
 
 
@@ -198,7 +205,7 @@ def test_sampling_distribution_unchanged_by_a_tree(tree, sampling_job, sampled_w
     """Temperature 1, large trees (retrieval, and TALON on the EAGLE-3 head
     merged with the retrieval trie):
     the 2nd and 3rd generated tokens (the first ones a tree decides) have the
-    same law as without speculation (300 seeds without, 300 or 150 with;
+    same law as without speculation (300 seeds without, 300 or 100 with;
     two-sample chi-square, alpha = 1e-3 per position)."""
     plain = sampled_without_speculation
     spec, seeds = SAMPLED_TREES[tree]
@@ -209,29 +216,3 @@ def test_sampling_distribution_unchanged_by_a_tree(tree, sampling_job, sampled_w
     for position in (1, 2):
         pvalue = _homogeneity_pvalue([t[position] for t in plain.token_ids], [t[position] for t in run.token_ids])
         assert pvalue > 1e-3, f"token {position}: p = {pvalue:.2g}"
-
-
-def test_greedy_with_the_shared_datastore(demo_model, prompts, prompt_ids, baseline, tmp_path):
-    """Trees drawn from earlier requests' outputs keep the greedy output: five
-    prompts in turn (batch 1), the last the repetition of the longest (its
-    answer is then in the datastore). Batch 8 with the datastore: the hybrid
-    drafter's test."""
-    keep = list(range(len(prompt_ids)))
-    longest = max(keep[:-1], key=lambda i: len(prompt_ids[i]))
-    keep = sorted(set(keep[:3]) | {longest}) + keep[-1:]
-    batch_size = 1
-    tree = {**TREE, "tree": {**TREE["tree"], "datastore": "shared"}}
-    run = run_engine_job(
-        tmp_path,
-        {
-            "model": demo_model,
-            "prompt_token_ids": [prompt_ids[i] for i in keep],
-            "max_tokens": MAX_TOKENS,
-            "max_num_seqs": batch_size,
-            "speculative_config": tree,
-        },
-    )
-    expected = [baseline.token_ids[i] for i in keep]
-    assert not _mismatches([prompts[i] for i in keep[:-1]], expected, run.token_ids)
-    assert run.tree_stats["datastore_tokens"] > 0, "no finished output reached the datastore"
-    assert run.metrics["vllm:spec_decode_num_accepted_tokens"] > 0
