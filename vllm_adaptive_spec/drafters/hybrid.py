@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels.draft_distribution import DraftDistribution
 from vllm_adaptive_spec.drafters.model import ROOT_HANDLE, DraftBackend, DraftModelDrafter, Eagle3Drafter
 from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
 from vllm_adaptive_spec.growth import Candidates
@@ -84,17 +83,9 @@ class HybridDrafter:
 
     def expand(self, handles: torch.Tensor, live: torch.Tensor) -> Candidates:
         batch, width = handles.shape
-        if bool((handles == ROOT_HANDLE).all()):
-            dist = DraftDistribution(*(x.unsqueeze(1).expand(batch, width, *x.shape[1:]) for x in self.model.root))
-            model_nodes = torch.full((batch, width), ROOT_HANDLE, dtype=torch.long)
-            trie_nodes = torch.full((batch, width), -1, dtype=torch.long)
-        else:
-            flat = handles.clamp(min=0)
-            model_nodes, dist = self.model.backend.feed(
-                live, self._tokens.gather(1, flat), self._model_parents.gather(1, flat)
-            )
-            live = live & (model_nodes >= 0)
-            trie_nodes = self._trie_nodes.gather(1, flat)
+        model_nodes, dist, live = self.model.frontier(handles, live, self._tokens, self._model_parents)
+        at_root = bool((handles == ROOT_HANDLE).all())
+        trie_nodes = handles.new_full((batch, width), -1) if at_root else self._trie_nodes.gather(1, handles.clamp(min=0))
         tokens, q = dist.tokens[..., : self.fanout].long(), dist.probs[..., : self.fanout].float()
         tokens, q, trie_children = self._merge(tokens, torch.where(live.unsqueeze(-1), q, 0.0), trie_nodes, live)
         q, order = q.sort(dim=-1, descending=True, stable=True)
@@ -125,8 +116,8 @@ class HybridDrafter:
             offered = tokens[b, f, :fanout].tolist()
             free = fanout
             for token, chance, child in children:
-                where = offered.index(token) if token in offered and q[b, f, offered.index(token)] > 0 else -1
-                if where < 0:
+                where = offered.index(token) if token in offered else -1
+                if where < 0 or q[b, f, where] == 0:
                     where, free = free, free + 1
                     tokens[b, f, where] = token
                 q[b, f, where] = max(float(q[b, f, where]), chance)

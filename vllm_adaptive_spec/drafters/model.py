@@ -68,11 +68,6 @@ class ModelDrafter:
         self.fanout = fanout
         backend.top_k, backend.top_m = fanout, entropy_top_m
 
-    @property
-    def root(self) -> DraftDistribution:
-        """The root distributions of this step's drafting requests."""
-        return self._root
-
     def prepare(self, request_ids: list[str], contexts, rows: list[int], prompt_lens=None) -> None:
         if self.backend is None:
             raise RuntimeError(f"the {self.name} drafter has no backend; the engine adapter binds one")
@@ -81,17 +76,24 @@ class ModelDrafter:
     def forget(self, request_id: str, finished: bool = False) -> None:
         """Model drafters keep nothing per request between steps (the KV is the engine's)."""
 
-    def expand(self, handles: torch.Tensor, live: torch.Tensor) -> Candidates:
+    def frontier(
+        self, handles: torch.Tensor, live: torch.Tensor, tokens: torch.Tensor | None, parents: torch.Tensor | None
+    ) -> tuple[torch.Tensor, DraftDistribution, torch.Tensor]:
+        """Feed the frontier ``handles`` [B, F] (indexes into the last
+        candidates' ``tokens`` and ``parents`` [B, F * C]; all -1 at the root)
+        to the backend: their node ids (the root's -1 at the root), their
+        draft distributions, and ``live`` without the nodes not fed."""
         batch, width = handles.shape
         if bool((handles == ROOT_HANDLE).all()):
             dist = DraftDistribution(*(x.unsqueeze(1).expand(batch, width, *x.shape[1:]) for x in self._root))
-            parents = torch.full((batch, width), ROOT_HANDLE, dtype=torch.long)
-        else:
-            flat = handles.clamp(min=0)
-            tokens = self._tokens.gather(1, flat)
-            parent_ids = self._parents.gather(1, flat)
-            parents, dist = self.backend.feed(live, tokens, parent_ids)
-            live = live & (parents >= 0)
+            return torch.full((batch, width), ROOT_HANDLE, dtype=torch.long), dist, live
+        flat = handles.clamp(min=0)
+        nodes, dist = self.backend.feed(live, tokens.gather(1, flat), parents.gather(1, flat))
+        return nodes, dist, live & (nodes >= 0)
+
+    def expand(self, handles: torch.Tensor, live: torch.Tensor) -> Candidates:
+        batch, width = handles.shape
+        parents, dist, live = self.frontier(handles, live, self._tokens, self._parents)
         tokens, q = dist.tokens[..., : self.fanout], dist.probs[..., : self.fanout].float()
         q = torch.where(live.unsqueeze(-1), q, 0.0)
         fanout = q.shape[-1]
