@@ -123,6 +123,31 @@ def test_incremental_equals_fresh_and_naive(evidence_prior):
             assert paths(tree) == pytest.approx(naive_paths(context, **params))
 
 
+class LayerByLayer:
+    """The drafter without its whole candidate trees: growth runs the layer loop."""
+
+    def __init__(self, drafter):
+        self.expand = drafter.expand
+
+
+@pytest.mark.parametrize("policy", [RetrievalPolicy(), RetrievalPolicy(min_p=0.2), ChainPolicy()], ids=["retrieval", "retrieval-min_p-0.2", "chain"])
+def test_choice_from_whole_tree_equals_the_layer_loop(policy):
+    rng = random.Random(1)
+    drafter = RetrievalDrafter(l_max=3, max_matches=8, max_depth=6)
+    streams = [[rng.randrange(5) for _ in range(120)] for _ in range(4)]
+    compared = 0
+    for length in range(10, 120, 7):
+        drafter.prepare([f"r{b}" for b in range(4)], [s[:length] for s in streams])
+        budget = torch.tensor([0, 1, 5, 40])
+        whole, _ = grow(drafter, policy, budget, drafter.max_depth)
+        layered, _ = grow(LayerByLayer(drafter), policy, budget, drafter.max_depth)
+        assert [len(t) for t in whole] == [len(t) for t in layered]
+        for a, b in zip(whole, layered):
+            assert (a.tokens, a.parents) == (b.tokens, b.parents) and a.q == pytest.approx(b.q)
+        compared += sum(len(t) for t in whole)
+    assert compared > 100
+
+
 @pytest.mark.parametrize(
     "new_context",
     [

@@ -5,6 +5,13 @@ children (top-``C`` tokens and draft probabilities, with an opaque *handle*
 the drafter uses to expand that child later). A policy picks the next layer
 among them, or stops. :func:`grow` runs that loop and returns one
 :class:`~vllm_adaptive_spec.tree.DraftTree` per request, breadth-first.
+
+Decision: a drafter whose candidates do not depend on what is chosen (the
+retrieval trie is known before growth) may hand over each request's whole
+candidate tree (``candidate_trees``), and a policy whose choice depends only
+on that tree (``choose``) then picks from it in one pass: the same trees as
+the layer loop (the tests compare them), without a round of batched tensor
+operations per depth, which cost 13 ms a step at batch 16 (16 layers deep).
 """
 
 from __future__ import annotations
@@ -67,6 +74,12 @@ class Drafter(Protocol):
         real nodes; a handle of -1 is the root)."""
 
 
+class WholeTreeDrafter(Drafter, Protocol):
+    def candidate_trees(self) -> list[DraftTree]:
+        """Each request's whole candidate tree, breadth-first, a node's
+        children by descending ``q`` (ties: first seen first)."""
+
+
 class Policy(Protocol):
     # Whether growth continues once a tree holds ``budget`` nodes (then
     # ``finish`` trims it back, as after a rerank).
@@ -82,6 +95,9 @@ class Policy(Protocol):
     def finish(self, p: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
         """[B, M] bool: which grown nodes (path probabilities ``p``) to keep."""
 
+    # Optional: ``choose(tree, budget) -> DraftTree``, the tree the layer loop
+    # would grow from a whole candidate tree (see the module docstring).
+
 
 @dataclass
 class GrowthStats:
@@ -92,6 +108,9 @@ def grow(drafter: Drafter, policy: Policy, budget: torch.Tensor, max_depth: int)
     """Grow one tree per request (``budget`` [B] nodes at most each)."""
     batch = budget.shape[0]
     stats = GrowthStats()
+    whole, choose = getattr(drafter, "candidate_trees", None), getattr(policy, "choose", None)
+    if whole is not None and choose is not None:
+        return [choose(tree, n) if n > 0 else DraftTree() for tree, n in zip(whole(), budget.tolist())], stats
     tokens, parents, q, p = [], [], [], []  # per layer, [B, L] each
     size = torch.zeros(batch, dtype=torch.long)
     frontier_handles = torch.full((batch, 1), ROOT, dtype=torch.long)

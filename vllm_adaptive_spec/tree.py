@@ -51,7 +51,10 @@ class DraftTree:
         if n >= len(self):
             return self
         p = self.path_probabilities()
-        kept = sorted(sorted(range(len(p)), key=lambda i: (-p[i], i))[:n])
+        return self.subset(sorted(sorted(range(len(p)), key=lambda i: (-p[i], i))[:n]))
+
+    def subset(self, kept: list[int]) -> "DraftTree":
+        """The nodes ``kept`` (ascending, closed under ancestors), breadth-first."""
         index = {old: new for new, old in enumerate(kept)}
         return DraftTree(
             [self.tokens[i] for i in kept],

@@ -51,6 +51,7 @@ import torch
 from vllm_adaptive_spec.drafters.datastore import Datastore, SuffixIndex
 from vllm_adaptive_spec.growth import Candidates
 from vllm_adaptive_spec.policies import Param
+from vllm_adaptive_spec.tree import ROOT, DraftTree
 
 ROOT_HANDLE = -1
 EVIDENCE_EXPONENT = 1.3
@@ -198,15 +199,29 @@ class RetrievalDrafter:
         as (token, q, child handle), by descending ``q``."""
         return [(tok, q, child - 1) for tok, q, child in self._tries[b].children[handle + 1]]
 
+    def candidate_trees(self) -> list[DraftTree]:
+        """This step's tries as trees, breadth-first, children by descending ``q``."""
+        trees = []
+        for trie in self._tries:
+            tree, queue = DraftTree(), [(0, ROOT)]
+            for node, index in queue:
+                for token, chance, child in trie.children[node]:
+                    queue.append((child, len(tree)))
+                    tree.tokens.append(token)
+                    tree.parents.append(index)
+                    tree.q.append(chance)
+            trees.append(tree)
+        return trees
+
     def expand(self, handles: torch.Tensor, live: torch.Tensor) -> Candidates:
         batch, width = handles.shape
-        rows = [[self.children(b, int(handles[b, f])) if live[b, f] else [] for f in range(width)] for b in range(batch)]
+        handles_l, live_l = handles.tolist(), live.tolist()
+        rows = [[self.children(b, h) if ok else [] for h, ok in zip(hs, oks)]
+                for b, (hs, oks) in enumerate(zip(handles_l, live_l))]
         fanout = max([1] + [len(kids) for row in rows for kids in row])
-        tokens = torch.full((batch, width, fanout), -1, dtype=torch.long)
-        q = torch.zeros(batch, width, fanout)
-        out_handles = torch.full((batch, width, fanout), ROOT_HANDLE, dtype=torch.long)
-        for b, row in enumerate(rows):
-            for f, kids in enumerate(row):
-                for c, (tok, chance, child) in enumerate(kids):
-                    tokens[b, f, c], q[b, f, c], out_handles[b, f, c] = tok, chance, child
+        empty = (-1, 0.0, ROOT_HANDLE)
+        table = [[kids + [empty] * (fanout - len(kids)) for kids in row] for row in rows]
+        tokens = torch.tensor([[[c[0] for c in kids] for kids in row] for row in table], dtype=torch.long)
+        q = torch.tensor([[[c[1] for c in kids] for kids in row] for row in table], dtype=torch.float32)
+        out_handles = torch.tensor([[[c[2] for c in kids] for kids in row] for row in table], dtype=torch.long)
         return Candidates(tokens, q, out_handles)

@@ -6,6 +6,7 @@ import torch
 
 from vllm_adaptive_spec.growth import Layer
 from vllm_adaptive_spec.policies.base import TreePolicy
+from vllm_adaptive_spec.tree import ROOT, DraftTree
 
 
 class ChainPolicy(TreePolicy):
@@ -17,3 +18,15 @@ class ChainPolicy(TreePolicy):
         chosen = torch.zeros_like(layer.candidates.q, dtype=torch.bool)
         chosen[:, 0, 0] = layer.size < layer.budget
         return chosen
+
+    def choose(self, tree: DraftTree, budget: int) -> DraftTree:
+        """From a whole candidate tree: the first child at every depth
+        (breadth-first, a node's first child is the earliest node under it)."""
+        path, parent = [], ROOT
+        for i, up in enumerate(tree.parents):
+            if len(path) == budget:
+                break
+            if up == parent:
+                path.append(i)
+                parent = i
+        return tree.subset(path)

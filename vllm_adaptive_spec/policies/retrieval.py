@@ -6,6 +6,7 @@ import torch
 
 from vllm_adaptive_spec.growth import Layer
 from vllm_adaptive_spec.policies.base import TreePolicy, fraction, top_by_path_probability
+from vllm_adaptive_spec.tree import DraftTree
 
 
 class RetrievalPolicy(TreePolicy):
@@ -37,3 +38,11 @@ class RetrievalPolicy(TreePolicy):
 
     def finish(self, p: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
         return top_by_path_probability(p, valid, budget)
+
+    def choose(self, tree: DraftTree, budget: int) -> DraftTree:
+        """From a whole candidate tree: the nodes with ``p >= min_p`` (closed
+        under ancestors, as ``p`` never rises along a path), then the
+        ``budget`` of highest ``p`` (ties: the earlier node)."""
+        p = tree.path_probabilities()
+        kept = [i for i, value in enumerate(p) if value >= self.min_p]
+        return tree.subset(sorted(sorted(kept, key=lambda i: (-p[i], i))[:budget]))
