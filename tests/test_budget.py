@@ -143,11 +143,22 @@ def test_speculation_that_always_pays_keeps_the_full_tree():
 
 
 def _fitted(branch_seconds: float) -> LoadBudget:
+    """Steps of 0 to 4 trees, some branching, each branching one costing ``branch_seconds``."""
     budget = LoadBudget(max_budget=8, half_life=1e9)
-    _feed_steps(budget, alpha=0.05, beta=0.0005)
-    if branch_seconds:
-        budget.observe_branching(4, 4 * branch_seconds)
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        trees = int(rng.integers(0, 5))
+        branching = int(rng.integers(0, trees + 1))
+        rows = 4 + trees * int(rng.integers(1, 9))
+        budget.observe_step(rows, 0.05 + 0.0005 * rows + branch_seconds * branching, 0, trees, branching)
     return budget
+
+
+def test_a_branching_trees_extra_cost_is_fitted_apart_from_its_rows():
+    assert _fitted(0.02).branch_cost() == pytest.approx(0.02)
+    assert _fitted(0.02).cost() == pytest.approx((0.05, 0.0005, 0.0005))
+    assert _fitted(0.0).branch_cost() == pytest.approx(0.0, abs=1e-9)
+    assert LoadBudget(max_budget=8).branch_cost() == 0.0  # unknown before any step
 
 
 def test_branches_kept_only_when_they_pay_for_their_extra_cost():

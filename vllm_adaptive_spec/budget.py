@@ -41,10 +41,15 @@ tree costs several draft passes however few of its nodes are kept.
 
 Shape: a branching tree may cost more than a chain of the same size (on
 vLLM's CPU platform a chain runs in vLLM's own attention kernel and a
-branching tree in the plugin's tree path). That extra time per branching
-request is measured online (:meth:`observe_branching`); a tree keeps its
-nodes off the main path only when their expected tokens, net of their rows'
-cost at the step's rate, exceed it.
+branching tree in the plugin's tree path). ``xi``, that extra time per
+branching tree, is a fifth column of the same regression (the step's number
+of branching trees); a tree keeps its nodes off the main path only when
+their expected tokens, net of their rows' cost at the step's rate, exceed it.
+Decision: fitted, not timed around the tree path, since in a pass of tree
+rows only vLLM's kernel does not run at all and the tree path's whole time
+(19 ms a step at batch 1, measured) is then mostly what the same rows cost
+as a chain; until branching trees have been seen ``xi`` is 0, so they are
+tried and then measured.
 
 Decision: before ``MIN_STEPS`` measured steps, or when the fit is degenerate,
 nodes with ``p_hat >= cold_min_p`` are kept (a cautious default).
@@ -95,15 +100,13 @@ class LoadBudget:
         self.max_budget = max_budget
         self.decay = 0.5 ** (1.0 / half_life)
         self.cold_min_p = cold_min_p
-        self.gram = np.zeros((4, 4))  # decayed X^T X and X^T t, X = (1, rows, prefill tokens, trees)
-        self.moment = np.zeros(4)
+        self.gram = np.zeros((5, 5))  # decayed X^T X and X^T t, X = (1, rows, prefill tokens, trees, branching)
+        self.moment = np.zeros(5)
         self.steps_seen = 0
         self.predicted = 1.0  # decayed sums for rho = accepted / predicted
         self.accepted_nodes = 1.0
         self.draft_seconds = 0.0  # decayed drafter time and drafting requests
         self.drafted_requests = 0.0
-        self.branch_seconds = 0.0  # decayed extra attention time of branching trees
-        self.branch_requests = 0.0
         self.pause_after, self.pause_steps, self.max_pause = pause_after, pause_steps, max_pause
         self._losing_steps = 0
         self._paused = 0
@@ -112,11 +115,14 @@ class LoadBudget:
 
     # -- measurements -------------------------------------------------------
 
-    def observe_step(self, tokens: int, seconds: float, prefill_tokens: int = 0, trees: int = 0) -> None:
+    def observe_step(
+        self, tokens: int, seconds: float, prefill_tokens: int = 0, trees: int = 0, branching: int = 0
+    ) -> None:
         """One engine step: ``tokens`` scheduled (``prefill_tokens`` of them
         prompt chunks, the rest one row per decoding request and its tree
-        nodes; ``trees`` requests verified a tree), ``seconds`` of wall time."""
-        x = np.array([1.0, tokens - prefill_tokens, prefill_tokens, trees])
+        nodes; ``trees`` requests verified a tree, ``branching`` of them a
+        branching one), ``seconds`` of wall time."""
+        x = np.array([1.0, tokens - prefill_tokens, prefill_tokens, trees, branching])
         self.gram = self.gram * self.decay + np.outer(x, x)
         self.moment = self.moment * self.decay + x * seconds
         self.steps_seen += 1
@@ -144,15 +150,22 @@ class LoadBudget:
         solution = self._solve()
         return 0.0 if solution is None else solution[3]
 
+    def branch_cost(self) -> float:
+        """``xi``: seconds a branching tree costs beyond a chain of its rows (0 until known)."""
+        solution = self._solve()
+        return 0.0 if solution is None else solution[4]
+
     def _solve(self) -> list[float] | None:
-        """``[alpha, beta, gamma, eta]`` (each >= 0); a column never seen is
-        left out (gamma then equals beta, eta is 0), as is the trees column
-        when it cannot be told apart from the others."""
+        """``[alpha, beta, gamma, eta, xi]`` (each >= 0); a column never seen
+        is left out (gamma then equals beta, eta and xi are 0), as are the
+        trees and branching columns when they cannot be told apart from the
+        others."""
         if self.steps_seen < self.MIN_STEPS:
             return None
         seen = self.gram.diagonal() > 1e-9 * max(self.gram[0, 0], 1.0)
         base = [0, 1] + ([2] if seen[2] else [])
-        for used in ([*base, 3], base) if seen[3] else (base,):
+        optional = [column for column in (3, 4) if seen[column]]
+        for used in [base + optional[:n] for n in range(len(optional), -1, -1)]:
             gram = self.gram[np.ix_(used, used)]
             if np.linalg.cond(gram) <= 1e12:
                 break
@@ -160,21 +173,11 @@ class LoadBudget:
             return None
         values = dict(zip(used, np.linalg.solve(gram, self.moment[used])))
         alpha, beta = max(values[0], 0.0), max(values[1], 0.0)
-        return [alpha, beta, max(values.get(2, beta), 0.0), max(values.get(3, 0.0), 0.0)]
+        return [alpha, beta, max(values.get(2, beta), 0.0), *(max(values.get(c, 0.0), 0.0) for c in (3, 4))]
 
     def calibration(self) -> float:
         """``rho``: accepted nodes per unit of predicted acceptance."""
         return float(np.clip(self.accepted_nodes / max(self.predicted, 1e-9), 0.05, 2.0))
-
-    def observe_branching(self, requests: int, seconds: float) -> None:
-        """A step verified ``requests`` branching trees, whose attention took
-        ``seconds`` beyond what the same rows cost as chains."""
-        self.branch_seconds = self.branch_seconds * self.decay + seconds
-        self.branch_requests = self.branch_requests * self.decay + requests
-
-    def branch_cost(self) -> float:
-        """Extra seconds a branching tree costs over a chain (0 until measured)."""
-        return self.branch_seconds / self.branch_requests if self.branch_requests > 1e-9 else 0.0
 
     def draft_cost(self) -> float:
         """Seconds of drafting per drafting request."""
@@ -202,7 +205,7 @@ class LoadBudget:
         fit = self._solve()
         if fit is None:
             return [t.keep_best(int((v >= self.cold_min_p).sum())) for t, v in zip(trees, p_hat)]
-        alpha, beta, gamma, eta = fit
+        alpha, beta, gamma, eta, xi = fit
         alpha, other_tokens = alpha + gamma * other_tokens, 0  # prompt chunks: a fixed cost of the step
         delta = self.draft_cost()
 
@@ -224,7 +227,7 @@ class LoadBudget:
                 path = tree.main_path()
                 off_path = sorted(tree.path_probabilities(), reverse=True)[len(path):]
                 net = sum(rho * p - beta * rate for p in off_path)
-                if net < self.branch_cost() * rate:
+                if net < xi * rate:
                     tree = path
             chosen.append(tree)
         measurable = bool(trees) and delta > 0.0

@@ -18,7 +18,6 @@ AMX machines that replaces the ``amx`` packing for bf16.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -146,7 +145,6 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             )
         if rows is None or attn_metadata is None or self.attn_type != AttentionType.DECODER:
             return output
-        started = time.perf_counter()
         if rows.page_plan is None:  # the pass's first layer builds it, the others reuse it
             rows.page_plan = plan_pages(
                 attn_metadata.block_table[rows.batch_indices],
@@ -158,7 +156,6 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             )
         result = paged_tree_attention(query[rows.query_rows], kv_cache, rows.page_plan, self.scale)
         output.view(query.shape[0], self.num_heads, -1)[rows.query_rows] = result.to(output.dtype)
-        rows.seconds += time.perf_counter() - started
         return output
 
 

@@ -124,9 +124,11 @@ class TreeProposer:
                 self.load_budget.observe_tree(tree, nodes)
             self.policy.observe(request_id, tree, len(nodes))
 
-    def observe_step(self, step_tokens: int, step_seconds: float, prefill_tokens: int, trees: int = 0) -> None:
+    def observe_step(
+        self, step_tokens: int, step_seconds: float, prefill_tokens: int, trees: int = 0, branching: int = 0
+    ) -> None:
         if self.load_budget is not None:
-            self.load_budget.observe_step(step_tokens, step_seconds, prefill_tokens, trees)
+            self.load_budget.observe_step(step_tokens, step_seconds, prefill_tokens, trees, branching)
 
     def drafting_this_step(self) -> bool:
         """Whether this step drafts at all (the load budget may pause it); asked

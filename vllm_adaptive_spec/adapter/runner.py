@@ -55,6 +55,7 @@ class TreeRunnerMixin:
             raise ValueError("adaptive_tree does not support M-RoPE models yet")
         self.rejection_sampler = TreeVerifier(self.sampler, mode, self._after_acceptance)
         self._step_started = time.perf_counter()
+        self._branching_trees = 0  # this step's requests whose tree branches
         self._accepted_rows: dict[int, list[int]] = {}
         self._draft_backend = None
         if isinstance(self.drafter, TreeProposer):
@@ -82,7 +83,9 @@ class TreeRunnerMixin:
         self._step_started = time.perf_counter()
         self._accepted_rows = {}
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
-        tree_step.publish(self._layout_trees(scheduler_output, num_scheduled_tokens))
+        step = self._layout_trees(scheduler_output, num_scheduled_tokens)
+        self._branching_trees = 0 if step is None or step.attention is None else len(step.attention.batch_indices)
+        tree_step.publish(step)
         return result
 
     def _layout_trees(self, scheduler_output, num_scheduled_tokens) -> tree_step.TreeStep | None:
@@ -137,10 +140,6 @@ class TreeRunnerMixin:
         paths = zip(acceptance.path.tolist(), acceptance.num_accepted.tolist())
         request_ids = [self.input_batch.req_ids[i] for i in step.batch_indices.tolist()]
         proposer.observe(request_ids, step.trees, [row[:count] for row, count in paths])
-        if proposer.load_budget is not None:
-            if step.attention is not None:
-                proposer.load_budget.observe_branching(len(step.attention.batch_indices), step.attention.seconds)
-
         if self._draft_backend is not None:
             self._record_chains(step, acceptance)
         path = acceptance.path
@@ -196,7 +195,7 @@ class TreeRunnerMixin:
         spec_tokens = sum(len(d) for d in drafts)
         other_tokens = max(step_tokens - len(scheduler_output.num_scheduled_tokens) - spec_tokens, 0)
         self.tree_proposer.observe_step(step_tokens, time.perf_counter() - self._step_started, other_tokens,
-                                        sum(1 for d in drafts if d))
+                                        sum(1 for d in drafts if d), self._branching_trees)
         drafting = self.tree_proposer.drafting_this_step()
         if self._draft_backend is not None:
             self._draft_backend.first_pass(

@@ -30,7 +30,6 @@ class AttentionRows:
     query_mask: torch.Tensor
     window_lens: torch.Tensor | None = None
     page_plan: object = None  # the attention's plan, built by the pass's first layer
-    seconds: float = 0.0  # time the tree path took in this pass, all layers
 
 
 @dataclass
@@ -46,7 +45,6 @@ class DraftStep:
     query_mask: torch.Tensor
     window_lens: torch.Tensor
     page_plan: object = None  # the attention's plan, built by the pass's first layer
-    seconds: float = 0.0  # time the tree path took in this pass, all layers
 
 
 @dataclass
