@@ -130,6 +130,23 @@ def test_speculation_that_never_pays_settles_on_no_drafting():
     assert max(len(run) for run in runs) == 1, runs
 
 
+def test_drafting_that_costs_far_more_than_a_step_pauses_at_once():
+    """A draft model whose trees cost ten plain steps: the first drafting step
+    pauses (not ``pause_after`` of them); a step that loses a little does not."""
+    budget = LoadBudget(max_budget=16, pause_after=16, half_life=1e9)
+    _feed_steps(budget, alpha=0.05, beta=0.001)
+    weak = DraftTree.chain([1, 2, 3])
+    weak.q = [0.2, 0.2, 0.2]
+    budget.observe_drafting(16, 16 * 0.03)  # 0.48 s of drafting for a 0.07 s step
+    budget.choose([weak] * 16, other_tokens=0)
+    assert not budget.drafts()
+    cheap = LoadBudget(max_budget=16, pause_after=16, half_life=1e9)
+    _feed_steps(cheap, alpha=0.05, beta=0.001)
+    cheap.observe_drafting(16, 16 * 0.0005)
+    cheap.choose([weak] * 16, other_tokens=0)
+    assert cheap.drafts()
+
+
 def test_speculation_that_always_pays_keeps_the_full_tree():
     budget = LoadBudget(max_budget=16, half_life=1e9)
     _feed_steps(budget, alpha=0.05, beta=0.0005)
@@ -167,3 +184,31 @@ def test_branches_kept_only_when_they_pay_for_their_extra_cost():
     assert _fitted(0.0).choose([tree], 0) == [tree]  # free branching: the whole tree
     assert _fitted(0.001).choose([tree], 0) == [tree]  # cheap: the .5 branch pays
     assert _fitted(0.05).choose([tree], 0) == [DraftTree([1, 3], [-1, 0], [0.8, 0.6])]  # dear: main path only
+
+
+def test_a_request_whose_trees_are_accepted_keeps_more_nodes_than_one_whose_trees_fail():
+    budget = LoadBudget(max_budget=8, half_life=1e9)
+    _feed_steps(budget, alpha=0.05, beta=0.004)
+    tree = DraftTree.chain([1, 2, 3, 4, 5, 6])
+    tree.q = [0.6] * 6  # p = .6, .36, .22, .13, .08, .05
+    for _ in range(10):
+        budget.observe_tree(tree, list(range(4)), "good")  # four of sum(p) = 1.43 accepted
+        budget.observe_tree(tree, [], "poor")  # none
+    good, poor, new = budget.choose([tree, tree, tree], 0, ["good", "poor", "new"])
+    assert len(good) > len(new) > len(poor)
+    assert budget.calibration("good") > budget.calibration() > budget.calibration("poor")
+    budget.forget("good")
+    assert budget.calibration("good") == budget.calibration()
+
+
+def test_a_requests_record_fades_back_to_the_engines_while_it_is_not_verified():
+    budget = LoadBudget(max_budget=8, half_life=1e9, request_half_life=4.0)
+    _feed_steps(budget, alpha=0.05, beta=0.004)
+    tree = DraftTree.chain([1, 2])
+    for _ in range(10):
+        budget.observe_tree(tree, [], "poor")
+        budget.observe_tree(tree, [0, 1], "good")
+    before = budget.calibration("poor")
+    for _ in range(40):
+        budget.choose([DraftTree()], 0, ["poor"])
+    assert before < budget.calibration("poor") == pytest.approx(budget.calibration(), rel=1e-2)

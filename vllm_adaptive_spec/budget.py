@@ -9,10 +9,15 @@ maximise the expected committed tokens per second of the next step::
     G / C,   G = B + sum of kept nodes' p_hat,
              C = alpha + beta * (T_other + B + n_kept) + delta * B_drafting
 
-* ``p_hat = rho * p``: ``p`` is the node's path probability (for the
+* ``p_hat = rho_r * p``: ``p`` is the node's path probability (for the
   retrieval drafter, a calibrated chance of acceptance), ``rho`` the ratio of
   accepted nodes to the sum of ``p`` over verified nodes, measured online, so
-  a drafter whose ``p`` is optimistic is discounted.
+  a drafter whose ``p`` is optimistic is discounted. ``rho_r`` is request
+  ``r``'s own ratio, shrunk toward the engine's ``rho``:
+  ``(a_r + k * rho) / (P_r + k)`` with ``a_r``, ``P_r`` its accepted and
+  predicted nodes (decayed per step, half-life ``request_half_life``) and
+  ``k = request_prior``; a request whose trees are accepted deeply keeps
+  more nodes than one whose trees fail on the same evidence.
 * ``alpha + beta * T``: the step time for ``T`` decode rows (``T_other``:
   prompt-chunk tokens, with a slope of their own), fitted by exponentially
   weighted least squares on measured steps (fixed cost and per-row cost);
@@ -28,8 +33,9 @@ A ratio of sums over nodes that each add ``p_hat`` to ``G`` and ``beta`` to
 ``beta * G / C`` at the optimum, found greedily in descending ``p_hat``
 (adding a node raises the ratio iff ``p_hat > beta * G / C``). Since ``p``
 never rises along a path, the kept set of each tree is closed under
-ancestors. Budgets are per request by construction: a request whose trees are
-confident keeps many nodes, one with thin evidence none.
+ancestors. Budgets are per request: a request whose trees are confident and
+whose record is good keeps many nodes, one with thin evidence or a poor
+record none.
 
 Down to no speculation: drafting itself costs ``delta`` per request; after
 ``pause_after`` steps in a row whose expected rate with the kept nodes (and
@@ -37,7 +43,11 @@ the drafting) was below the rate without drafting, drafting pauses for
 ``pause_steps`` steps, then drafts one step to look (a probe): a probe that
 does not pay pauses again at once, for twice as long (up to ``max_pause``).
 Decision: one probe, not ``pause_after`` steps, since a model drafter's
-tree costs several draft passes however few of its nodes are kept.
+tree costs several draft passes however few of its nodes are kept; and a
+step whose expected rate with drafting is below ``clear_loss`` times the
+rate without pauses at once: at batch 16 an EAGLE-2 tree of a draft LM
+costs about ten plain steps (measured: 76 ms per request), so waiting for
+``pause_after`` such steps cost more than a fifth of the run.
 
 Shape: a branching tree may cost more than a chain of the same size (on
 vLLM's CPU platform a chain runs in vLLM's own attention kernel and a
@@ -94,8 +104,11 @@ class LoadBudget:
         half_life: float = 200.0,
         cold_min_p: float = 0.3,
         pause_after: int = 16,
+        clear_loss: float = 0.5,
         pause_steps: int = 16,
         max_pause: int = 512,
+        request_half_life: float = 32.0,
+        request_prior: float = 4.0,
     ) -> None:
         self.max_budget = max_budget
         self.decay = 0.5 ** (1.0 / half_life)
@@ -105,9 +118,13 @@ class LoadBudget:
         self.steps_seen = 0
         self.predicted = 1.0  # decayed sums for rho = accepted / predicted
         self.accepted_nodes = 1.0
+        self.request_decay = 0.5 ** (1.0 / request_half_life)
+        self.request_prior = request_prior
+        self._requests: dict[str, list[float]] = {}  # request -> [predicted, accepted], decayed
         self.draft_seconds = 0.0  # decayed drafter time and drafting requests
         self.drafted_requests = 0.0
         self.pause_after, self.pause_steps, self.max_pause = pause_after, pause_steps, max_pause
+        self.clear_loss = clear_loss
         self._losing_steps = 0
         self._paused = 0
         self._next_pause = pause_steps
@@ -127,10 +144,19 @@ class LoadBudget:
         self.moment = self.moment * self.decay + x * seconds
         self.steps_seen += 1
 
-    def observe_tree(self, tree: DraftTree, accepted_nodes: list[int]) -> None:
-        """A verified tree and the indices of its accepted nodes."""
-        self.predicted = self.predicted * self.decay + sum(tree.path_probabilities())
+    def observe_tree(self, tree: DraftTree, accepted_nodes: list[int], request_id: str | None = None) -> None:
+        """A verified tree (of ``request_id``) and the indices of its accepted nodes."""
+        predicted = sum(tree.path_probabilities())
+        self.predicted = self.predicted * self.decay + predicted
         self.accepted_nodes = self.accepted_nodes * self.decay + len(accepted_nodes)
+        if request_id is not None:
+            record = self._requests.setdefault(request_id, [0.0, 0.0])
+            record[0] += predicted
+            record[1] += len(accepted_nodes)
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or was preempted."""
+        self._requests.pop(request_id, None)
 
     def observe_drafting(self, requests: int, seconds: float) -> None:
         """The drafter grew ``requests`` trees in ``seconds``."""
@@ -175,9 +201,15 @@ class LoadBudget:
         alpha, beta = max(values[0], 0.0), max(values[1], 0.0)
         return [alpha, beta, max(values.get(2, beta), 0.0), *(max(values.get(c, 0.0), 0.0) for c in (3, 4))]
 
-    def calibration(self) -> float:
-        """``rho``: accepted nodes per unit of predicted acceptance."""
-        return float(np.clip(self.accepted_nodes / max(self.predicted, 1e-9), 0.05, 2.0))
+    def calibration(self, request_id: str | None = None) -> float:
+        """``rho``: accepted nodes per unit of predicted acceptance, the
+        engine's, or request ``request_id``'s own shrunk toward it."""
+        rho = float(np.clip(self.accepted_nodes / max(self.predicted, 1e-9), 0.05, 2.0))
+        record = self._requests.get(request_id)
+        if record is None:
+            return rho
+        predicted, accepted = record
+        return float(np.clip((accepted + self.request_prior * rho) / (predicted + self.request_prior), 0.05, 2.0))
 
     def draft_cost(self) -> float:
         """Seconds of drafting per drafting request."""
@@ -193,15 +225,24 @@ class LoadBudget:
             return False
         return True
 
-    def choose(self, trees: list[DraftTree], other_tokens: int) -> list[DraftTree]:
+    def choose(
+        self, trees: list[DraftTree], other_tokens: int, request_ids: list[str] | None = None
+    ) -> list[DraftTree]:
         """The part of each grown tree worth verifying, given ``other_tokens``
         scheduled tokens besides the trees': its best nodes by path
         probability (:meth:`DraftTree.keep_best`), cut to its main path when
         the nodes off that path do not pay for the extra cost of a branching
-        tree (:meth:`branch_cost`)."""
-        rho = self.calibration()
+        tree (:meth:`branch_cost`). ``request_ids``: the trees' requests, whose
+        own records calibrate them (:meth:`calibration`)."""
+        ids = request_ids or [None] * len(trees)
+        for request_id in ids:  # a request's record fades a step at a time, verified or not
+            record = self._requests.get(request_id)
+            if record is not None:
+                record[0] *= self.request_decay
+                record[1] *= self.request_decay
+        rhos = [self.calibration(request_id) for request_id in ids]
         p_hat = [np.sort(np.asarray(t.path_probabilities(), dtype=np.float64))[::-1][: self.max_budget] * rho
-                 for t in trees]
+                 for t, rho in zip(trees, rhos)]
         fit = self._solve()
         if fit is None:
             return [t.keep_best(int((v >= self.cold_min_p).sum())) for t, v in zip(trees, p_hat)]
@@ -221,7 +262,7 @@ class LoadBudget:
             rate = expected_rate(kept)
             kept = [k if float(v[:k].sum()) - beta * k * rate >= eta * rate else 0 for v, k in zip(p_hat, kept)]
         chosen = []
-        for tree, count in zip(trees, kept):
+        for tree, count, rho in zip(trees, kept, rhos):
             tree = tree.keep_best(count)
             if tree.branches():
                 path = tree.main_path()
@@ -235,9 +276,10 @@ class LoadBudget:
         return chosen
 
     def _account(self, with_drafting: float | None, without: float) -> None:
-        """Pause drafting after ``pause_after`` steps in a row (or one probe)
-        whose expected rate with the kept nodes and the drafting cost was
-        below the rate without drafting (None: not measurable yet)."""
+        """Pause drafting after ``pause_after`` steps in a row (or one probe,
+        or one clear loss) whose expected rate with the kept nodes and the
+        drafting cost was below the rate without drafting (None: not
+        measurable yet)."""
         probing, self._probing = self._probing, False
         if with_drafting is None:
             return
@@ -246,7 +288,7 @@ class LoadBudget:
             self._next_pause = self.pause_steps
             return
         self._losing_steps += 1
-        if probing or self._losing_steps >= self.pause_after:
+        if probing or self._losing_steps >= self.pause_after or with_drafting < self.clear_loss * without:
             self._paused = self._next_pause
             self._next_pause = min(2 * self._next_pause, self.max_pause)
             self._losing_steps = 0

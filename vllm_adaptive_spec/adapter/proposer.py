@@ -111,6 +111,8 @@ class TreeProposer:
             self.trees.pop(request_id, None)
             self.drafter.forget(request_id, finished=request_id in finished)
             self.policy.forget(request_id)
+            if self.load_budget is not None:
+                self.load_budget.forget(request_id)
 
     def clear_shared_datastore(self) -> int:
         """Empty the retrieval drafter's shared datastore; the tokens dropped."""
@@ -121,7 +123,7 @@ class TreeProposer:
         nodes, for the load budget's calibration and the policy's history."""
         for request_id, tree, nodes in zip(request_ids, trees, accepted):
             if self.load_budget is not None:
-                self.load_budget.observe_tree(tree, nodes)
+                self.load_budget.observe_tree(tree, nodes, request_id)
             self.policy.observe(request_id, tree, len(nodes))
 
     def observe_step(
@@ -184,7 +186,7 @@ class TreeProposer:
             self.stats.draft_passes += stats.draft_passes
         if self.load_budget is not None:
             self.load_budget.observe_drafting(len(active), time.perf_counter() - started)
-            trees = self.load_budget.choose(trees, other_tokens)
+            trees = self.load_budget.choose(trees, other_tokens, [request_ids[i] for i in active])
         for i, tree in zip(active, trees):
             if len(tree):
                 self.trees[request_ids[i]] = tree
