@@ -6,7 +6,8 @@ what is verified): the ``chain`` baseline (depth ``--chain-k``); ``eagle2``
 (N=60, K=10, D=8), eagle2 at each depth of the DEAGLE sweep and at the
 budgets of ``--eagle2-budgets`` (to compare with a policy that verifies fewer nodes); ``talon``
 (N=60, ``mu`` 0.03 and 0.01); ``deagle`` (N=60, K=10, maximum depth ``D`` from
-``--depths``); ``dynatree`` (N=60, the spec's defaults); Talon's comparison:
+``--depths``); ``dynatree`` (N=60, the spec's defaults); ``c2t`` (N=60, K=10,
+``d_max`` 10, ``beta`` 0.5, the head's shipped classifier); Talon's comparison:
 ``retrieval`` alone (N=16, the retrieval policy), and ``hybrid-eagle2`` /
 ``hybrid-dynatree`` (the head and the retrieval trie merged, with the same
 policy and settings as ``eagle2`` / ``dynatree``); and no speculation.
@@ -69,6 +70,7 @@ def sweep_methods(head: str, chain_k: int, depths: list[int], budgets: list[int]
         "talon-0.03": _tree(head, "talon", mu=0.03),
         "talon-0.01": _tree(head, "talon", mu=0.01),
         "dynatree": _tree(head, "dynatree"),
+        "c2t": _tree(head, "c2t"),
         "retrieval": {"method": "adaptive_tree", "num_speculative_tokens": RETRIEVAL_BUDGET,
                       "tree": {"drafter": "retrieval", "policy": "retrieval", "load_budget": "fixed"}},
         "hybrid-eagle2": _tree(head, "eagle2", drafter="hybrid", top_k=10, depth=8),

@@ -20,6 +20,10 @@ def main(argv: list[str] | None = None) -> None:
     commands.add_parser(
         "draft-lm", help="build the demo model's draft LM (options: --help)", add_help=False
     )
+    commands.add_parser(
+        "c2t-collect", help="record the drafter's tree nodes for C2T's classifier (options: --help)", add_help=False
+    )
+    commands.add_parser("c2t-train", help="train C2T's classifier on collected rows (options: --help)", add_help=False)
     args, rest = parser.parse_known_args(argv)
 
     if args.command == "demo-model":
@@ -40,6 +44,14 @@ def main(argv: list[str] | None = None) -> None:
         from vllm_adaptive_spec.training.draft_lm import main as draft_lm_main
 
         draft_lm_main(rest)
+    elif args.command == "c2t-collect":
+        from vllm_adaptive_spec.training.c2t import collect_main
+
+        collect_main(rest)
+    elif args.command == "c2t-train":
+        from vllm_adaptive_spec.training.c2t import train_main
+
+        train_main(rest)
     elif args.command == "demo":
         from vllm_adaptive_spec.demo import main as demo_main
 

@@ -12,9 +12,11 @@ error names the offending key and the valid choices.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_adaptive_spec.classifier import FILE_NAME
 from vllm_adaptive_spec.drafters import DRAFTER_POLICIES, DRAFTERS
 from vllm_adaptive_spec.policies import POLICIES, Param
 
@@ -136,6 +138,14 @@ def parse_tree_config(spec: dict[str, Any]) -> TreeConfig:
                 )
             values[name] = value
         params.append(values)
+    if policy == "c2t" and not params[1]["classifier"]:
+        default = os.path.join(spec["model"], FILE_NAME)
+        if not os.path.isfile(default):
+            raise TreeConfigError(
+                f"speculative_config['tree']['classifier'] must be given: the draft model has no {FILE_NAME} "
+                f"({default!r} not found); train one with `vllm-adaptive-spec c2t-train`"
+            )
+        params[1]["classifier"] = default
     config = TreeConfig(drafter, policy, budget, params[0], params[1], params[2]["load_budget"])
     try:
         config.make_drafter()

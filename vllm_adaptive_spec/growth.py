@@ -49,7 +49,10 @@ class Layer:
     ``parent_p`` [B, F] (0 on empty slots), the candidates' ``depth`` (1 for
     children of the root), the nodes already in each tree ``size`` [B] and the
     node ``budget`` [B]. ``stop`` [B] starts False; a policy sets it for the
-    requests whose chosen layer is their last (it is not expanded)."""
+    requests whose chosen layer is their last (it is not expanded).
+    ``score`` [B, F, C]: what the final cut (``finish``) ranks the chosen
+    candidates by; a policy may set it (C2T: its classifier's confidence),
+    else it is ``p``. ``parent_score`` [B, F]: the frontier's scores."""
 
     candidates: Candidates
     parent_p: torch.Tensor
@@ -57,6 +60,8 @@ class Layer:
     size: torch.Tensor
     budget: torch.Tensor
     stop: torch.Tensor | None = None
+    parent_score: torch.Tensor | None = None
+    score: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -93,7 +98,8 @@ class Policy(Protocol):
         may set ``layer.stop`` for requests that grow no deeper."""
 
     def finish(self, p: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
-        """[B, M] bool: which grown nodes (path probabilities ``p``) to keep."""
+        """[B, M] bool: which grown nodes to keep, by their scores ``p`` (path
+        probabilities unless the policy set ``Layer.score``)."""
 
     # Optional: ``choose(tree, budget) -> DraftTree``, the tree the layer loop
     # would grow from a whole candidate tree (see the module docstring).
@@ -111,11 +117,12 @@ def grow(drafter: Drafter, policy: Policy, budget: torch.Tensor, max_depth: int)
     whole, choose = getattr(drafter, "candidate_trees", None), getattr(policy, "choose", None)
     if whole is not None and choose is not None:
         return [choose(tree, n) if n > 0 else DraftTree() for tree, n in zip(whole(), budget.tolist())], stats
-    tokens, parents, q, p = [], [], [], []  # per layer, [B, L] each
+    tokens, parents, q, p, score, entropy = [], [], [], [], [], []  # per layer, [B, L] each
     size = torch.zeros(batch, dtype=torch.long)
     frontier_handles = torch.full((batch, 1), ROOT, dtype=torch.long)
     frontier_index = torch.full((batch, 1), ROOT, dtype=torch.long)
     frontier_p = torch.ones(batch, 1)
+    frontier_score = torch.ones(batch, 1)
     frontier_live = (budget > 0).unsqueeze(1)
     max_depth = min(max_depth, policy.depth_limit(int(budget.max())) if batch else 0)
     for depth in range(1, max_depth + 1):
@@ -126,7 +133,7 @@ def grow(drafter: Drafter, policy: Policy, budget: torch.Tensor, max_depth: int)
         candidates = drafter.expand(frontier_handles, frontier_live)
         stats.draft_passes += 1
         parent_p = torch.where(frontier_live, frontier_p, 0.0)
-        layer = Layer(candidates, parent_p, depth, size.clone(), budget)
+        layer = Layer(candidates, parent_p, depth, size.clone(), budget, parent_score=frontier_score)
         chosen = policy.select(layer) & (candidates.q > 0) & frontier_live.unsqueeze(-1)
         chosen = chosen.flatten(1)
         count = chosen.sum(1)
@@ -141,26 +148,32 @@ def grow(drafter: Drafter, policy: Policy, budget: torch.Tensor, max_depth: int)
         tokens.append(candidates.tokens.flatten(1).gather(1, order))
         q.append(candidates.q.flatten(1).gather(1, order))
         p.append(layer.p.flatten(1).gather(1, order))
+        score.append(p[-1] if layer.score is None else layer.score.flatten(1).gather(1, order))
+        if candidates.entropy is not None:
+            entropy.append(candidates.entropy.gather(1, parent_slot))
         parents.append(frontier_index.gather(1, parent_slot))
         new_index = size.unsqueeze(1) + torch.arange(width).unsqueeze(0)
         tokens[-1], parents[-1] = tokens[-1].masked_fill(~live, -1), parents[-1].masked_fill(~live, ROOT)
         q[-1], p[-1] = q[-1].masked_fill(~live, 0.0), p[-1].masked_fill(~live, 0.0)
+        score[-1] = score[-1].masked_fill(~live, 0.0)
         size = size + count
         frontier_handles = candidates.handles.flatten(1).gather(1, order)
         frontier_index = new_index
-        frontier_p, frontier_live = p[-1], live & ~layer.stop.unsqueeze(1)
-    return _assemble(tokens, parents, q, p, policy, budget), stats
+        frontier_p, frontier_score, frontier_live = p[-1], score[-1], live & ~layer.stop.unsqueeze(1)
+    return _assemble(tokens, parents, q, score, entropy, policy, budget), stats
 
 
-def _assemble(tokens, parents, q, p, policy: Policy, budget: torch.Tensor) -> list[DraftTree]:
+def _assemble(tokens, parents, q, score, entropy, policy: Policy, budget: torch.Tensor) -> list[DraftTree]:
+    """The kept nodes of each request as a tree (``entropy``: per layer, the
+    parent's entropy of every node, where the drafter gave it)."""
     batch = budget.shape[0]
     if not tokens:
         return [DraftTree() for _ in range(batch)]
     # Layers are packed per request; gather each request's nodes in order.
-    all_p = torch.cat(p, dim=1)
     valid = torch.cat([t >= 0 for t in tokens], dim=1)
-    keep = policy.finish(all_p, valid, budget) & valid
+    keep = policy.finish(torch.cat(score, dim=1), valid, budget) & valid
     all_tokens, all_parents, all_q = (torch.cat(x, dim=1).tolist() for x in (tokens, parents, q))
+    all_entropy = torch.cat(entropy, dim=1).tolist() if len(entropy) == len(tokens) else None
     trees = []
     for b in range(batch):
         # Slot -> node index in the grown tree (layers are left-packed, so the
@@ -179,5 +192,7 @@ def _assemble(tokens, parents, q, p, policy: Policy, budget: torch.Tensor) -> li
             tree.tokens.append(all_tokens[b][slot])
             tree.parents.append(ROOT if parent == ROOT else new_index[parent])
             tree.q.append(all_q[b][slot])
+            if all_entropy is not None:
+                tree.parent_entropy.append(all_entropy[b][slot])
         trees.append(tree)
     return trees

@@ -19,11 +19,14 @@ ROOT = -1
 @dataclass
 class DraftTree:
     """One request's tree: ``tokens[i]`` drawn from the distribution after
-    ``parents[i]`` with draft probability ``q[i]``."""
+    ``parents[i]`` with draft probability ``q[i]``; ``parent_entropy[i]``:
+    that distribution's top-M entropy where the drafter computed it (C2T's
+    feature; empty otherwise, and not part of a tree's identity)."""
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     q: list[float] = field(default_factory=list)
+    parent_entropy: list[float] = field(default_factory=list, compare=False)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -36,7 +39,7 @@ class DraftTree:
 
     def prefix(self, n: int) -> "DraftTree":
         """The first ``n`` nodes: a valid tree, since parents come first."""
-        return DraftTree(self.tokens[:n], self.parents[:n], self.q[:n])
+        return DraftTree(self.tokens[:n], self.parents[:n], self.q[:n], self.parent_entropy[:n])
 
     def path_probabilities(self) -> list[float]:
         """``p`` of every node: the product of ``q`` along its path."""
@@ -60,6 +63,7 @@ class DraftTree:
             [self.tokens[i] for i in kept],
             [ROOT if self.parents[i] == ROOT else index[self.parents[i]] for i in kept],
             [self.q[i] for i in kept],
+            [self.parent_entropy[i] for i in kept] if self.parent_entropy else [],
         )
 
     def main_path(self) -> "DraftTree":
@@ -73,7 +77,12 @@ class DraftTree:
                 break
             parent = max(children, key=lambda i: (p[i], -i))
             path.append(parent)
-        return DraftTree([self.tokens[i] for i in path], list(range(-1, len(path) - 1)), [self.q[i] for i in path])
+        return DraftTree(
+            [self.tokens[i] for i in path],
+            list(range(-1, len(path) - 1)),
+            [self.q[i] for i in path],
+            [self.parent_entropy[i] for i in path] if self.parent_entropy else [],
+        )
 
     def branches(self) -> bool:
         return self.parents != list(range(-1, len(self) - 1))

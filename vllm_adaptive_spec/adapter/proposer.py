@@ -96,6 +96,7 @@ class TreeProposer:
         self.trees: dict[str, DraftTree] = {}
         self.stats = TreeStats()
         self.load_budget = LoadBudget(self.config.budget) if self.config.load_budget == "adaptive" else None
+        self.recorder = None  # called with each verified tree and its accepted nodes (c2t-collect)
 
     def load_model(self, *args, **kwargs) -> None:
         """Only the retrieval drafter runs as vLLM's drafter object, and it has no
@@ -122,6 +123,8 @@ class TreeProposer:
         """Verified trees (possibly cut by the scheduler) and their accepted
         nodes, for the load budget's calibration and the policy's history."""
         for request_id, tree, nodes in zip(request_ids, trees, accepted):
+            if self.recorder is not None:
+                self.recorder(tree, nodes)
             if self.load_budget is not None:
                 self.load_budget.observe_tree(tree, nodes, request_id)
             self.policy.observe(request_id, tree, len(nodes))

@@ -9,7 +9,7 @@ DRAFTERS = {cls.name: cls for cls in (RetrievalDrafter, Eagle3Drafter, DraftMode
 # Which policies each drafter supports; the first is the default.
 DRAFTER_POLICIES = {
     "retrieval": ("retrieval", "chain"),
-    "eagle3": ("eagle2", "chain", "talon", "deagle", "dynatree"),
-    "draft_model": ("eagle2", "chain", "talon", "deagle", "dynatree"),
-    "hybrid": ("eagle2", "chain", "talon", "deagle", "dynatree"),
+    "eagle3": ("eagle2", "chain", "talon", "deagle", "dynatree", "c2t"),
+    "draft_model": ("eagle2", "chain", "talon", "deagle", "dynatree", "c2t"),
+    "hybrid": ("eagle2", "chain", "talon", "deagle", "dynatree", "c2t"),
 }

@@ -1,6 +1,7 @@
 """Tree policies, one per module; the shared interface and helpers in :mod:`.base`."""
 
 from vllm_adaptive_spec.policies.base import Param, TreePolicy, top_by_path_probability
+from vllm_adaptive_spec.policies.c2t import C2TPolicy
 from vllm_adaptive_spec.policies.chain import ChainPolicy
 from vllm_adaptive_spec.policies.deagle import DeaglePolicy
 from vllm_adaptive_spec.policies.dynatree import DynaTreePolicy
@@ -10,11 +11,12 @@ from vllm_adaptive_spec.policies.talon import TalonPolicy
 
 POLICIES = {
     cls.name: cls
-    for cls in (ChainPolicy, Eagle2Policy, RetrievalPolicy, TalonPolicy, DeaglePolicy, DynaTreePolicy)
+    for cls in (ChainPolicy, Eagle2Policy, RetrievalPolicy, TalonPolicy, DeaglePolicy, DynaTreePolicy, C2TPolicy)
 }
 
 __all__ = [
     "POLICIES",
+    "C2TPolicy",
     "ChainPolicy",
     "DeaglePolicy",
     "DynaTreePolicy",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.draft_distribution import MAX_M
 from vllm_adaptive_spec.growth import Layer
 from vllm_adaptive_spec.policies.base import TreePolicy, best_of_layer, integer, top_by_path_probability
 
@@ -12,16 +13,23 @@ class Eagle2Policy(TreePolicy):
     """The root's top-``K`` children, then at each depth the ``K`` best (by
     path probability ``p``) of the frontier's ``K * K`` top-``K`` children,
     for ``D`` layers; at the end the ``N`` nodes of highest ``p`` are kept
-    (ancestor-closed, as ``p`` only falls along a path)."""
+    (ancestor-closed, as ``p`` only falls along a path). ``entropy_top_m``
+    > 0 has the drafter record each node's parent top-M entropy (the rows
+    ``vllm-adaptive-spec c2t-collect`` trains C2T's classifier on)."""
 
     name = "eagle2"
-    PARAMS = {"top_k": integer(10, 1, 64), "depth": integer(8, 1, 64)}
+    PARAMS = {
+        "top_k": integer(10, 1, 64),
+        "depth": integer(8, 1, 64),
+        "entropy_top_m": integer(0, 0, MAX_M),
+    }
     grows_past_budget = True
 
-    def __init__(self, top_k: int = 10, depth: int = 8) -> None:
+    def __init__(self, top_k: int = 10, depth: int = 8, entropy_top_m: int = 0) -> None:
         self.top_k = top_k
         self.depth = depth
         self.fanout = top_k
+        self.entropy_top_m = entropy_top_m
 
     def depth_limit(self, budget: int) -> int:
         return self.depth
