@@ -36,7 +36,13 @@ most b requests in flight itself (a new request is submitted as soon as one
 finishes); the prefix cache is reset before each pass. With
 ``--engine-per run`` every (batch size, method) pair gets its own engine with
 ``max_num_seqs=b`` and the whole workload is submitted at once with
-``LLM.chat``; runs go batch size by batch size, the methods back to back. Each
+``LLM.chat``; runs go batch size by batch size, the methods back to back. With
+``--engine-per interleaved`` every method's engine starts (one at a time) and
+stays up, idle while another runs; at each batch size the methods then take
+turns, ``--rounds`` times, the order rotating each round, and a method's ratio
+to ``none`` is the median of its per-round ratios (each against ``none``'s pass
+of the same round): this machine's speed drifts by 10-20% over minutes, which
+a method measured minutes after ``none`` takes for its own. Each
 engine does a warm-up pass over a few prompts before anything is timed.
 
 Methods: ``none``; vLLM's ``ngram`` (K = ``--ngram-k``) and ``eagle3`` (a chain of
@@ -75,6 +81,8 @@ Reproduce (from the repository root)::
     # the model drafters against vLLM's own eagle3, tau per category, at temperature 0 and 1
     .venv/bin/python benchmarks/throughput.py --methods none,eagle3,chain-eagle3,tree-eagle3,chain-draft-lm,tree-draft-lm --by-category
     .venv/bin/python benchmarks/throughput.py --methods none,eagle3,chain-eagle3,tree-eagle3 --by-category --temperature 1 --batch-sizes 8 --num-prompts 70
+    # the issue-9 comparison, interleaved: three rounds per batch size, medians of paired ratios (about 30 min)
+    .venv/bin/python benchmarks/throughput.py --engine-layout in-process --engine-per interleaved --methods none,ngram,suffix,tree-retrieval
     # vLLM's suffix decoding against ngram and the retrieval tree (builds its native part first)
     .venv/bin/python benchmarks/throughput.py --methods none,ngram,suffix,tree-retrieval
     # the whole set at every batch size, one engine per (batch size, method) (long on a CPU)
@@ -92,10 +100,13 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -273,6 +284,7 @@ def worker(job_path: str) -> None:
 
     from vllm_adaptive_spec.kv_cache_size import engine_kwargs
 
+    _wait_for_turn(job, "start")  # interleaved runs start their engines one at a time
     started = time.perf_counter()
     llm = LLM(**engine_kwargs(job["model"], job["dtype"], job["max_model_len"], job["max_num_seqs"],
                               job["speculative_config"]),
@@ -280,8 +292,6 @@ def worker(job_path: str) -> None:
     startup_s = time.perf_counter() - started
     params = SamplingParams(temperature=job["temperature"], max_tokens=job["max_tokens"], ignore_eos=False)
     conversations = job["conversations"]
-    # by_category: True (every batch size) or the list of batch sizes timed per category.
-    split = job["by_category"]
     tree_method = (job["speculative_config"] or {}).get("method") == "adaptive_tree"
 
     warm = conversations[-job["warmup_prompts"]:] if job["warmup_prompts"] else []
@@ -296,58 +306,83 @@ def worker(job_path: str) -> None:
         "warmup_s": warmup_s,
         "runs": [],
     }
+    _signal(job, "start")
     for batch_size, num_prompts in zip(job["batch_sizes"], job["num_prompts"]):
-        # One timed pass, or (--by-category) one per category, in order of first appearance.
-        per_category = split is True or (isinstance(split, list) and batch_size in split)
-        groups: dict = {}
-        for index in range(num_prompts):
-            groups.setdefault(job["categories"][index] if per_category else None, []).append(index)
-        token_ids = [None] * num_prompts
-        wall_s, spec, by_category, prompt_tokens = 0.0, {key: 0 for key in SPEC_COUNTERS}, {}, 0
-        tree = {key: 0 for key in TREE_COUNTERS} if tree_method else {}
-        for category, indices in groups.items():
-            llm.reset_prefix_cache()
-            if suffix:
-                dropped = llm.collective_rpc(_reset_suffix_cache)[0]
-                print(f"[worker] suffix decoding cache emptied ({dropped} cached responses)", flush=True)
-            if tree_method:
-                dropped = llm.collective_rpc("adaptive_tree_clear_datastore")[0]
-                if dropped:
-                    print(f"[worker] shared datastore emptied ({dropped} tokens)", flush=True)
-            before, tree_before = _counters(llm), _tree_counters(llm, tree_method)
-            started = time.perf_counter()
-            outputs = _generate(llm, [conversations[i] for i in indices], params, batch_size, job["max_num_seqs"])
-            elapsed = time.perf_counter() - started
-            after, tree_after = _counters(llm), _tree_counters(llm, tree_method)
-            counted = {key: after[key] - before[key] for key in SPEC_COUNTERS}
-            tree_counted = {key: tree_after[key] - tree_before[key] for key in tree_after}
-            tree = {key: tree[key] + tree_counted[key] for key in tree_counted}
-            for i, output in zip(indices, outputs):
-                token_ids[i] = list(output.outputs[0].token_ids)
-            wall_s += elapsed
-            prompt_tokens += sum(len(o.prompt_token_ids or ()) for o in outputs)
-            spec = {key: spec[key] + counted[key] for key in SPEC_COUNTERS}
-            if category is not None:
-                by_category[category] = {"wall_s": elapsed, "spec": counted, "tree": tree_counted,
-                                         "generated_tokens": sum(len(token_ids[i]) for i in indices)}
-        generated = sum(len(ids) for ids in token_ids)
-        result["runs"].append(
-            {
-                "batch_size": batch_size,
-                "num_prompts": num_prompts,
-                "wall_s": wall_s,
-                "generated_tokens": generated,
-                "prompt_tokens": prompt_tokens,
-                "tok_per_s": generated / wall_s,
-                "spec": spec,
-                "tree": tree,
-                "by_category": by_category,
-                "token_ids": token_ids,
-            }
-        )
-        print(f"[worker] b={batch_size}: {generated} tokens in {wall_s:.1f} s", flush=True)
-        # Written after every pass, so a later failure keeps the passes done.
-        Path(job["result_path"]).write_text(json.dumps(result), encoding="utf-8")
+        for round_index in range(job.get("rounds", 1)):
+            _wait_for_turn(job, f"b{batch_size}-r{round_index}")
+            run = _timed_pass(llm, job, params, batch_size, num_prompts, suffix, tree_method)
+            run["round"] = round_index
+            result["runs"].append(run)
+            print(f"[worker] b={batch_size} round {round_index}: {run['generated_tokens']} tokens in "
+                  f"{run['wall_s']:.1f} s", flush=True)
+            # Written after every pass, so a later failure keeps the passes done.
+            Path(job["result_path"]).write_text(json.dumps(result), encoding="utf-8")
+            _signal(job, f"b{batch_size}-r{round_index}")
+
+
+def _wait_for_turn(job: dict, name: str) -> None:
+    """Interleaved runs: wait (idle) until the driver gives this engine the turn ``name``."""
+    if job.get("gate_dir"):
+        go = Path(job["gate_dir"]) / f"{job['label']}.{name}.go"
+        while not go.exists():
+            time.sleep(0.05)
+
+
+def _signal(job: dict, name: str) -> None:
+    if job.get("gate_dir"):
+        (Path(job["gate_dir"]) / f"{job['label']}.{name}.done").touch()
+
+
+def _timed_pass(llm, job: dict, params, batch_size: int, num_prompts: int, suffix: bool, tree_method: bool) -> dict:
+    """One timed pass at ``batch_size`` over the first ``num_prompts`` prompts
+    (or, with ``by_category``, one per category, in order of first appearance)."""
+    conversations = job["conversations"]
+    split = job["by_category"]  # True (every batch size) or the list of batch sizes timed per category
+    per_category = split is True or (isinstance(split, list) and batch_size in split)
+    groups: dict = {}
+    for index in range(num_prompts):
+        groups.setdefault(job["categories"][index] if per_category else None, []).append(index)
+    token_ids = [None] * num_prompts
+    wall_s, spec, by_category, prompt_tokens = 0.0, {key: 0 for key in SPEC_COUNTERS}, {}, 0
+    tree = {key: 0 for key in TREE_COUNTERS} if tree_method else {}
+    for category, indices in groups.items():
+        llm.reset_prefix_cache()
+        if suffix:
+            dropped = llm.collective_rpc(_reset_suffix_cache)[0]
+            print(f"[worker] suffix decoding cache emptied ({dropped} cached responses)", flush=True)
+        if tree_method:
+            dropped = llm.collective_rpc("adaptive_tree_clear_datastore")[0]
+            if dropped:
+                print(f"[worker] shared datastore emptied ({dropped} tokens)", flush=True)
+        before, tree_before = _counters(llm), _tree_counters(llm, tree_method)
+        started = time.perf_counter()
+        outputs = _generate(llm, [conversations[i] for i in indices], params, batch_size, job["max_num_seqs"])
+        elapsed = time.perf_counter() - started
+        after, tree_after = _counters(llm), _tree_counters(llm, tree_method)
+        counted = {key: after[key] - before[key] for key in SPEC_COUNTERS}
+        tree_counted = {key: tree_after[key] - tree_before[key] for key in tree_after}
+        tree = {key: tree[key] + tree_counted[key] for key in tree_counted}
+        for i, output in zip(indices, outputs):
+            token_ids[i] = list(output.outputs[0].token_ids)
+        wall_s += elapsed
+        prompt_tokens += sum(len(o.prompt_token_ids or ()) for o in outputs)
+        spec = {key: spec[key] + counted[key] for key in SPEC_COUNTERS}
+        if category is not None:
+            by_category[category] = {"wall_s": elapsed, "spec": counted, "tree": tree_counted,
+                                     "generated_tokens": sum(len(token_ids[i]) for i in indices)}
+    generated = sum(len(ids) for ids in token_ids)
+    return {
+        "batch_size": batch_size,
+        "num_prompts": num_prompts,
+        "wall_s": wall_s,
+        "generated_tokens": generated,
+        "prompt_tokens": prompt_tokens,
+        "tok_per_s": generated / wall_s,
+        "spec": spec,
+        "tree": tree,
+        "by_category": by_category,
+        "token_ids": token_ids,
+    }
 
 
 # --------------------------------------------------------------------------- driver
@@ -385,18 +420,25 @@ def _machine() -> dict:
     }
 
 
-def _run_engine(job: dict, work: Path, label: str, timeout_s: float, env: dict | None = None) -> dict:
-    """Run one engine job in a fresh process (environment ``env``, default this
-    process's). Returns the worker's result (the passes it finished), with ``error``,
-    ``log`` and ``log_tail`` added when it did not finish."""
+@dataclass
+class _Engine:
+    """A worker process serving one engine job."""
+
+    proc: subprocess.Popen
+    job: dict
+    log_path: Path
+    result_path: Path
+    started: float
+
+
+def _start_engine(job: dict, work: Path, label: str, env: dict | None = None) -> _Engine:
+    """Start one engine job in a fresh process (environment ``env``, default this process's)."""
     job_path = work / f"{label}.job.json"
     log_path = work / f"{label}.log"
     result_path = work / f"{label}.result.json"
     result_path.unlink(missing_ok=True)
-    job = {**job, "result_path": str(result_path)}
+    job = {**job, "result_path": str(result_path), "label": label}
     job_path.write_text(json.dumps(job), encoding="utf-8")
-    started = time.perf_counter()
-    error = None
     with log_path.open("w", encoding="utf-8") as log:
         # Its own session, so a timeout can end the worker with the engine processes it spawned.
         proc = subprocess.Popen(
@@ -407,27 +449,54 @@ def _run_engine(job: dict, work: Path, label: str, timeout_s: float, env: dict |
             env=env,
             start_new_session=True,
         )
-        try:
-            returncode = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            returncode = None
-            error = f"worker timed out after {timeout_s:.0f} s"
+    return _Engine(proc, job, log_path, result_path, time.perf_counter())
+
+
+def _take_turn(engine: _Engine, name: str, timeout_s: float) -> bool:
+    """Interleaved runs: give ``engine`` the turn ``name`` and wait until it is
+    done (False if the worker exits or the time runs out first)."""
+    gate = Path(engine.job["gate_dir"])
+    (gate / f"{engine.job['label']}.{name}.go").touch()
+    done = gate / f"{engine.job['label']}.{name}.done"
+    deadline = time.perf_counter() + timeout_s
+    while not done.exists():
+        if engine.proc.poll() is not None or time.perf_counter() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _finish_engine(engine: _Engine, timeout_s: float) -> dict:
+    """Wait for the worker. Returns its result (the passes it finished), with
+    ``error``, ``log`` and ``log_tail`` added when it did not finish."""
+    error = None
+    try:
+        returncode = engine.proc.wait(timeout=max(timeout_s - (time.perf_counter() - engine.started), 1.0))
+    except subprocess.TimeoutExpired:
+        os.killpg(engine.proc.pid, signal.SIGKILL)
+        engine.proc.wait()
+        returncode = None
+        error = f"worker timed out after {timeout_s:.0f} s"
     if returncode not in (0, None):
         error = f"worker exited with {returncode}"
-    result = json.loads(result_path.read_text(encoding="utf-8")) if result_path.is_file() else {"runs": []}
-    result["process_s"] = time.perf_counter() - started
+    path = engine.result_path
+    result = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {"runs": []}
+    result["process_s"] = time.perf_counter() - engine.started
     done = {run["batch_size"] for run in result["runs"]}
-    if error is None and done != set(job["batch_sizes"]):
+    if error is None and done != set(engine.job["batch_sizes"]):
         error = "worker finished without all results"
     if error is not None:
-        tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-80:]
+        tail = engine.log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-80:]
         raised = [line.strip() for line in tail if EXCEPTION_LINE.match(line)]
         result["error"] = f"{error}: {raised[-1]}" if raised else error
-        result["log"] = str(log_path)
+        result["log"] = str(engine.log_path)
         result["log_tail"] = tail
     return result
+
+
+def _run_engine(job: dict, work: Path, label: str, timeout_s: float, env: dict | None = None) -> dict:
+    """Run one engine job to its end (start it, then wait for it)."""
+    return _finish_engine(_start_engine(job, work, label, env), timeout_s)
 
 
 EXCEPTION_LINE = re.compile(r"^\s*[\w.]*(Error|Exception|Interrupt)\b.*:")
@@ -462,14 +531,34 @@ def _installed_vllm_version() -> str | None:
     return None
 
 
+def _combine(passes: list[dict]) -> dict:
+    """A method's passes at one batch size (one per round) as one run: the
+    median tok/s, counters and tokens summed, the first round's token ids."""
+    if len(passes) == 1:
+        return passes[0]
+    run = dict(passes[0])
+    run["tok_per_s"] = statistics.median(p["tok_per_s"] for p in passes)
+    for key in ("wall_s", "generated_tokens", "prompt_tokens"):
+        run[key] = sum(p[key] for p in passes)
+    for key in ("spec", "tree"):
+        run[key] = {k: sum(p[key][k] for p in passes) for k in passes[0][key]}
+    run["rounds"] = [{"tok_per_s": p["tok_per_s"], "wall_s": p["wall_s"]} for p in passes]
+    return run
+
+
 def _row(
-    method: str, speculative: bool, run: dict | None, base: dict | None, error: str | None, prompt_ids: list[str]
+    method: str, speculative: bool, passes: list[dict] | None, base: list[dict] | None, error: str | None,
+    prompt_ids: list[str],
 ) -> dict:
-    """One table row: a run's numbers, its spec-decode ratios and its comparison with ``none``."""
+    """One table row: a method's runs (one per round), its spec-decode ratios
+    and its comparison with ``none`` (the median of the rounds' ratios; every
+    round's greedy tokens against none's first round)."""
     row = {"method": method}
-    if error is not None or run is None:
+    if error is not None or not passes:
         row["error"] = error or "no result"
         return row
+    passes = sorted(passes, key=lambda p: p.get("round", 0))
+    run = _combine(passes)
     row.update({k: v for k, v in run.items() if k != "token_ids"})
     spec = run["spec"]
     if not speculative or not spec["drafts"]:
@@ -481,11 +570,15 @@ def _row(
         row["verified_per_step"] = spec["draft_tokens"] / spec["drafts"]
         # Every request step commits one token plus its accepted drafts.
         row["drafting_share"] = spec["drafts"] / max(run["generated_tokens"] - spec["accepted_tokens"], 1)
-    if base is not None:
-        row["ratio_vs_none"] = run["tok_per_s"] / base["tok_per_s"]
-        same = [a == b for a, b in zip(run["token_ids"], base["token_ids"])]
+    if base:
+        base = sorted(base, key=lambda p: p.get("round", 0))
+        ratios = [p["tok_per_s"] / q["tok_per_s"] for p, q in zip(passes, base)]
+        row["ratio_vs_none"] = statistics.median(ratios)
+        row["ratio_per_round"] = ratios
+        same = [a == b for p in passes for a, b in zip(p["token_ids"], base[0]["token_ids"])]
         row["same_as_none"] = [sum(same), len(same)]
-        row["differing_prompts"] = [prompt_ids[i] for i, s in enumerate(same) if not s]
+        row["differing_prompts"] = sorted({prompt_ids[i % len(base[0]["token_ids"])]
+                                           for i, s in enumerate(same) if not s})
     return row
 
 
@@ -505,6 +598,8 @@ def markdown(report: dict) -> str:
         f"vLLM {report['vllm_version']}, {report['machine']['cpu_model'] or report['machine']['processor']} "
         f"x{report['machine']['nproc']}; {report['timestamp']}",
         "",
+        "vs none: tok/s over none's at that batch size (interleaved runs: the median over rounds of the ratio "
+        "to none's pass in the same round, with the rounds' range); "
         "tau = 1 + accepted / drafts (tokens per step of a drafting request); verified nodes/step = "
         "draft tokens / drafts; drafting = share of request steps that verified a draft (generated tokens = "
         "request steps + accepted tokens); same as none = prompts whose greedy token ids equal none's at that "
@@ -518,9 +613,12 @@ def markdown(report: dict) -> str:
             lines.append(f"| {row['batch_size']} | {row['num_prompts']} | {row['method']} | error | | | | | |")
             continue
         same = row.get("same_as_none")
+        ratio = _fmt(row.get("ratio_vs_none"), ".2f")
+        if len(row.get("ratio_per_round", ())) > 1:
+            ratio += f" ({min(row['ratio_per_round']):.2f}-{max(row['ratio_per_round']):.2f})"
         lines.append(
             f"| {row['batch_size']} | {row['num_prompts']} | {row['method']} | {row['tok_per_s']:.1f} | "
-            f"{_fmt(row.get('ratio_vs_none'), '.2f')} | {_fmt(row['tau'], '.2f')} | "
+            f"{ratio} | {_fmt(row['tau'], '.2f')} | "
             f"{_fmt(row['verified_per_step'], '.2f')} | {_fmt(row.get('drafting_share'), '.0%')} | "
             f"{'n/a' if same is None else f'{same[0]}/{same[1]}'} |"
         )
@@ -565,8 +663,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (engine seed 0)")
     parser.add_argument("--by-category", action="store_true",
                         help="time each prompt category in its own pass and report tau per category")
-    parser.add_argument("--engine-per", choices=("method", "run"), default="method",
-                        help="one engine per method for all batch sizes (default), or per (batch size, method)")
+    parser.add_argument("--engine-per", choices=("method", "run", "interleaved"), default="method",
+                        help="one engine per method for all batch sizes (default), or per (batch size, method); "
+                             "interleaved: every method's engine stays up and their passes alternate, in "
+                             "--rounds rounds per batch size (a method's order rotates each round), so slow "
+                             "drift of this machine's speed hits every method alike (all engines are in memory "
+                             "at once: about 4 GiB each at batch 64 in float32)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved: timed passes per method and batch size")
     parser.add_argument("--warmup-prompts", type=int, default=2, help="prompts in each engine's warm-up pass")
     parser.add_argument("--model", help="model directory (default: the demo model)")
     parser.add_argument("--prompts", help="prompt set JSONL (default: benchmarks/prompts.jsonl)")
@@ -636,8 +739,8 @@ def main(argv: list[str] | None = None) -> None:
         "temperature": args.temperature,
         "engine_layout": args.engine_layout,
     }
-    # (method, batch size) -> run or error; engine records per job.
-    runs: dict[tuple[str, int], dict] = {}
+    # (method, batch size) -> its runs (one per round) or an error; engine records per job.
+    runs: dict[tuple[str, int], list[dict]] = {}
     errors: dict[tuple[str, int], str] = {}
     engines = []
     vllm_version = None
@@ -649,45 +752,84 @@ def main(argv: list[str] | None = None) -> None:
         suffix_dir, suffix_error = _suffix_decoding_dir()
         print(f"  {suffix_error or suffix_dir}", flush=True)
 
-    if args.engine_per == "method":
-        plan = [(m, batch_sizes, max(batch_sizes)) for m in methods]
-    else:
-        plan = [(m, [b], b) for b in batch_sizes for m in methods]
-    for index, (method, sizes, max_num_seqs) in enumerate(plan, 1):
-        label = f"{method}-b{'_'.join(map(str, sizes))}"
-        print(f"[{time.perf_counter() - t0:6.0f} s] engine {index}/{len(plan)}: {method}, batch sizes {sizes}", flush=True)
-        env = None
-        if method == "suffix":
-            if suffix_error is not None:
-                print(f"  skipped: {suffix_error}", flush=True)
-                errors.update({(method, b): suffix_error for b in sizes})
-                engines.append({"method": method, "batch_sizes": sizes, "error": suffix_error})
-                continue
-            env = {**os.environ,
-                   "PYTHONPATH": os.pathsep.join(filter(None, [suffix_dir, os.environ.get("PYTHONPATH")]))}
-        job = {
+    def job_for(method: str, sizes: list[int], max_num_seqs: int) -> dict:
+        return {
             **base_job,
             "speculative_config": configs[method],
             "batch_sizes": sizes,
             "num_prompts": [sizes_by_batch[b] for b in sizes],
             "max_num_seqs": max_num_seqs,
         }
-        result = _run_engine(job, work, label, args.worker_timeout, env)
+
+    def env_for(method: str) -> dict | None:
+        if method != "suffix":
+            return None
+        return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [suffix_dir, os.environ.get("PYTHONPATH")]))}
+
+    def record(method: str, sizes: list[int], max_num_seqs: int, result: dict) -> None:
+        nonlocal vllm_version
         engine = {"method": method, "batch_sizes": sizes, "max_num_seqs": max_num_seqs}
         engine.update({k: v for k, v in result.items() if k != "runs"})
         vllm_version = result.get("vllm_version", vllm_version)
         for run in result["runs"]:
-            runs[(method, run["batch_size"])] = run
-            print(f"  b={run['batch_size']}: {run['tok_per_s']:.1f} tok/s ({run['wall_s']:.1f} s)", flush=True)
+            runs.setdefault((method, run["batch_size"]), []).append(run)
         if "startup_s" in result:
-            print(f"  engine start {result['startup_s']:.0f} s, process {result['process_s']:.0f} s", flush=True)
+            print(f"  {method}: engine start {result['startup_s']:.0f} s, process {result['process_s']:.0f} s",
+                  flush=True)
         if "error" in result:
             tail = "\n    ".join(result["log_tail"][-30:])
-            print(f"  FAILED: {result['error']}; log: {result['log']}\n    {tail}", flush=True)
+            print(f"  {method} FAILED: {result['error']}; log: {result['log']}\n    {tail}", flush=True)
             for b in sizes:
                 if (method, b) not in runs:
                     errors[(method, b)] = result["error"]
         engines.append(engine)
+
+    runnable = []
+    for method in methods:
+        if method == "suffix" and suffix_error is not None:
+            print(f"  suffix skipped: {suffix_error}", flush=True)
+            errors.update({(method, b): suffix_error for b in batch_sizes})
+            engines.append({"method": method, "batch_sizes": batch_sizes, "error": suffix_error})
+        else:
+            runnable.append(method)
+
+    if args.engine_per == "interleaved":
+        gate = work / "gate"
+        shutil.rmtree(gate, ignore_errors=True)
+        gate.mkdir()
+        live = {}
+        for method in runnable:
+            job = {**job_for(method, batch_sizes, max(batch_sizes)), "gate_dir": str(gate), "rounds": args.rounds}
+            live[method] = _start_engine(job, work, f"{method}-interleaved", env_for(method))
+        for index, method in enumerate(runnable, 1):
+            print(f"[{time.perf_counter() - t0:6.0f} s] engine {index}/{len(runnable)}: {method} starts", flush=True)
+            if not _take_turn(live[method], "start", args.worker_timeout):
+                record(method, batch_sizes, max(batch_sizes), _finish_engine(live.pop(method), 1.0))
+        for b in batch_sizes:
+            for round_index in range(args.rounds):
+                order = list(live)
+                order = order[round_index % len(order):] + order[: round_index % len(order)] if order else order
+                print(f"[{time.perf_counter() - t0:6.0f} s] b={b} round {round_index + 1}/{args.rounds}: "
+                      f"{', '.join(order)}", flush=True)
+                for method in order:
+                    if not _take_turn(live[method], f"b{b}-r{round_index}", args.worker_timeout):
+                        record(method, batch_sizes, max(batch_sizes), _finish_engine(live.pop(method), 1.0))
+        for method, engine in live.items():
+            record(method, batch_sizes, max(batch_sizes), _finish_engine(engine, args.worker_timeout))
+    else:
+        if args.engine_per == "method":
+            plan = [(m, batch_sizes, max(batch_sizes)) for m in runnable]
+        else:
+            plan = [(m, [b], b) for b in batch_sizes for m in runnable]
+        for index, (method, sizes, max_num_seqs) in enumerate(plan, 1):
+            label = f"{method}-b{'_'.join(map(str, sizes))}"
+            print(f"[{time.perf_counter() - t0:6.0f} s] engine {index}/{len(plan)}: {method}, batch sizes {sizes}",
+                  flush=True)
+            result = _run_engine(job_for(method, sizes, max_num_seqs), work, label, args.worker_timeout,
+                                 env_for(method))
+            for run in result["runs"]:
+                print(f"  b={run['batch_size']}: {run['tok_per_s']:.1f} tok/s ({run['wall_s']:.1f} s)", flush=True)
+            record(method, sizes, max_num_seqs, result)
 
     results = []
     for b in batch_sizes:
@@ -729,6 +871,7 @@ def main(argv: list[str] | None = None) -> None:
             "budget": args.budget,
             "ngram_k": args.ngram_k,
             "engine_per": args.engine_per,
+            "rounds": args.rounds if args.engine_per == "interleaved" else 1,
             "warmup_prompts": args.warmup_prompts,
             "model": model,
             "quick": args.quick,

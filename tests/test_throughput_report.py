@@ -1,0 +1,40 @@
+"""The throughput benchmark's report of interleaved rounds: the ratio to no
+speculation is the median of per-round ratios (each against none's pass in
+the same round), counters add up, and every round's greedy tokens are
+compared with none's."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import throughput  # noqa: E402
+
+
+def _pass(round_index: int, tok_per_s: float, token_ids, accepted: int = 0) -> dict:
+    spec = {"drafts": 10 if accepted else 0, "draft_tokens": 40 if accepted else 0, "accepted_tokens": accepted}
+    return {"round": round_index, "batch_size": 4, "num_prompts": 2, "wall_s": 1.0, "generated_tokens": 100,
+            "prompt_tokens": 50, "tok_per_s": tok_per_s, "spec": spec, "tree": {}, "by_category": {},
+            "token_ids": token_ids}
+
+
+def test_interleaved_rounds_report_the_median_of_paired_ratios():
+    same, other = [[1, 2], [3, 4]], [[1, 2], [3, 5]]
+    base = [_pass(0, 10.0, same), _pass(2, 20.0, same), _pass(1, 40.0, same)]
+    passes = [_pass(1, 60.0, same, 5), _pass(0, 11.0, same, 5), _pass(2, 40.0, other, 5)]
+    row = throughput._row("m", True, passes, base, None, ["p0", "p1"])
+    assert row["ratio_per_round"] == pytest.approx([1.1, 1.5, 2.0])  # rounds paired by index, not by order given
+    assert row["ratio_vs_none"] == pytest.approx(1.5)
+    assert row["tok_per_s"] == pytest.approx(40.0)
+    assert row["tau"] == pytest.approx(1 + 15 / 30)
+    assert row["same_as_none"] == [5, 6] and row["differing_prompts"] == ["p1"]
+
+
+def test_a_single_pass_is_reported_as_is():
+    base, run = [_pass(0, 10.0, [[1]])], [_pass(0, 12.0, [[1]], 3)]
+    row = throughput._row("m", True, run, base, None, ["p0"])
+    assert row["ratio_vs_none"] == pytest.approx(1.2) and row["same_as_none"] == [1, 1]
+    assert "rounds" not in row
