@@ -123,7 +123,7 @@ def test_model_drafters_need_a_model(drafter):
 
 def test_eagle2_defaults_and_scratch():
     config = parse_tree_config({"num_speculative_tokens": 60, "model": "/m", "tree": {"drafter": "eagle3"}})
-    assert (config.policy, config.policy_params) == ("eagle2", {"top_k": 10, "depth": 8})
+    assert (config.policy, config.policy_params) == ("eagle2", {"top_k": 10, "depth": 8, "entropy_top_m": 0})
     assert config.draft_slots() == 70  # K * (D - 1) nodes are run through the drafter
     chain = parse_tree_config({"num_speculative_tokens": 6, "model": "/m", "tree": {"drafter": "eagle3", "policy": "chain"}})
     assert chain.draft_slots() == 6

@@ -2,7 +2,7 @@
 
 Greedy output with ``eagle3`` (the committed trained head) and ``draft_model``
 trees equals vLLM without speculation, token for token, at batch sizes 1 and
-8, for every policy (``eagle2``, ``talon``, ``deagle``, ``dynatree``). Two checks that fail if the draft KV or the draft tree attention is wrong:
+8, for every policy (``eagle2``, ``talon``, ``deagle``, ``dynatree``, ``c2t``). Two checks that fail if the draft KV or the draft tree attention is wrong:
 the chain policy drafts exactly what vLLM's own ``eagle3`` method drafts with
 the same head (same tau), and the target drafting for itself is accepted in
 full.
@@ -85,6 +85,7 @@ def test_eagle3_eagle2_tree_greedy_equals_no_speculation(demo_model, prompt_ids,
         ("talon", {"mu": 0.03}),
         ("deagle", {"top_k": 4, "depth": 12}),
         ("dynatree", {"window": 2}),  # history tuning moves D_0 and tau_h within the run
+        ("c2t", {"top_k": 4, "max_depth": 6}),  # the head's shipped classifier
     ],
 )
 def test_adaptive_policies_greedy_equal_no_speculation(policy, settings, demo_model, prompt_ids, baseline, tmp_path):

@@ -9,12 +9,15 @@ benchmark set); every verified node becomes one row ``(P, H, d, accepted)``
 ``rows-<k>.pt``; a rerun skips the chunks on disk (resumable).
 
 ``vllm-adaptive-spec c2t-train``: all positives and ``negatives`` sampled
-negatives per positive, a 95/5 split (seeded), BCE, Adam (lr 1e-3), 10
-epochs of batches of 1024; after each epoch, on the held-out rows (all of
+negatives per positive, a 95/5 split (seeded), BCE, Adam (lr 1e-3), batches
+of 1024; after each epoch, on the held-out rows (all of
 them, negatives not sampled): the recall of accepted nodes and the positive
 rate at ``beta``. Decision: the selected epoch has the highest recall to two
 decimals, then the smallest positive rate (recall first, as the spec says;
 the rounding keeps a 0.001 recall gain from buying a far larger tree).
+Decision: 300 epochs, not the spec's 10: the spec's figure is for millions
+of rows; 96 prompts give about 2,500 positives, and 10 epochs of 5 batches
+left the held-out recall at 0.56 (300 epochs: 0.89).
 Written as a classifier file (:mod:`vllm_adaptive_spec.classifier`) with
 how it was trained; the log is ``c2t_train_log.jsonl`` beside it.
 """
@@ -192,7 +195,7 @@ def train_main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", required=True, help="c2t-collect's output directory")
     p.add_argument("--out", required=True, help=f"classifier file (e.g. HEAD_DIR/{FILE_NAME})")
     p.add_argument("--negatives", type=int, default=1, help="sampled negatives per positive (1: balanced classes)")
-    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--epochs", type=int, default=300, help="the spec says 10 for millions of rows; a few thousand need more")
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--beta", type=float, default=0.5)
