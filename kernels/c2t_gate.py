@@ -12,8 +12,8 @@ node, candidate) order). Returns the selection and the confidences.
 The Triton kernel runs one program per request: the layer's ``F * C`` slots
 (padded to a power of two) are loaded once, the hidden layer is a loop over
 its 48 units with the weights read as scalars (the features stay in
-registers), and the cut is a sort of packed ``(conf, -slot)`` keys. The torch
-reference is what the policy runs on the CPU.
+registers), and the cut is ``kernels.tree_gating``'s sort of packed
+``(conf, -slot)`` keys. The torch reference is what the policy runs on the CPU.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from kernels.tree_gating import keep_best
 try:
     import triton
     import triton.language as tl
+
+    from kernels.tree_gating import cut_to_best
 except ImportError:  # pragma: no cover - triton ships with vLLM
     triton = None
 
@@ -70,13 +72,7 @@ if triton is not None:
                     + depth * tl.load(w1_ptr + 3 * j + 2) + tl.load(b1_ptr + j))
             logit += tl.maximum(unit, 0.0) * tl.load(w2_ptr + j)
         conf = 1.0 / (1.0 + tl.exp(-logit))
-        chosen = exists & (conf >= beta)
-        lowest = -9223372036854775807 - 1
-        bits = conf.to(tl.int32, bitcast=True)  # conf >= 0: the bits order as the values
-        keys = tl.where(chosen, (bits.to(tl.int64) << 32) | (0xFFFFFFFF - slots.to(tl.int64)), lowest)
-        ordered = tl.sort(keys, descending=True)
-        kth = tl.sum(tl.where(slots == top_k - 1, ordered, 0), 0)
-        keep = chosen & (keys >= kth) & (top_k > 0)
+        keep = cut_to_best(conf, exists & (conf >= beta), slots, top_k, BLOCK)
         tl.store(out_ptr + b * size + slots, keep.to(tl.int8), mask=inside)
         tl.store(conf_ptr + b * size + slots, conf, mask=inside)
 

@@ -88,7 +88,7 @@ def dynatree_gate_reference(
 if triton is not None:
 
     @triton.jit
-    def _cut(p, chosen, slots, remaining, BLOCK: tl.constexpr):
+    def cut_to_best(p, chosen, slots, remaining, BLOCK: tl.constexpr):
         """``chosen`` slots among the ``remaining`` best by ``p`` (ties: lower slot)."""
         lowest = -9223372036854775807 - 1
         bits = p.to(tl.int32, bitcast=True)  # p >= 0: the bits order as the values
@@ -136,7 +136,7 @@ if triton is not None:
         exists = exists & inside
         remaining = tl.load(remaining_ptr + b)
         if MODE == 0:
-            chosen = _cut(p, exists, slots, top_k, BLOCK)
+            chosen = cut_to_best(p, exists, slots, top_k, BLOCK)
         elif MODE == 1:
             within = exists & (rank < k_c)
             best = tl.max(tl.where(within, p, 0.0), 0)
@@ -150,7 +150,7 @@ if triton is not None:
             expand = expand & ((parent_depth < d0) | (parent_p >= rho_deep))
             width = tl.where(confidence >= tau_h, b_min, tl.where(confidence >= tau_l, b_mid, b_max))
             chosen = expand & (rank < width) & exists & (p >= tau)
-        keep = _cut(p, chosen, slots, remaining, BLOCK)
+        keep = cut_to_best(p, chosen, slots, remaining, BLOCK)
         tl.store(out_ptr + b * size + slots, keep.to(tl.int8), mask=inside)
 
 
