@@ -800,13 +800,18 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(gate, ignore_errors=True)
         gate.mkdir()
         live = {}
+
+        def give_up(method: str) -> None:
+            """A worker that exited or ran out of time: record what it finished."""
+            record(method, batch_sizes, max(batch_sizes), _finish_engine(live.pop(method), 1.0))
+
         for method in runnable:
             job = {**job_for(method, batch_sizes, max(batch_sizes)), "gate_dir": str(gate), "rounds": args.rounds}
             live[method] = _start_engine(job, work, f"{method}-interleaved", env_for(method))
         for index, method in enumerate(runnable, 1):
             print(f"[{time.perf_counter() - t0:6.0f} s] engine {index}/{len(runnable)}: {method} starts", flush=True)
             if not _take_turn(live[method], "start", args.worker_timeout):
-                record(method, batch_sizes, max(batch_sizes), _finish_engine(live.pop(method), 1.0))
+                give_up(method)
         for b in batch_sizes:
             for round_index in range(args.rounds):
                 order = list(live)
@@ -815,7 +820,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"{', '.join(order)}", flush=True)
                 for method in order:
                     if not _take_turn(live[method], f"b{b}-r{round_index}", args.worker_timeout):
-                        record(method, batch_sizes, max(batch_sizes), _finish_engine(live.pop(method), 1.0))
+                        give_up(method)
         for method, engine in live.items():
             record(method, batch_sizes, max(batch_sizes), _finish_engine(engine, args.worker_timeout))
     else:

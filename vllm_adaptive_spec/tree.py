@@ -77,12 +77,7 @@ class DraftTree:
                 break
             parent = max(children, key=lambda i: (p[i], -i))
             path.append(parent)
-        return DraftTree(
-            [self.tokens[i] for i in path],
-            list(range(-1, len(path) - 1)),
-            [self.q[i] for i in path],
-            [self.parent_entropy[i] for i in path] if self.parent_entropy else [],
-        )
+        return self.subset(path)
 
     def branches(self) -> bool:
         return self.parents != list(range(-1, len(self) - 1))

@@ -44,5 +44,4 @@ class RetrievalPolicy(TreePolicy):
         under ancestors, as ``p`` never rises along a path), then the
         ``budget`` of highest ``p`` (ties: the earlier node)."""
         p = tree.path_probabilities()
-        kept = [i for i, value in enumerate(p) if value >= self.min_p]
-        return tree.subset(sorted(sorted(kept, key=lambda i: (-p[i], i))[:budget]))
+        return tree.subset([i for i, value in enumerate(p) if value >= self.min_p]).keep_best(budget)
