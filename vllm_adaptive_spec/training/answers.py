@@ -3,7 +3,7 @@
 Greedy decoding (the answers are then the target's argmax path, which is what
 a temperature-0 draft must predict). Written as ``answers.jsonl`` in the work
 directory, one object per prompt with the exact token ids vLLM used (chat
-template included), so later stages never re-tokenize. A stage already on
+template and any earlier turns included), so later stages never re-tokenize. A stage already on
 disk is not generated again.
 """
 
@@ -33,7 +33,7 @@ def generate_answers(model: str, work_dir: Path, first: int, second: int, max_to
         if llm is None:
             llm = LLM(**engine_kwargs(model, "bfloat16", max_model_len=2048, max_num_seqs=128))
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        conversations = [[{"role": "user", "content": p["prompt"]}] for p in prompts]
+        conversations = [[*p.get("history", []), {"role": "user", "content": p["prompt"]}] for p in prompts]
         outputs = llm.chat(conversations, params, use_tqdm=True)
         records = [
             {
