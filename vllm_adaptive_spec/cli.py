@@ -18,6 +18,10 @@ def main(argv: list[str] | None = None) -> None:
         "train-eagle3", help="train an EAGLE-3 head for the demo model (options: --help)", add_help=False
     )
     commands.add_parser(
+        "eval-eagle3", help="score EAGLE-3 heads against the target on the benchmark prompts (options: --help)",
+        add_help=False,
+    )
+    commands.add_parser(
         "draft-lm", help="build the demo model's draft LM (options: --help)", add_help=False
     )
     commands.add_parser(
@@ -40,6 +44,10 @@ def main(argv: list[str] | None = None) -> None:
         from vllm_adaptive_spec.training.train_eagle3 import main as train_main
 
         train_main(rest)
+    elif args.command == "eval-eagle3":
+        from vllm_adaptive_spec.training.evaluate_head import main as eval_main
+
+        eval_main(rest)
     elif args.command == "draft-lm":
         from vllm_adaptive_spec.training.draft_lm import main as draft_lm_main
 

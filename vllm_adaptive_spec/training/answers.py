@@ -18,10 +18,6 @@ ANSWERS = "answers.jsonl"
 
 
 def generate_answers(model: str, work_dir: Path, first: int, second: int, max_tokens: int) -> Path:
-    from vllm import LLM, SamplingParams
-
-    from vllm_adaptive_spec.kv_cache_size import engine_kwargs
-
     work_dir.mkdir(parents=True, exist_ok=True)
     path = work_dir / ANSWERS
     done = _read(path)
@@ -31,24 +27,40 @@ def generate_answers(model: str, work_dir: Path, first: int, second: int, max_to
             continue
         prompts = first_stage(first) if stage == 1 else second_stage(done, second)
         if llm is None:
-            llm = LLM(**engine_kwargs(model, "bfloat16", max_model_len=2048, max_num_seqs=128))
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        conversations = [[*p.get("history", []), {"role": "user", "content": p["prompt"]}] for p in prompts]
-        outputs = llm.chat(conversations, params, use_tqdm=True)
-        records = [
-            {
-                **p,
-                "answer": out.outputs[0].text,
-                "prompt_token_ids": list(out.prompt_token_ids),
-                "answer_token_ids": list(out.outputs[0].token_ids),
-            }
-            for p, out in zip(prompts, outputs)
-        ]
+            llm = answer_engine(model)
+        records = answer(llm, prompts, max_tokens)
         with path.open("a", encoding="utf-8") as handle:
             for record in records:
                 handle.write(json.dumps(record) + "\n")
         done += records
     return path
+
+
+def answer_engine(model: str):
+    from vllm import LLM
+
+    from vllm_adaptive_spec.kv_cache_size import engine_kwargs
+
+    return LLM(**engine_kwargs(model, "float32", max_model_len=2048, max_num_seqs=128))
+
+
+def answer(llm, prompts: list[dict], max_tokens: int) -> list[dict]:
+    """The target's greedy answers to ``prompts`` (``prompt`` is the last user
+    turn, ``history`` any earlier turns), with the token ids vLLM used."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    conversations = [[*p.get("history", []), {"role": "user", "content": p["prompt"]}] for p in prompts]
+    outputs = llm.chat(conversations, params, use_tqdm=True)
+    return [
+        {
+            **p,
+            "answer": out.outputs[0].text,
+            "prompt_token_ids": list(out.prompt_token_ids),
+            "answer_token_ids": list(out.outputs[0].token_ids),
+        }
+        for p, out in zip(prompts, outputs)
+    ]
 
 
 def _read(path: Path) -> list[dict]:

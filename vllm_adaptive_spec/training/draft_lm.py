@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from vllm_adaptive_spec.demo_model import COMPLETE_MARKER, cache_root, ensure_demo_model
+from vllm_adaptive_spec.training.precision import cpu_autocast
 
 
 def draft_lm_dir(layers: int, minutes: float) -> Path:
@@ -114,7 +115,7 @@ def _distill(teacher, student, sequences: list[list[int]], minutes: float, seed:
             mask[b, : len(s)] = True
         with torch.no_grad():
             target = teacher.model(input_ids=ids, attention_mask=mask.long()).last_hidden_state[mask]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with cpu_autocast():
             hidden = student.model(input_ids=ids, attention_mask=mask.long()).last_hidden_state
         hidden = hidden[mask].float()
         loss = (hidden - target).pow(2).mean()

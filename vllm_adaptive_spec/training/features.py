@@ -1,6 +1,6 @@
 """Target features for draft training, computed with transformers.
 
-For every answered prompt: the token ids (prompt + answer), the target's
+For every answered prompt: its id, the token ids (prompt + answer), the target's
 hidden states after the EAGLE-3 auxiliary layers (vLLM's capture point:
 the residual stream entering layer ``k``, i.e. transformers'
 ``hidden_states[k]``), stored in bf16, and the target's top-``k`` next-token
@@ -40,12 +40,13 @@ def compute_features(model_dir: str, answers: Path, work_dir: Path, aux_layer_id
             continue
         model = model or load_target(model_dir)
         chunk = records[start:start + SHARD_SIZE]
-        shard = {"tokens": [], "prompt_len": [], "aux": [], "topk_ids": [], "topk_p": []}
+        shard = {"id": [], "tokens": [], "prompt_len": [], "aux": [], "topk_ids": [], "topk_p": []}
         order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]["prompt_token_ids"]) + len(chunk[i]["answer_token_ids"]))
         batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
         for batch in tqdm(batches, desc=f"features shard {shard_index}", unit="batch"):
             seqs = [chunk[i]["prompt_token_ids"] + chunk[i]["answer_token_ids"] for i in batch]
             for i, seq, out in zip(batch, seqs, _forward(model, seqs, aux_layer_ids)):
+                shard["id"].append(chunk[i]["id"])
                 shard["tokens"].append(torch.tensor(seq, dtype=torch.int32))
                 shard["prompt_len"].append(len(chunk[i]["prompt_token_ids"]))
                 for key, value in out.items():

@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from vllm_adaptive_spec.training.eagle3_head import Eagle3Head, HeadConfig
 from vllm_adaptive_spec.training.features import compute_features, load_features
+from vllm_adaptive_spec.training.precision import cpu_autocast
 
 CHECKPOINT = "head-checkpoint.pt"
 LOG = "train_log.jsonl"
@@ -110,7 +111,7 @@ def collate(sequences: list[dict], indices: list[int]):
 def step_losses(head: Eagle3Head, tokens, aux, top_ids, top_p, answer, steps: int, target_to_draft: torch.Tensor):
     """Per-step (loss, correct, count): row ``p`` of step ``j`` is scored
     against the target's distribution at position ``p + j + 1``."""
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with cpu_autocast():
         all_logits = head.training_forward(tokens, aux.float(), steps)
     results = []
     length = tokens.shape[1]
@@ -214,14 +215,20 @@ def train(args) -> None:
 @torch.no_grad()
 def evaluate(head: Eagle3Head, heldout: list[dict], args, target_to_draft) -> list[float]:
     """Top-1 agreement with the target's argmax, per unrolled step, on held-out answers."""
-    correct = [0] * args.ttt_steps
-    count = [0] * args.ttt_steps
-    for indices in batches(heldout, args.token_budget, 0):
-        results = step_losses(head, *collate(heldout, indices), args.ttt_steps, target_to_draft)
-        for j, (_, c, n) in enumerate(results):
+    correct, count = agreement(head, heldout, args.ttt_steps, args.token_budget, target_to_draft)
+    return [round(c / max(n, 1), 4) for c, n in zip(correct, count)]
+
+
+@torch.no_grad()
+def agreement(head: Eagle3Head, sequences: list[dict], steps: int, token_budget: int,
+              target_to_draft) -> tuple[list[int], list[int]]:
+    """Per unrolled step: answer positions where the head's argmax is the target's, and all of them."""
+    correct, count = [0] * steps, [0] * steps
+    for indices in batches(sequences, token_budget, 0):
+        for j, (_, c, n) in enumerate(step_losses(head, *collate(sequences, indices), steps, target_to_draft)):
             correct[j] += c
             count[j] += n
-    return [round(c / max(n, 1), 4) for c, n in zip(correct, count)]
+    return correct, count
 
 
 def _save(path: Path, head: Eagle3Head, optimizer, step: int) -> None:
@@ -236,9 +243,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="target model directory (default: the demo model)")
     p.add_argument("--work-dir", required=True, help="answers, features, checkpoint and log live here")
     p.add_argument("--out", required=True, help="directory for the exported head")
-    p.add_argument("--first-stage", type=int, default=1800, help="prompts of the first corpus stage")
-    p.add_argument("--second-stage", type=int, default=600, help="prompts of the second stage (over the first stage's answers)")
-    p.add_argument("--max-answer-tokens", type=int, default=192)
+    p.add_argument("--first-stage", type=int, default=1500, help="prompts of the first corpus stage")
+    p.add_argument("--second-stage", type=int, default=500, help="prompts of the second stage (over the first stage's answers)")
+    p.add_argument("--max-answer-tokens", type=int, default=160)
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--ttt-steps", type=int, default=4, help="unrolled steps of training-time test")
     p.add_argument("--epochs", type=int, default=2)
