@@ -3,31 +3,32 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+# command: (module, function taking the remaining arguments, help)
+COMMANDS = {
+    "demo": ("vllm_adaptive_spec.demo", "main", "run the demo (options: vllm-adaptive-spec demo --help)"),
+    "vllm": ("vllm_adaptive_spec.adapter.cli_shim", "run_vllm_cli",
+             "run vLLM's own CLI, e.g. `vllm-adaptive-spec vllm serve MODEL ...`"),
+    "train-eagle3": ("vllm_adaptive_spec.training.train_eagle3", "main",
+                     "train an EAGLE-3 head for the demo model (options: --help)"),
+    "eval-eagle3": ("vllm_adaptive_spec.training.evaluate_head", "main",
+                    "score EAGLE-3 heads against the target on the benchmark prompts (options: --help)"),
+    "draft-lm": ("vllm_adaptive_spec.training.draft_lm", "main", "build the demo model's draft LM (options: --help)"),
+    "c2t-collect": ("vllm_adaptive_spec.training.c2t", "collect_main",
+                    "record the drafter's tree nodes for C2T's classifier (options: --help)"),
+    "c2t-train": ("vllm_adaptive_spec.training.c2t", "train_main",
+                  "train C2T's classifier on collected rows (options: --help)"),
+}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="vllm-adaptive-spec")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("demo-model", help="print the demo model's directory, converting it first if needed")
-    commands.add_parser("demo", help="run the demo (options: vllm-adaptive-spec demo --help)", add_help=False)
-    commands.add_parser(
-        "vllm", help="run vLLM's own CLI, e.g. `vllm-adaptive-spec vllm serve MODEL ...`", add_help=False
-    )
-    commands.add_parser(
-        "train-eagle3", help="train an EAGLE-3 head for the demo model (options: --help)", add_help=False
-    )
-    commands.add_parser(
-        "eval-eagle3", help="score EAGLE-3 heads against the target on the benchmark prompts (options: --help)",
-        add_help=False,
-    )
-    commands.add_parser(
-        "draft-lm", help="build the demo model's draft LM (options: --help)", add_help=False
-    )
-    commands.add_parser(
-        "c2t-collect", help="record the drafter's tree nodes for C2T's classifier (options: --help)", add_help=False
-    )
-    commands.add_parser("c2t-train", help="train C2T's classifier on collected rows (options: --help)", add_help=False)
+    for name, (_, _, text) in COMMANDS.items():
+        commands.add_parser(name, help=text, add_help=False)
     args, rest = parser.parse_known_args(argv)
 
     if args.command == "demo-model":
@@ -36,34 +37,9 @@ def main(argv: list[str] | None = None) -> None:
         from vllm_adaptive_spec.demo_model import ensure_demo_model
 
         print(ensure_demo_model())
-    elif args.command == "vllm":
-        from vllm_adaptive_spec.adapter.cli_shim import run_vllm_cli
-
-        run_vllm_cli(rest)
-    elif args.command == "train-eagle3":
-        from vllm_adaptive_spec.training.train_eagle3 import main as train_main
-
-        train_main(rest)
-    elif args.command == "eval-eagle3":
-        from vllm_adaptive_spec.training.evaluate_head import main as eval_main
-
-        eval_main(rest)
-    elif args.command == "draft-lm":
-        from vllm_adaptive_spec.training.draft_lm import main as draft_lm_main
-
-        draft_lm_main(rest)
-    elif args.command == "c2t-collect":
-        from vllm_adaptive_spec.training.c2t import collect_main
-
-        collect_main(rest)
-    elif args.command == "c2t-train":
-        from vllm_adaptive_spec.training.c2t import train_main
-
-        train_main(rest)
-    elif args.command == "demo":
-        from vllm_adaptive_spec.demo import main as demo_main
-
-        demo_main(rest)
+        return
+    module, function, _ = COMMANDS[args.command]
+    getattr(importlib.import_module(module), function)(rest)
 
 
 if __name__ == "__main__":
