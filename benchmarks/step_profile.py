@@ -22,7 +22,10 @@ engine step (self time: a phase's time without the phases inside it):
 Methods: ``none``, ``ngram`` (vLLM's, K=4), ``tree-N`` (adaptive_tree
 retrieval, ``load_budget: fixed`` at N), ``tree-adaptive-N`` (the default load
 budget, at most N) and ``tree-0`` (adaptive_tree whose suffix can never match:
-the plugin's cost with no tree at all).
+the plugin's cost with no tree at all); ``eagle3-N`` / ``draft-lm-N``: the
+model drafters (EAGLE-2 trees of N nodes, ``load_budget: fixed``; the head of
+``--head``, the draft LM of ``vllm-adaptive-spec draft-lm``), whose ``dpass``
+share bounds what overlapping drafting with verification could save.
 
 Reproduce (about 12 minutes on 2 CPU cores; writes ``step_profile.{json,md}``)::
 
@@ -60,7 +63,11 @@ def method_config(name: str) -> dict | None:
         if budget == 0:
             tree.update(l_max=MAX_LEN, l_min=MAX_LEN)
         return {"method": "adaptive_tree", "num_speculative_tokens": max(budget, 1), "tree": tree}
-    raise ValueError(f"unknown method {name!r}: none, ngram, tree-N, tree-adaptive-N")
+    for prefix, drafter in (("eagle3-", "eagle3"), ("draft-lm-", "draft_model")):
+        if name.startswith(prefix):
+            return {"method": "adaptive_tree", "num_speculative_tokens": int(name[len(prefix):]),
+                    "tree": {"drafter": drafter, "policy": "eagle2", "load_budget": "fixed"}}
+    raise ValueError(f"unknown method {name!r}: none, ngram, tree-N, tree-adaptive-N, eagle3-N, draft-lm-N")
 
 
 COLUMNS = {
@@ -175,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
                              "the same per row whatever the batch, so no speculation can pay there")
     parser.add_argument("--engine-layout", choices=("processes", "in-process"), default="processes",
                         help="as in benchmarks/throughput.py: vLLM's processes, or engine and worker in one process")
+    parser.add_argument("--head", default=str(REPO / "heads" / "smollm2-135m-eagle3"), help="EAGLE-3 head (eagle3-N)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -196,7 +204,14 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for method in args.methods.split(","):
-        job = {"model": model, "dtype": args.dtype, "speculative_config": method_config(method),
+        spec = method_config(method)
+        if spec is not None and spec.get("tree", {}).get("drafter") == "eagle3":
+            spec["model"] = args.head
+        elif spec is not None and spec.get("tree", {}).get("drafter") == "draft_model":
+            from vllm_adaptive_spec.training.draft_lm import ensure_draft_lm
+
+            spec["model"] = str(ensure_draft_lm(layers=4, minutes=6.0))
+        job = {"model": model, "dtype": args.dtype, "speculative_config": spec,
                "batch_sizes": batch_sizes, "max_tokens": args.max_tokens, "min_prompts": args.min_prompts,
                "max_model_len": _needed_model_len(model, conversations, args.max_tokens),
                "conversations": conversations, "result_path": str(out / f"profile-{method}.result.json"),
