@@ -163,6 +163,8 @@ def train(args) -> None:
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
         print(f"resumed at step {start}/{total_steps}")
+    elif args.init_from:
+        head.load_state_dict(Eagle3Head.load(Path(args.init_from), target.model.embed_tokens.weight).state_dict())
     else:
         init_from_target(head, target, build_draft_vocab(trainset, args.draft_vocab, probe.vocab_size))
     del target
@@ -247,6 +249,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--second-stage", type=int, default=500, help="prompts of the second stage (over the first stage's answers)")
     p.add_argument("--max-answer-tokens", type=int, default=160)
     p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--init-from", default=None,
+                   help="start from this head (its weights and draft vocabulary) instead of the target's last layer")
     p.add_argument("--ttt-steps", type=int, default=4, help="unrolled steps of training-time test")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--token-budget", type=int, default=4096, help="padded tokens per batch")
