@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+# Appended, not prepended: benchmarks/kernels.py would shadow the kernels package.
+sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import throughput  # noqa: E402
 
 
