@@ -149,6 +149,12 @@ class Eagle3Head(nn.Module):
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.draft_to_target[draft_ids]
 
+    def target_to_draft(self) -> torch.Tensor:
+        """[vocab_size]: each target token's draft id, -1 outside the draft vocabulary."""
+        out = torch.full((self.config.vocab_size,), -1, dtype=torch.long)
+        out[self.draft_to_target] = torch.arange(self.config.draft_vocab_size)
+        return out
+
     # -- training-time test -----------------------------------------------------
     def training_forward(self, tokens: torch.Tensor, aux_hidden: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Logits of every unrolled step for sequences ``tokens`` [B, T] with

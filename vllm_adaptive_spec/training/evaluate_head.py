@@ -19,7 +19,6 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-import torch
 
 ANSWERS = "benchmark_answers.jsonl"
 
@@ -45,8 +44,7 @@ def per_category(head, sequences: list[dict], categories: dict[str, str], steps:
     """``{category: [top-1 per step]}``, plus ``"all"`` over every answer position."""
     from vllm_adaptive_spec.training.train_eagle3 import agreement
 
-    target_to_draft = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
-    target_to_draft[head.draft_to_target] = torch.arange(head.config.draft_vocab_size)
+    target_to_draft = head.target_to_draft()
     groups = defaultdict(list)
     for seq in sequences:
         groups[categories[seq["id"]]].append(seq)

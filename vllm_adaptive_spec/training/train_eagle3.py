@@ -168,8 +168,7 @@ def train(args) -> None:
     else:
         init_from_target(head, target, build_draft_vocab(trainset, args.draft_vocab, probe.vocab_size))
     del target
-    target_to_draft = torch.full((probe.vocab_size,), -1, dtype=torch.long)
-    target_to_draft[head.draft_to_target] = torch.arange(probe.draft_vocab_size)
+    target_to_draft = head.target_to_draft()
 
     def lr_at(step: int) -> float:
         if step < args.warmup:
