@@ -19,7 +19,6 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-
 ANSWERS = "benchmark_answers.jsonl"
 
 
