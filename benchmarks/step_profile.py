@@ -25,7 +25,9 @@ budget, at most N) and ``tree-0`` (adaptive_tree whose suffix can never match:
 the plugin's cost with no tree at all); ``eagle3-N`` / ``draft-lm-N``: the
 model drafters (EAGLE-2 trees of N nodes, ``load_budget: fixed``; the head of
 ``--head``, the draft LM of ``vllm-adaptive-spec draft-lm``), whose ``dpass``
-share bounds what overlapping drafting with verification could save.
+share bounds what overlapping drafting with verification could save;
+``eagle3-adaptive-N`` / ``draft-lm-adaptive-N``: the same under the default
+load budget (what a model drafter costs while the budget pauses it).
 
 Reproduce (about 12 minutes on 2 CPU cores; writes ``step_profile.{json,md}``)::
 
@@ -65,9 +67,11 @@ def method_config(name: str) -> dict | None:
         return {"method": "adaptive_tree", "num_speculative_tokens": max(budget, 1), "tree": tree}
     for prefix, drafter in (("eagle3-", "eagle3"), ("draft-lm-", "draft_model")):
         if name.startswith(prefix):
-            return {"method": "adaptive_tree", "num_speculative_tokens": int(name[len(prefix):]),
-                    "tree": {"drafter": drafter, "policy": "eagle2", "load_budget": "fixed"}}
-    raise ValueError(f"unknown method {name!r}: none, ngram, tree-N, tree-adaptive-N, eagle3-N, draft-lm-N")
+            adaptive = name.startswith(prefix + "adaptive-")
+            return {"method": "adaptive_tree", "num_speculative_tokens": int(name.rsplit("-", 1)[1]),
+                    "tree": {"drafter": drafter, "policy": "eagle2", "load_budget": "adaptive" if adaptive else "fixed"}}
+    raise ValueError(f"unknown method {name!r}: none, ngram, tree-N, tree-adaptive-N, eagle3-N, eagle3-adaptive-N, "
+                     "draft-lm-N, draft-lm-adaptive-N")
 
 
 COLUMNS = {

@@ -42,6 +42,7 @@ class EngineRun:
     metrics: dict
     tree_stats: dict | None
     num_gpu_blocks: int | None
+    roots: list | None
     log: str
 
     @property

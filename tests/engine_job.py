@@ -7,7 +7,8 @@ dtype, speculative_config, temperature, top_p, top_k, seeds (one per prompt),
 stop, ignore_eos, max_model_len, max_num_seqs, max_num_batched_tokens,
 num_gpu_blocks_override, block_size, abort_after_steps ({prompt index: engine steps}),
 pause_pattern ([d, p]: the plugin drafts d steps, then pauses p steps, as the load
-budget does when drafting does not pay; repeated), processes (default false),
+budget does when drafting does not pay; repeated), record_roots (a model drafter's
+root draft distribution at every drafting step, see ``record_roots``), processes (default false),
 serial_first (k: the first k prompts run one at a time, batch size 1, before the
 others are submitted together).
 
@@ -17,7 +18,8 @@ cache is sized by ``vllm_adaptive_spec.kv_cache_size`` for max_num_seqs
 requests of max_model_len tokens.
 OUT: token_ids, texts, finish_reasons (per prompt; aborted prompts get None),
 metrics (vLLM's spec-decode, preemption and prefix-cache counters),
-tree_stats (the plugin's, when active), num_gpu_blocks (the engine's KV blocks).
+tree_stats (the plugin's, when active), num_gpu_blocks (the engine's KV blocks),
+roots (with record_roots).
 
 Requests go through ``LLMEngine.add_request``/``step`` so a job can abort some
 of them mid-generation. Each job runs in a fresh process, so engines never
@@ -30,6 +32,7 @@ default layout (an EngineCore process and a worker process).
 """
 
 import functools
+import hashlib
 import itertools
 import json
 import os
@@ -43,13 +46,42 @@ def pause_drafting(worker, drafting: int, paused: int) -> None:
     worker.model_runner.tree_proposer.drafting_this_step = lambda: next(steps) % (drafting + paused) < drafting
 
 
+def record_roots(worker) -> None:
+    """After each first draft pass, record per drafting request ``[key, top-2
+    tokens, top-2 probabilities, caught_up]``: ``key`` names the prompt and
+    the root's position (so equal keys mean equal contexts under greedy
+    decoding), ``caught_up`` whether the pass fed rows of paused steps."""
+    runner = worker.model_runner
+    backend = runner._draft_backend
+    first_pass = backend.first_pass
+    worker.recorded_roots = recorded = []
+
+    def recording(*args, **kwargs):
+        kept = set(backend._stash)
+        first_pass(*args, **kwargs)
+        if backend._roots is None:
+            return
+        batch = runner.input_batch
+        for row, k in backend._root_index.items():
+            prompt = batch.token_ids_cpu[row, : int(batch.num_prompt_tokens[row])]
+            key = f"{hashlib.sha1(prompt.tobytes()).hexdigest()}:{backend._context[row][1]}"
+            recorded.append([key, backend._roots.tokens[k, :2].tolist(), backend._roots.probs[k, :2].tolist(),
+                             batch.req_ids[row] in kept])
+
+    backend.first_pass = recording
+
+
+def recorded_roots(worker) -> list:
+    return worker.recorded_roots
+
+
 def main(job_path: str, out_path: str) -> None:
     with open(job_path, encoding="utf-8") as handle:
         job = json.load(handle)
     in_process = not job.get("processes", False)
     if in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if "pause_pattern" in job:
+    if "pause_pattern" in job or job.get("record_roots"):
         # collective_rpc pickles the function only with this set.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
@@ -75,6 +107,8 @@ def main(job_path: str, out_path: str) -> None:
     if "pause_pattern" in job:
         llm.collective_rpc(functools.partial(pause_drafting, drafting=job["pause_pattern"][0],
                                              paused=job["pause_pattern"][1]))
+    if job.get("record_roots"):
+        llm.collective_rpc(record_roots)
     engine = llm.llm_engine
     seeds = job.get("seeds") or [None] * len(prompts)
 
@@ -137,6 +171,7 @@ def main(job_path: str, out_path: str) -> None:
                 "metrics": metrics,
                 "tree_stats": tree_stats,
                 "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+                "roots": llm.collective_rpc(recorded_roots)[0] if job.get("record_roots") else None,
             },
             handle,
         )

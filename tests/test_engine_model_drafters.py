@@ -10,6 +10,7 @@ full.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -56,12 +57,12 @@ def _run(tmp_path, demo_model, prompt_ids, spec, pause_pattern=None):
     return run_engine_job(tmp_path, job)
 
 
-def _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec, pause_pattern=None):
+def _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec, pause_pattern=None, **extra):
     """One engine: the first prompts one at a time (batch 1), then all of
     them together (batch 8); greedy output must equal no speculation in both."""
     serial = prompt_ids[:SERIAL_PROMPTS]
     job = {"model": demo_model, "prompt_token_ids": serial + prompt_ids, "max_tokens": MAX_TOKENS,
-           "max_num_seqs": 8, "serial_first": len(serial), "speculative_config": spec}
+           "max_num_seqs": 8, "serial_first": len(serial), "speculative_config": spec, **extra}
     if pause_pattern:
         job["pause_pattern"] = pause_pattern
     run = run_engine_job(tmp_path, job)
@@ -73,10 +74,28 @@ def _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec, pause
 
 
 def test_eagle3_eagle2_tree_greedy_equals_no_speculation(demo_model, prompt_ids, baseline, tmp_path):
-    """Drafting pauses 2 steps in every 5 (the head keeps reading the
-    target's hidden states meanwhile)."""
+    """Drafting pauses 2 steps in every 5: the head keeps the target's hidden
+    states of paused steps and reads them when drafting resumes. The first
+    prompts run twice (alone, then in the batch, the pauses falling
+    elsewhere): wherever both runs draft from the same context, the head's
+    root distribution must be the same, caught up or not (stale or missing
+    draft KV changes it)."""
     spec = adaptive("eagle3", HEAD, 24, policy="eagle2", top_k=4, depth=6)
-    _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec, pause_pattern=[3, 2])
+    run = _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec, pause_pattern=[3, 2],
+                               record_roots=True)
+    roots = defaultdict(list)
+    for key, tokens, probs, caught_up in run.roots:
+        roots[key].append((tokens, probs, caught_up))
+    compared = caught_up = 0
+    for entries in roots.values():
+        (tokens, probs, _), *others = entries
+        for other_tokens, other_probs, other_caught_up in others:
+            assert other_probs[0] == pytest.approx(probs[0], abs=1e-3)
+            tied = probs[0] - probs[1] < 1e-3
+            assert other_tokens[0] == tokens[0] or tied, (tokens, probs, other_tokens, other_probs)
+            compared += 1
+            caught_up += other_caught_up or entries[0][2]
+    assert compared >= 20 and caught_up >= 5, (compared, caught_up)
 
 
 @pytest.mark.parametrize(
