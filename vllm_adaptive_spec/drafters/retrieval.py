@@ -61,6 +61,15 @@ def _readable_file(path: str) -> bool:
     return path == "" or (os.path.isfile(path) and os.access(path, os.R_OK))
 
 
+def _extends(context: list[int], tokens: list[int], checked: int = 16) -> bool:
+    """Whether ``context`` continues ``tokens``, judged by their last
+    ``checked`` tokens: a request's context only grows (vLLM reports
+    preemption, and the index is then forgotten), so this catches a reused
+    request id without comparing the whole context every step."""
+    n = len(tokens)
+    return n <= len(context) and context[max(n - checked, 0):n] == tokens[max(n - checked, 0):]
+
+
 @dataclass
 class _Trie:
     """Children per node: ``children[node] = [(token, q, child), ...]``,
@@ -139,9 +148,9 @@ class RetrievalDrafter:
         starts; otherwise it starts at the first context seen."""
         self._tries = []
         for b, (request_id, context) in enumerate(zip(request_ids, contexts)):
-            context = list(context)
+            context = context.tolist() if hasattr(context, "tolist") else list(context)
             index = self._indexes.get(request_id)
-            if index is None or context[: len(index.tokens)] != index.tokens:
+            if index is None or not _extends(context, index.tokens):
                 index = self._indexes[request_id] = SuffixIndex(self.l_max)
                 self._prompt_lens[request_id] = len(context) if prompt_lens is None else int(prompt_lens[b])
             index.extend(context[len(index.tokens):])
