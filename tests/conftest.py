@@ -43,6 +43,7 @@ class EngineRun:
     tree_stats: dict | None
     num_gpu_blocks: int | None
     roots: list | None
+    stash_flushes: int | None
     log: str
 
     @property

@@ -8,7 +8,9 @@ stop, ignore_eos, max_model_len, max_num_seqs, max_num_batched_tokens,
 num_gpu_blocks_override, block_size, abort_after_steps ({prompt index: engine steps}),
 pause_pattern ([d, p]: the plugin drafts d steps, then pauses p steps, as the load
 budget does when drafting does not pay; repeated), record_roots (a model drafter's
-root draft distribution at every drafting step, see ``record_roots``), processes (default false),
+root draft distribution at every drafting step, see ``record_roots``), stash_bytes (an
+EAGLE-3 head's bound on kept rows of paused steps; the out key stash_flushes counts the
+passes it forced), processes (default false),
 serial_first (k: the first k prompts run one at a time, batch size 1, before the
 others are submitted together).
 
@@ -19,7 +21,7 @@ requests of max_model_len tokens.
 OUT: token_ids, texts, finish_reasons (per prompt; aborted prompts get None),
 metrics (vLLM's spec-decode, preemption and prefix-cache counters),
 tree_stats (the plugin's, when active), num_gpu_blocks (the engine's KV blocks),
-roots (with record_roots).
+roots (with record_roots), stash_flushes (with stash_bytes).
 
 Requests go through ``LLMEngine.add_request``/``step`` so a job can abort some
 of them mid-generation. Each job runs in a fresh process, so engines never
@@ -75,13 +77,31 @@ def recorded_roots(worker) -> list:
     return worker.recorded_roots
 
 
+def limit_stash(worker, stash_bytes: int) -> None:
+    """Bound the EAGLE-3 stash of paused rows and count the passes it forces."""
+    backend = worker.model_runner._draft_backend
+    backend.STASH_BYTES = stash_bytes
+    flush = backend._flush_stash
+    worker.stash_flushes = 0
+
+    def counting(*args, **kwargs):
+        worker.stash_flushes += 1
+        return flush(*args, **kwargs)
+
+    backend._flush_stash = counting
+
+
+def stash_flushes(worker) -> int:
+    return worker.stash_flushes
+
+
 def main(job_path: str, out_path: str) -> None:
     with open(job_path, encoding="utf-8") as handle:
         job = json.load(handle)
     in_process = not job.get("processes", False)
     if in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if "pause_pattern" in job or job.get("record_roots"):
+    if "pause_pattern" in job or job.get("record_roots") or "stash_bytes" in job:
         # collective_rpc pickles the function only with this set.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
@@ -109,6 +129,8 @@ def main(job_path: str, out_path: str) -> None:
                                              paused=job["pause_pattern"][1]))
     if job.get("record_roots"):
         llm.collective_rpc(record_roots)
+    if "stash_bytes" in job:
+        llm.collective_rpc(functools.partial(limit_stash, stash_bytes=job["stash_bytes"]))
     engine = llm.llm_engine
     seeds = job.get("seeds") or [None] * len(prompts)
 
@@ -172,6 +194,7 @@ def main(job_path: str, out_path: str) -> None:
                 "tree_stats": tree_stats,
                 "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
                 "roots": llm.collective_rpc(recorded_roots)[0] if job.get("record_roots") else None,
+                "stash_flushes": llm.collective_rpc(stash_flushes)[0] if "stash_bytes" in job else None,
             },
             handle,
         )

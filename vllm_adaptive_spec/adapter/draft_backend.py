@@ -57,9 +57,11 @@ class _Stash:
 
 
 class PagedDraftBackend:
-    # Rows of paused steps kept for EAGLE-3 (all requests) before they are fed
-    # anyway: 2048 rows of a 576-wide model's three hidden states are 14 MB.
-    STASH_ROWS = 2048
+    # Bytes of paused steps' rows kept for EAGLE-3 (all requests) before they
+    # are fed anyway: 9,700 rows of the demo model (float32, three 576-wide
+    # hidden states), 2,700 of an 8B model in bf16. A request that finishes
+    # while paused is never fed: its rows cost only their copy.
+    STASH_BYTES = 64 << 20
 
     def __init__(self, runner, native, max_nodes: int) -> None:
         self.runner = runner
@@ -75,6 +77,7 @@ class PagedDraftBackend:
         self._behind: dict[str, int] = {}  # draft LM: request -> first position without draft KV
         self._stash: dict[str, _Stash] = {}  # EAGLE-3: request -> rows of paused steps, not yet fed
         self._stash_rows = 0
+        self._row_bytes = 0
 
     def forget(self, request_ids) -> None:
         for request_id in request_ids:
@@ -111,7 +114,7 @@ class PagedDraftBackend:
         step only, keeps their rows (:class:`_Stash`). The next drafting step
         feeds every token since in one batched catch-up pass, so the draft KV
         is complete when drafting resumes; a paused step whose kept rows
-        exceed ``STASH_ROWS`` feeds them at once (bounded memory)."""
+        exceed ``STASH_BYTES`` feeds them at once (bounded memory)."""
         runner = self.runner
         batch = runner.input_batch
         num_reqs = batch.num_reqs
@@ -151,6 +154,7 @@ class PagedDraftBackend:
                     del self._stash[batch.req_ids[i]]
                     stash = None
                 if not drafting:
+                    self._row_bytes = rows_aux[0].numel() * rows_aux.element_size()
                     if stash is None:
                         stash = self._stash[batch.req_ids[i]] = _Stash(p0)
                     stash.add(shifted, rows_aux)
@@ -175,7 +179,7 @@ class PagedDraftBackend:
                 self._context[i] = (p0 + m + 1, p0 + m)
             lens.append(len(tokens[-1]))
             batch_rows.append(i)
-        if not drafting and self._stash_rows > self.STASH_ROWS:
+        if not drafting and self._stash_rows * self._row_bytes > self.STASH_BYTES:
             self._flush_stash(tokens, pos, aux, lens, batch_rows)
         if not batch_rows:
             return
