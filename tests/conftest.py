@@ -44,6 +44,7 @@ class EngineRun:
     num_gpu_blocks: int | None
     roots: list | None
     stash_flushes: int | None
+    split_passes: int | None
     log: str
 
     @property

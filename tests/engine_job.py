@@ -10,7 +10,8 @@ pause_pattern ([d, p]: the plugin drafts d steps, then pauses p steps, as the lo
 budget does when drafting does not pay; repeated), record_roots (a model drafter's
 root draft distribution at every drafting step, see ``record_roots``), stash_bytes (an
 EAGLE-3 head's bound on kept rows of paused steps; the out key stash_flushes counts the
-passes it forced), processes (default false),
+passes it forced), max_pass_rows (the most rows of a model drafter's forward; longer
+first passes are fed in several), processes (default false),
 serial_first (k: the first k prompts run one at a time, batch size 1, before the
 others are submitted together).
 
@@ -21,7 +22,8 @@ requests of max_model_len tokens.
 OUT: token_ids, texts, finish_reasons (per prompt; aborted prompts get None),
 metrics (vLLM's spec-decode, preemption and prefix-cache counters),
 tree_stats (the plugin's, when active), num_gpu_blocks (the engine's KV blocks),
-roots (with record_roots), stash_flushes (with stash_bytes).
+roots (with record_roots), stash_flushes (with stash_bytes), split_passes (with
+max_pass_rows: first passes fed in several).
 
 Requests go through ``LLMEngine.add_request``/``step`` so a job can abort some
 of them mid-generation. Each job runs in a fresh process, so engines never
@@ -95,13 +97,31 @@ def stash_flushes(worker) -> int:
     return worker.stash_flushes
 
 
+def limit_pass_rows(worker, rows: int) -> None:
+    """Bound a model drafter's forward and count the first passes it splits."""
+    backend = worker.model_runner._draft_backend
+    backend.max_pass_rows = rows
+    feed_oldest = backend._feed_oldest
+    worker.split_passes = 0
+
+    def counting(tokens, *args, **kwargs):
+        worker.split_passes += sum(len(t) for t in tokens) > rows
+        return feed_oldest(tokens, *args, **kwargs)
+
+    backend._feed_oldest = counting
+
+
+def split_passes(worker) -> int:
+    return worker.split_passes
+
+
 def main(job_path: str, out_path: str) -> None:
     with open(job_path, encoding="utf-8") as handle:
         job = json.load(handle)
     in_process = not job.get("processes", False)
     if in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if "pause_pattern" in job or job.get("record_roots") or "stash_bytes" in job:
+    if "pause_pattern" in job or job.get("record_roots") or "stash_bytes" in job or "max_pass_rows" in job:
         # collective_rpc pickles the function only with this set.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
@@ -131,6 +151,8 @@ def main(job_path: str, out_path: str) -> None:
         llm.collective_rpc(record_roots)
     if "stash_bytes" in job:
         llm.collective_rpc(functools.partial(limit_stash, stash_bytes=job["stash_bytes"]))
+    if "max_pass_rows" in job:
+        llm.collective_rpc(functools.partial(limit_pass_rows, rows=job["max_pass_rows"]))
     engine = llm.llm_engine
     seeds = job.get("seeds") or [None] * len(prompts)
 
@@ -195,6 +217,7 @@ def main(job_path: str, out_path: str) -> None:
                 "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
                 "roots": llm.collective_rpc(recorded_roots)[0] if job.get("record_roots") else None,
                 "stash_flushes": llm.collective_rpc(stash_flushes)[0] if "stash_bytes" in job else None,
+                "split_passes": llm.collective_rpc(split_passes)[0] if "max_pass_rows" in job else None,
             },
             handle,
         )

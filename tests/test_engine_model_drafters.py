@@ -48,10 +48,10 @@ def baseline(demo_model, prompt_ids, tmp_path_factory):
     )
 
 
-def _run(tmp_path, demo_model, prompt_ids, spec, pause_pattern=None):
+def _run(tmp_path, demo_model, prompt_ids, spec, pause_pattern=None, **extra):
     """Run ``spec`` on every prompt at batch 8."""
     job = {"model": demo_model, "prompt_token_ids": prompt_ids, "max_tokens": MAX_TOKENS, "max_num_seqs": 8,
-           "speculative_config": spec}
+           "speculative_config": spec, **extra}
     if pause_pattern:
         job["pause_pattern"] = pause_pattern
     return run_engine_job(tmp_path, job)
@@ -77,7 +77,9 @@ def test_eagle3_eagle2_tree_greedy_equals_no_speculation(demo_model, prompt_ids,
     """Drafting pauses 2 steps in every 5: the head keeps the target's hidden
     states of paused steps and reads them when drafting resumes, or at once
     when they outgrow the stash (bounded here to 8 rows: alone a request
-    keeps 2, the batch of 8 outgrows it on every second paused step). The
+    keeps 2, the batch of 8 outgrows it on every second paused step); a
+    draft forward takes at most 12 rows here, so prompts and catch-ups are
+    fed in several passes, the oldest rows first. The
     first prompts run twice (alone, then in the batch, the pauses falling
     elsewhere): wherever both runs draft from the same context, the head's
     root distribution must be the same, caught up or not (stale or missing
@@ -85,8 +87,8 @@ def test_eagle3_eagle2_tree_greedy_equals_no_speculation(demo_model, prompt_ids,
     spec = adaptive("eagle3", HEAD, 24, policy="eagle2", top_k=4, depth=6)
     row_bytes = 3 * 576 * 4  # three float32 hidden states of the demo model
     run = _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec, pause_pattern=[3, 2],
-                               record_roots=True, stash_bytes=8 * row_bytes)
-    assert run.stash_flushes > 0
+                               record_roots=True, stash_bytes=8 * row_bytes, max_pass_rows=12)
+    assert run.stash_flushes > 0 and run.split_passes > 0
     roots = defaultdict(list)
     for key, tokens, probs, caught_up in run.roots:
         roots[key].append((tokens, probs, caught_up))
@@ -149,11 +151,13 @@ def test_draft_model_tree_greedy_equals_no_speculation(demo_model, prompt_ids, b
 def test_target_drafting_for_itself_is_accepted_in_full(demo_model, prompt_ids, baseline, tmp_path):
     """Drafting pauses 2 steps in every 3 (as the load budget pauses when
     drafting does not pay): the draft model skips its passes meanwhile and
-    catches up on resume; without a complete draft KV its drafts would stop
-    matching the target."""
+    catches up on resume, in passes of at most 12 rows here (the batch's
+    catch-ups and prompts take several); without a complete draft KV its
+    drafts would stop matching the target."""
     run = _run(tmp_path, demo_model, prompt_ids, adaptive("draft_model", demo_model, 4, policy="chain"),
-               pause_pattern=[1, 2])
+               pause_pattern=[1, 2], max_pass_rows=12)
     assert run.token_ids == baseline.token_ids
+    assert run.split_passes > 0
     stats = run.tree_stats
     assert 0.2 < stats["drafting_share"] < 0.5, stats
     assert stats["tokens_accepted"] >= 0.97 * stats["nodes_verified"], stats

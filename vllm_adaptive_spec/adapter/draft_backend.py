@@ -69,6 +69,7 @@ class PagedDraftBackend:
         self.is_eagle3 = native.method == "eagle3"
         self._draft_vocab: torch.Tensor | None = None  # see _target_ids
         self.max_nodes = max_nodes
+        self.max_pass_rows = native.max_num_tokens  # rows one draft forward takes (vLLM's buffers)
         self.top_k, self.top_m = 1, 0  # what each pass keeps of its distributions (set by the drafter)
         self._roots: DraftDistribution | None = None
         self._root_index: dict[int, int] = {}  # batch row -> row of _roots
@@ -86,7 +87,29 @@ class PagedDraftBackend:
             if stash is not None:
                 self._stash_rows -= stash.rows
 
-    def _flush_stash(self, tokens, pos, aux, lens, batch_rows) -> None:
+    def _head_rows(self, request_id: str, p0: int, tokens: torch.Tensor, aux: torch.Tensor, drafting: bool):
+        """EAGLE-3: a request's rows of this step (input tokens and the
+        target's auxiliary hidden states from position ``p0``). Kept while
+        drafting is paused (None); else ``(first position, tokens, aux)``
+        with the kept rows first."""
+        stash = self._stash.pop(request_id, None)
+        if stash is not None:
+            self._stash_rows -= stash.rows
+            if stash.end != p0:  # not contiguous (cannot happen in vLLM's step order)
+                stash = None
+        if not drafting:
+            self._row_bytes = aux[0].numel() * aux.element_size()
+            if stash is None:
+                stash = _Stash(p0)
+            stash.add(tokens, aux)
+            self._stash[request_id] = stash
+            self._stash_rows += stash.rows
+            return None
+        if stash is None:
+            return p0, tokens, aux
+        return stash.start, torch.cat([*stash.tokens, tokens]), torch.cat([*stash.aux, aux])
+
+    def _flush_stash(self, tokens, pos, aux, batch_rows) -> None:
         """Add every kept request that is in this step's batch to the pass."""
         index = self.runner.input_batch.req_id_to_index
         for request_id in [r for r in self._stash if r in index]:
@@ -95,7 +118,6 @@ class PagedDraftBackend:
             tokens.append(torch.cat(stash.tokens))
             pos.append(torch.arange(stash.start, stash.end))
             aux.append(torch.cat(stash.aux))
-            lens.append(stash.rows)
             batch_rows.append(index[request_id])
             self._context[index[request_id]] = (stash.end, stash.end - 1)
 
@@ -112,8 +134,9 @@ class PagedDraftBackend:
         is needed and no pass runs. A draft LM remembers where its KV stops;
         an EAGLE-3 head, which can read the target's hidden states of this
         step only, keeps their rows (:class:`_Stash`). The next drafting step
-        feeds every token since in one batched catch-up pass, so the draft KV
-        is complete when drafting resumes; a paused step whose kept rows
+        feeds every token since (batched catch-up passes of at most
+        ``max_pass_rows`` rows), so the draft KV is complete when drafting
+        resumes; a paused step whose kept rows
         exceed ``STASH_BYTES`` feeds them at once (bounded memory)."""
         runner = self.runner
         batch = runner.input_batch
@@ -126,7 +149,7 @@ class PagedDraftBackend:
         self._root_hidden.clear()
         self._context.clear()
 
-        tokens, pos, aux, lens, batch_rows = [], [], [], [], []
+        tokens, pos, aux, batch_rows = [], [], [], []
         for i in range(num_reqs):
             chain = accepted.get(i) or list(range(int(query_start[i]), int(query_start[i + 1])))
             if not chain:
@@ -146,30 +169,16 @@ class PagedDraftBackend:
             chain_t = torch.tensor(chain, dtype=torch.long)
             ids = input_ids[chain_t].to(torch.long)
             if self.is_eagle3:
-                shifted = torch.cat([ids[1:], ids.new_tensor([next_token])])
-                rows_aux = torch.cat([hidden[chain_t] for hidden in aux_hidden_states], dim=-1)
-                stash = self._stash.get(batch.req_ids[i])
-                if stash is not None and stash.end != p0:
-                    self._stash_rows -= stash.rows  # not contiguous (cannot happen in vLLM's step order)
-                    del self._stash[batch.req_ids[i]]
-                    stash = None
-                if not drafting:
-                    self._row_bytes = rows_aux[0].numel() * rows_aux.element_size()
-                    if stash is None:
-                        stash = self._stash[batch.req_ids[i]] = _Stash(p0)
-                    stash.add(shifted, rows_aux)
-                    self._stash_rows += m
+                fed = self._head_rows(
+                    batch.req_ids[i], p0, torch.cat([ids[1:], ids.new_tensor([next_token])]),
+                    torch.cat([hidden[chain_t] for hidden in aux_hidden_states], dim=-1), drafting,
+                )
+                if fed is None:
                     continue
-                start = p0
-                if stash is not None:
-                    start = stash.start
-                    shifted = torch.cat([*stash.tokens, shifted])
-                    rows_aux = torch.cat([*stash.aux, rows_aux])
-                    self._stash_rows -= stash.rows
-                    del self._stash[batch.req_ids[i]]
-                tokens.append(shifted)
+                start, head_tokens, head_aux = fed
+                tokens.append(head_tokens)
                 pos.append(torch.arange(start, p0 + m))
-                aux.append(rows_aux)
+                aux.append(head_aux)
                 self._context[i] = (p0 + m, p0 + m - 1)
             else:
                 start = min(self._behind.pop(batch.req_ids[i], p0), p0)
@@ -177,28 +186,14 @@ class PagedDraftBackend:
                 tokens.append(torch.cat([missed, ids, ids.new_tensor([next_token])]))
                 pos.append(torch.arange(start, p0 + m + 1))
                 self._context[i] = (p0 + m + 1, p0 + m)
-            lens.append(len(tokens[-1]))
             batch_rows.append(i)
         if not drafting and self._stash_rows * self._row_bytes > self.STASH_BYTES:
-            self._flush_stash(tokens, pos, aux, lens, batch_rows)
+            self._flush_stash(tokens, pos, aux, batch_rows)
         if not batch_rows:
             return
-        tokens_t = torch.cat(tokens)
-        positions_t = torch.cat(pos)
-        rows_t = torch.tensor(batch_rows, dtype=torch.long)
-        lens_t = torch.tensor(lens, dtype=torch.int32)
-        starts = torch.zeros(len(lens) + 1, dtype=torch.int32)
-        starts[1:] = lens_t.cumsum(0)
-        request_of_token = torch.repeat_interleave(rows_t, lens_t.long())
-        slots = self._slots(block_table, request_of_token, positions_t)
-        seq_lens = torch.tensor([self._context[i][0] for i in batch_rows], dtype=torch.int32)
-        hidden = None
-        if self.is_eagle3:
-            hidden = self.native.model.combine_hidden_states(torch.cat(aux))
         tree_step.publish(None)
-        last = starts[1:].long() - 1
-        logits, out_hidden = self._run(tokens_t, positions_t, hidden, slots, starts, seq_lens, block_table[rows_t],
-                                       logit_rows=last if drafting else last[:0])
+        self._feed_oldest(tokens, pos, aux, batch_rows, block_table)
+        logits, out_hidden, last = self._feed_rows(tokens, pos, aux, batch_rows, block_table, drafting)
         if not drafting:
             self._context.clear()
             return
@@ -208,6 +203,45 @@ class PagedDraftBackend:
             if out_hidden is not None:
                 self._root_hidden[i] = out_hidden[last[k]]
         self._block_table = block_table
+
+    def _feed_oldest(self, tokens, pos, aux, batch_rows, block_table) -> None:
+        """While a pass's rows exceed what one draft forward takes (vLLM's
+        buffers hold ``max_num_batched_tokens``; a catch-up after a long pause
+        holds more), feed each request's oldest rows in a pass of their own,
+        keeping at least its last row for the pass that gives the roots."""
+        while sum(len(t) for t in tokens) > self.max_pass_rows:
+            room, take = self.max_pass_rows, []
+            for entry in tokens:
+                take.append(min(len(entry) - 1, room))
+                room -= take[-1]
+            picked = [e for e, k in enumerate(take) if k > 0]
+            if not picked:  # a row per request is more than a pass takes: vLLM schedules no such step
+                return
+            self._feed_rows([tokens[e][: take[e]] for e in picked], [pos[e][: take[e]] for e in picked],
+                            [aux[e][: take[e]] for e in picked] if aux else [], [batch_rows[e] for e in picked],
+                            block_table, logits=False)
+            for e in picked:
+                tokens[e], pos[e] = tokens[e][take[e]:], pos[e][take[e]:]
+                if aux:
+                    aux[e] = aux[e][take[e]:]
+
+    def _feed_rows(self, tokens, pos, aux, batch_rows, block_table, logits: bool):
+        """One draft forward over entries of consecutive rows (a request
+        each, ``batch_rows``; ``aux``: EAGLE-3's hidden states): the logits
+        and hidden states of each entry's last row (no logits unless
+        ``logits``), and those rows' indexes."""
+        lens_t = torch.tensor([len(t) for t in tokens], dtype=torch.int32)
+        starts = torch.zeros(len(tokens) + 1, dtype=torch.int32)
+        starts[1:] = lens_t.cumsum(0)
+        positions_t = torch.cat(pos)
+        rows_t = torch.tensor(batch_rows, dtype=torch.long)
+        slots = self._slots(block_table, torch.repeat_interleave(rows_t, lens_t.long()), positions_t)
+        seq_lens = (torch.stack([p[-1] for p in pos]) + 1).to(torch.int32)
+        hidden = self.native.model.combine_hidden_states(torch.cat(aux)) if self.is_eagle3 else None
+        last = starts[1:].long() - 1
+        out_logits, out_hidden = self._run(torch.cat(tokens), positions_t, hidden, slots, starts, seq_lens,
+                                           block_table[rows_t], logit_rows=last if logits else last[:0])
+        return out_logits, out_hidden, last
 
     # -- tree growth ----------------------------------------------------------------
     def begin(self, rows: list[int]) -> DraftDistribution:
