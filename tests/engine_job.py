@@ -79,40 +79,35 @@ def recorded_roots(worker) -> list:
     return worker.recorded_roots
 
 
+def _count_calls(worker, name: str, owner, method: str, counts=lambda *args, **kwargs: True) -> None:
+    """Wrap ``owner.method`` so that ``worker.<name>`` counts the calls that ``counts`` accepts."""
+    call = getattr(owner, method)
+    setattr(worker, name, 0)
+
+    def counting(*args, **kwargs):
+        setattr(worker, name, getattr(worker, name) + bool(counts(*args, **kwargs)))
+        return call(*args, **kwargs)
+
+    setattr(owner, method, counting)
+
+
+def counter(worker, name: str) -> int:
+    return getattr(worker, name)
+
+
 def limit_stash(worker, stash_bytes: int) -> None:
     """Bound the EAGLE-3 stash of paused rows and count the passes it forces."""
     backend = worker.model_runner._draft_backend
     backend.STASH_BYTES = stash_bytes
-    flush = backend._flush_stash
-    worker.stash_flushes = 0
-
-    def counting(*args, **kwargs):
-        worker.stash_flushes += 1
-        return flush(*args, **kwargs)
-
-    backend._flush_stash = counting
-
-
-def stash_flushes(worker) -> int:
-    return worker.stash_flushes
+    _count_calls(worker, "stash_flushes", backend, "_flush_stash")
 
 
 def limit_pass_rows(worker, rows: int) -> None:
     """Bound a model drafter's forward and count the first passes it splits."""
     backend = worker.model_runner._draft_backend
     backend.max_pass_rows = rows
-    feed_oldest = backend._feed_oldest
-    worker.split_passes = 0
-
-    def counting(tokens, *args, **kwargs):
-        worker.split_passes += sum(len(t) for t in tokens) > rows
-        return feed_oldest(tokens, *args, **kwargs)
-
-    backend._feed_oldest = counting
-
-
-def split_passes(worker) -> int:
-    return worker.split_passes
+    _count_calls(worker, "split_passes", backend, "_feed_oldest",
+                 lambda tokens, *args: sum(len(t) for t in tokens) > rows)
 
 
 def main(job_path: str, out_path: str) -> None:
@@ -216,8 +211,8 @@ def main(job_path: str, out_path: str) -> None:
                 "tree_stats": tree_stats,
                 "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
                 "roots": llm.collective_rpc(recorded_roots)[0] if job.get("record_roots") else None,
-                "stash_flushes": llm.collective_rpc(stash_flushes)[0] if "stash_bytes" in job else None,
-                "split_passes": llm.collective_rpc(split_passes)[0] if "max_pass_rows" in job else None,
+                **{key: llm.collective_rpc(functools.partial(counter, name=key))[0] if setting in job else None
+                   for key, setting in (("stash_flushes", "stash_bytes"), ("split_passes", "max_pass_rows"))},
             },
             handle,
         )
