@@ -12,6 +12,8 @@ Per engine step, after verification:
    auxiliary hidden states of position ``p`` with token ``p + 1`` (the last
    row reads the new bonus token); a draft LM reads the tokens themselves plus
    the bonus token. The last row's distribution gives the root's children.
+   While the load budget pauses drafting no pass runs; the next drafting
+   step catches up (see :meth:`~PagedDraftBackend.first_pass`).
 2. :meth:`feed` runs one tree layer: node rows sit at position
    ``root row + depth``, write their KV into scratch slots right after the
    committed draft context (``C + node id``), and attend, through
