@@ -121,7 +121,6 @@ class PagedDraftBackend:
             pos.append(torch.arange(stash.start, stash.end))
             aux.append(torch.cat(stash.aux))
             batch_rows.append(index[request_id])
-            self._context[index[request_id]] = (stash.end, stash.end - 1)
 
     # -- step start ---------------------------------------------------------------
     def first_pass(self, aux_hidden_states, block_table: torch.Tensor, accepted: dict[int, list[int]],
@@ -138,8 +137,8 @@ class PagedDraftBackend:
         step only, keeps their rows (:class:`_Stash`). The next drafting step
         feeds every token since (batched catch-up passes of at most
         ``max_pass_rows`` rows), so the draft KV is complete when drafting
-        resumes; a paused step whose kept rows
-        exceed ``STASH_BYTES`` feeds them at once (bounded memory)."""
+        resumes; a paused step whose kept rows exceed ``STASH_BYTES`` feeds
+        them at once (bounded memory)."""
         runner = self.runner
         batch = runner.input_batch
         num_reqs = batch.num_reqs
