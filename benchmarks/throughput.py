@@ -169,7 +169,7 @@ BASELINE = "none"
 # The default run stays within 15 minutes on 2 CPU cores.
 DEFAULT_METHODS = ("none", "ngram", "tree-retrieval", "tree-retrieval-fixed")
 
-TREE_COUNTERS = ("draft_passes", "drafting_steps")
+TREE_COUNTERS = ("draft_passes", "drafting_steps", "trees_verified", "leaf_paths")
 SPEC_COUNTERS = {
     "drafts": "vllm:spec_decode_num_drafts",
     "draft_tokens": "vllm:spec_decode_num_draft_tokens",
@@ -251,11 +251,14 @@ def _generate(llm, conversations, params, in_flight: int, max_num_seqs: int):
 
 
 def _tree_counters(llm, tree_method: bool) -> dict[str, int]:
-    """The plugin's draft passes and drafting steps so far (``adaptive_tree_stats``)."""
+    """The plugin's draft passes, drafting steps, verified trees and those
+    accepted down to a leaf (an overlapped drafter's best case: it can only
+    have drafted ahead on a whole path), so far (``adaptive_tree_stats``)."""
     if not tree_method:
         return {}
     stats = llm.collective_rpc("adaptive_tree_stats")[0]
-    return {"draft_passes": stats["draft_passes"], "drafting_steps": stats["proposals"] - stats["paused"]}
+    return {"draft_passes": stats["draft_passes"], "drafting_steps": stats["proposals"] - stats["paused"],
+            "trees_verified": stats["trees_verified"], "leaf_paths": stats["leaf_paths"]}
 
 
 def _reset_suffix_cache(worker) -> int:

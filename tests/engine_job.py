@@ -62,15 +62,16 @@ def record_roots(worker) -> None:
 
     def recording(*args, **kwargs):
         kept = set(backend._stash)
-        first_pass(*args, **kwargs)
+        own_share = first_pass(*args, **kwargs)
         if backend._roots is None:
-            return
+            return own_share
         batch = runner.input_batch
         for row, k in backend._root_index.items():
             prompt = batch.token_ids_cpu[row, : int(batch.num_prompt_tokens[row])]
             key = f"{hashlib.sha1(prompt.tobytes()).hexdigest()}:{backend._context[row][1]}"
             recorded.append([key, backend._roots.tokens[k, :2].tolist(), backend._roots.probs[k, :2].tolist(),
                              batch.req_ids[row] in kept])
+        return own_share
 
     backend.first_pass = recording
 

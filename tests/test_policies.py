@@ -314,3 +314,42 @@ def test_contexts_include_the_sampled_tokens_vllm_has_not_stored_yet():
     tokens = np.array([[5, 6, 7, 1, stale, stale, stale, stale]])
     drafts = proposer.propose_trees(["a"], [[5, 6]], np.array([6]), tokens, [True], sampled_pending=True)
     assert drafts[0][:2] == [7, 1]  # [5, 6] matched: what followed it, not what followed [9, 9]
+
+
+def test_a_model_drafters_first_pass_counts_as_drafting_cost():
+    """A model drafter's pass over the committed tokens runs before
+    ``propose_trees`` (in the runner); the load budget must see it as part of
+    the drafting cost, or a drafter looks cheaper than it is and keeps
+    drafting where it loses."""
+    from types import SimpleNamespace
+
+    from vllm_adaptive_spec.adapter.config_hook import ADDITIONAL_CONFIG_KEY
+    from vllm_adaptive_spec.adapter.proposer import TreeProposer
+    from vllm_adaptive_spec.config import TreeConfig
+
+    config = TreeConfig("retrieval", "retrieval", 8, load_budget="adaptive")
+    vllm_config = SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: config.to_dict()},
+                                  model_config=SimpleNamespace(max_model_len=256))
+    proposer = TreeProposer(vllm_config)
+    tokens = np.array([[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3, 1, 2, 3, 1, 2]])
+    proposer.propose_trees(["a", "b"], [[6], [2]], np.array([8, 8]), tokens, [True, True], first_pass_seconds=0.5)
+    assert 0.25 <= proposer.load_budget.draft_cost() < 0.3  # half a second over two drafting requests, plus growth
+
+
+def test_the_proposer_counts_trees_accepted_down_to_a_leaf():
+    """``leaf_paths`` (the best case of drafting ahead on a guessed outcome)
+    counts the verified trees whose accepted path ends at a leaf."""
+    from types import SimpleNamespace
+
+    from vllm_adaptive_spec.adapter.config_hook import ADDITIONAL_CONFIG_KEY
+    from vllm_adaptive_spec.adapter.proposer import TreeProposer
+    from vllm_adaptive_spec.config import TreeConfig
+    from vllm_adaptive_spec.tree import DraftTree
+
+    config = TreeConfig("retrieval", "retrieval", 8, load_budget="fixed")
+    vllm_config = SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: config.to_dict()},
+                                  model_config=SimpleNamespace(max_model_len=256))
+    proposer = TreeProposer(vllm_config)
+    tree = DraftTree([4, 5, 6, 7], [-1, -1, 0, 2], [0.5, 0.4, 0.5, 0.5])  # 4 -> 6 -> 7, and 5
+    proposer.observe(["a", "b", "c", "d"], [tree] * 4, [[0, 2, 3], [1], [0, 2], []])
+    assert proposer.stats.as_dict()["leaf_paths"] == 2

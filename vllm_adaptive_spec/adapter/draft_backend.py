@@ -124,7 +124,7 @@ class PagedDraftBackend:
 
     # -- step start ---------------------------------------------------------------
     def first_pass(self, aux_hidden_states, block_table: torch.Tensor, accepted: dict[int, list[int]],
-                   sampled: list[list[int]], drafting: bool = True) -> None:
+                   sampled: list[list[int]], drafting: bool = True) -> float:
         """``accepted[row]``: for requests verified with a tree, the query rows
         (absolute) of their committed tokens in chain order; other requests
         committed all their scheduled rows. ``sampled``: each request's new
@@ -138,7 +138,12 @@ class PagedDraftBackend:
         feeds every token since (batched catch-up passes of at most
         ``max_pass_rows`` rows), so the draft KV is complete when drafting
         resumes; a paused step whose kept rows exceed ``STASH_BYTES`` feeds
-        them at once (bounded memory)."""
+        them at once (bounded memory).
+
+        Returns the share of the rows fed that are this step's own (the rest
+        catch up on paused steps): the load budget counts that share of the
+        pass's time as the step's drafting cost, since a catch-up is paid once
+        whatever is decided next."""
         runner = self.runner
         batch = runner.input_batch
         num_reqs = batch.num_reqs
@@ -151,6 +156,7 @@ class PagedDraftBackend:
         self._context.clear()
 
         tokens, pos, aux, batch_rows = [], [], [], []
+        own_rows = 0
         for i in range(num_reqs):
             chain = accepted.get(i) or list(range(int(query_start[i]), int(query_start[i + 1])))
             if not chain:
@@ -181,29 +187,33 @@ class PagedDraftBackend:
                 pos.append(torch.arange(start, p0 + m))
                 aux.append(head_aux)
                 self._context[i] = (p0 + m, p0 + m - 1)
+                own_rows += m
             else:
                 start = min(self._behind.pop(batch.req_ids[i], p0), p0)
                 missed = torch.from_numpy(batch.token_ids_cpu[i, start:p0].astype(np.int64)).to(ids.device)
                 tokens.append(torch.cat([missed, ids, ids.new_tensor([next_token])]))
                 pos.append(torch.arange(start, p0 + m + 1))
                 self._context[i] = (p0 + m + 1, p0 + m)
+                own_rows += m + 1
             batch_rows.append(i)
         if not drafting and self._stash_rows * self._row_bytes > self.STASH_BYTES:
             self._flush_stash(tokens, pos, aux, batch_rows)
         if not batch_rows:
-            return
+            return 0.0
+        own_share = own_rows / sum(len(t) for t in tokens)
         tree_step.publish(None)
         self._feed_oldest(tokens, pos, aux, batch_rows, block_table)
         logits, out_hidden, last = self._feed_rows(tokens, pos, aux, batch_rows, block_table, drafting)
         if not drafting:
             self._context.clear()
-            return
+            return 0.0
         self._roots = self._distribution(logits)
         for k, i in enumerate(batch_rows):
             self._root_index[i] = k
             if out_hidden is not None:
                 self._root_hidden[i] = out_hidden[last[k]]
         self._block_table = block_table
+        return own_share
 
     def _feed_oldest(self, tokens, pos, aux, batch_rows, block_table) -> None:
         """While a pass's rows exceed what one draft forward takes (vLLM's

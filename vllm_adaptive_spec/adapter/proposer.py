@@ -32,6 +32,7 @@ class TreeStats:
     draft_passes: int = 0
     proposals: int = 0  # steps that asked for trees
     paused: int = 0  # of them, steps the load budget did not draft
+    leaf_paths: int = 0  # verified trees whose accepted path reached a leaf
     last_step: dict[str, int] = field(default_factory=dict)
 
     def record_step(self, trees: int, nodes: int, accepted: int) -> None:
@@ -51,6 +52,7 @@ class TreeStats:
             "draft_passes": self.draft_passes,
             "proposals": self.proposals,
             "paused": self.paused,
+            "leaf_paths": self.leaf_paths,
             "drafting_share": 1.0 - self.paused / max(self.proposals, 1),
             "tau": 1.0 + self.tokens_accepted / trees,
             "nodes_per_tree": self.nodes_verified / trees,
@@ -123,6 +125,7 @@ class TreeProposer:
         """Verified trees (possibly cut by the scheduler) and their accepted
         nodes, for the load budget's calibration and the policy's history."""
         for request_id, tree, nodes in zip(request_ids, trees, accepted):
+            self.stats.leaf_paths += bool(nodes) and nodes[-1] not in tree.parents
             if self.recorder is not None:
                 self.recorder(tree, nodes)
             if self.load_budget is not None:
@@ -151,6 +154,7 @@ class TreeProposer:
         drafting: bool = True,
         prompt_lens: np.ndarray | None = None,
         sampled_pending: bool = False,
+        first_pass_seconds: float = 0.0,
     ) -> list[list[int]]:
         """One tree of at most ``N`` nodes per request (empty when it may not
         draft, or when ``drafting`` is False), cut by the load budget when it
@@ -160,7 +164,9 @@ class TreeProposer:
         length, where a drafter's shared datastore keeps outputs only.
         ``sampled_pending``: ``token_ids`` does not hold this step's sampled
         tokens yet (model drafters run before vLLM's bookkeeping), so each
-        context is its committed tokens followed by them."""
+        context is its committed tokens followed by them.
+        ``first_pass_seconds``: a model drafter's pass over this step's
+        committed tokens, run before this call; part of the drafting cost."""
         budgets, active, contexts = [], [], []
         self.stats.proposals += 1
         self.stats.paused += not drafting
@@ -188,7 +194,7 @@ class TreeProposer:
         if getattr(self.drafter, "is_model", False):
             self.stats.draft_passes += stats.draft_passes
         if self.load_budget is not None:
-            self.load_budget.observe_drafting(len(active), time.perf_counter() - started)
+            self.load_budget.observe_drafting(len(active), first_pass_seconds + time.perf_counter() - started)
             trees = self.load_budget.choose(trees, other_tokens, [request_ids[i] for i in active])
         for i, tree in zip(active, trees):
             if len(tree):

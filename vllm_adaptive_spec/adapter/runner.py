@@ -197,17 +197,20 @@ class TreeRunnerMixin:
         self.tree_proposer.observe_step(step_tokens, time.perf_counter() - self._step_started, other_tokens,
                                         sum(1 for d in drafts if d), self._branching_trees)
         drafting = self.tree_proposer.drafting_this_step()
+        first_pass_seconds = 0.0
         if self._draft_backend is not None:
-            self._draft_backend.first_pass(
+            started = time.perf_counter()
+            own_share = self._draft_backend.first_pass(
                 aux_hidden_states, common_attn_metadata.block_table_tensor, self._accepted_rows, sampled_token_ids,
                 drafting,
             )
+            first_pass_seconds = own_share * (time.perf_counter() - started)
         eligible = [
             can_draft(self.requests[r].sampling_params, len(self.requests[r].output_token_ids)) for r in req_ids
         ]
         return self.tree_proposer.propose_trees(
             req_ids, sampled_token_ids, num_tokens, batch.token_ids_cpu, eligible, other_tokens, drafting,
-            batch.num_prompt_tokens, sampled_pending,
+            batch.num_prompt_tokens, sampled_pending, first_pass_seconds,
         )
 
     def adaptive_tree_stats(self) -> dict[str, float]:
