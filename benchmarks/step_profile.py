@@ -17,7 +17,14 @@ engine step (self time: a phase's time without the phases inside it):
   included), ``draft_self`` (the rest of vLLM's / the plugin's drafting);
 * ``runner``: the rest of the worker's ``execute_model`` / ``sample_tokens``;
   ``engine``: the step's wall time outside the worker (scheduler, IPC,
-  detokenisation).
+  detokenisation);
+* ``leaf``: the share of verified trees whose accepted path reached a leaf,
+  and ``overlap <=``: that share of the drafting time (``grow``, ``dpass``,
+  ``draft_self``) over the step time. Talon's overlapped rounds draft step
+  ``t + 1`` during step ``t``'s forward on a guessed outcome of ``t`` (a whole
+  path accepted, and the bonus token); the guess is right at most on the
+  ``leaf`` share, so an overlap saves at most ``overlap <=`` of the step time
+  (less for EAGLE-3, which needs step ``t``'s hidden states to draft at all).
 
 Methods: ``none``, ``ngram`` (vLLM's, K=4), ``tree-N`` (adaptive_tree
 retrieval, ``load_budget: fixed`` at N), ``tree-adaptive-N`` (the default load
@@ -127,9 +134,15 @@ def worker(job_path: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
     llm.collective_rpc(step_profile.install)
 
+    tree_method = (job["speculative_config"] or {}).get("method") == "adaptive_tree"
+
+    def tree_stats() -> dict:
+        return llm.collective_rpc("adaptive_tree_stats")[0] if tree_method else {}
+
     def run(count: int, in_flight: int) -> dict:
         llm.reset_prefix_cache()
         llm.collective_rpc(step_profile.reset)
+        before = tree_stats()
         waiting = list(range(count))
         step_seconds, tokens, running = [], 0, 0
         while waiting or engine.has_unfinished_requests():
@@ -144,8 +157,10 @@ def worker(job_path: str) -> None:
                 if output.finished:
                     running -= 1
                     tokens += len(output.outputs[0].token_ids)
+        after = tree_stats()
         return {"steps": len(step_seconds), "wall_s": sum(step_seconds), "tokens": tokens,
-                "phases": llm.collective_rpc(step_profile.report)[0]}
+                "phases": llm.collective_rpc(step_profile.report)[0],
+                "tree": {k: after[k] - before[k] for k in ("trees_verified", "leaf_paths") if k in after}}
 
     run(2, 2)  # warm-up
     results = []
@@ -158,7 +173,7 @@ def worker(job_path: str) -> None:
 
 
 def table(report: dict) -> str:
-    head = ["method", "b", "tok/s", "tok/step", "ms/step", *COLUMNS, "engine"]
+    head = ["method", "b", "tok/s", "tok/step", "ms/step", *COLUMNS, "engine", "leaf", "overlap <="]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in report["rows"]:
         if "error" in row:
@@ -171,6 +186,13 @@ def table(report: dict) -> str:
                  f"{row['tokens'] / steps:.2f}", f"{1000 * row['wall_s'] / steps:.1f}"]
         cells += [f"{1000 * cols[c] / steps:.2f}" for c in COLUMNS]
         cells.append(f"{1000 * (row['wall_s'] - worker_s) / steps:.2f}")
+        tree = row.get("tree") or {}
+        if tree.get("trees_verified"):
+            leaf = tree["leaf_paths"] / tree["trees_verified"]
+            drafting = sum(cols[c] for c in ("grow", "dpass", "draft_self"))
+            cells += [f"{leaf:.0%}", f"{leaf * drafting / row['wall_s']:.1%}"]
+        else:
+            cells += ["", ""]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -52,7 +52,8 @@ Methods: ``none``; vLLM's ``ngram`` (K = ``--ngram-k``) and ``eagle3`` (a chain 
 the shared datastore of finished outputs, emptied before each timed pass like
 Suffix Decoding's cache), ``chain-eagle3`` / ``tree-eagle3`` (the same head,
 chain of ``--chain-k`` or an EAGLE-2 tree of N = ``--tree-budget``, K = 10, D = 8;
-``c2t-eagle3``: C2T's tree of the same N with the head's shipped classifier)
+``c2t-eagle3``: C2T's tree of the same N with the head's shipped classifier;
+``tree-hybrid``: that EAGLE-2 tree merged with the retrieval trie, Talon's hybrid)
 and ``chain-draft-lm`` / ``tree-draft-lm`` (the draft LM of ``vllm-adaptive-spec
 draft-lm``, built on first use); vLLM's ``suffix`` (Suffix Decoding, vLLM's defaults:
 tree depth 24, at most 24 draft tokens, spec factor 1, min token prob 0.1; not in the
@@ -156,6 +157,7 @@ METHODS = {
     "chain-eagle3": lambda args: _tree(args, "eagle3", "chain", args.chain_k, _head(args)),
     "tree-eagle3": lambda args: _tree(args, "eagle3", "eagle2", args.tree_budget, _head(args)),
     "c2t-eagle3": lambda args: _tree(args, "eagle3", "c2t", args.tree_budget, _head(args)),
+    "tree-hybrid": lambda args: _tree(args, "hybrid", "eagle2", args.tree_budget, _head(args)),
     "chain-draft-lm": lambda args: _tree(args, "draft_model", "chain", args.chain_k, _draft_lm(args)),
     "tree-draft-lm": lambda args: _tree(args, "draft_model", "eagle2", args.tree_budget, _draft_lm(args)),
     # vLLM's defaults (SpeculativeConfig.suffix_decoding_*); num_speculative_tokens, which

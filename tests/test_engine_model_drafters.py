@@ -123,8 +123,12 @@ def test_hybrid_greedy_equals_no_speculation(datastore, demo_model, prompt_ids, 
     """The head's eagle2 tree merged with the retrieval trie (Talon's hybrid),
     with the shared datastore of finished outputs off and on."""
     spec = adaptive("hybrid", HEAD, 24, policy="eagle2", top_k=4, depth=6, datastore=datastore)
-    run = _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec)
+    # With the datastore on, the model also pauses (2 steps of 5, as the load budget
+    # pauses it when its passes do not pay): the retrieval trie alone drafts then.
+    pause_pattern = [3, 2] if datastore == "shared" else None
+    run = _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec, pause_pattern)
     assert (run.tree_stats["datastore_tokens"] > 0) == (datastore == "shared")
+    assert (run.tree_stats["paused_trees"] > 0) == (datastore == "shared")
 
 
 def test_eagle3_chain_matches_native_eagle3(demo_model, prompt_ids, baseline, tmp_path):

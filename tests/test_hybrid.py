@@ -70,3 +70,31 @@ def test_unfed_nodes_get_no_children_from_either_side():
     contexts = [[5, 6, 4, 4, 4, 0, 5, 6], [5, 6, 4, 4, 4, 0, 5, 6]]
     tree = grow_hybrid(TableBackend(roots, table, capacity=1), ChainPolicy(), 6, contexts, l_max=2)
     assert all(len(t) <= 2 for t in tree)  # the root's child, and one fed node's child at most
+
+
+def test_while_the_budget_pauses_the_model_the_retrieval_trie_still_drafts():
+    """Paused steps (the model's passes do not pay) draft the retrieval trie
+    alone: no model pass, no drafting cost, and they neither pause nor resume
+    the model; their trees do not feed the hybrid policy's history."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vllm_adaptive_spec.adapter.config_hook import ADDITIONAL_CONFIG_KEY
+    from vllm_adaptive_spec.adapter.proposer import TreeProposer
+    from vllm_adaptive_spec.config import TreeConfig
+
+    config = TreeConfig("hybrid", "dynatree", 8, {"l_max": 2, "evidence_prior": 0.0}, {"window": 1})
+    vllm_config = SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: config.to_dict()},
+                                  model_config=SimpleNamespace(max_model_len=256))
+    proposer = TreeProposer(vllm_config)  # no backend bound: a model pass would fail
+    budget = proposer.load_budget
+    budget._paused, budget._losing_steps = 3, 2
+    assert not proposer.drafting_this_step()
+    tokens = np.array([[5, 6, 4, 4, 4, 0, 5, 6], [1, 2, 3, 7, 8, 9, 0, 11]])
+    drafts = proposer.propose_trees(["a", "b"], [[6], [11]], np.array([8, 8]), tokens, [True, True], drafting=False)
+    assert drafts[0][:3] == [4, 4, 4] and drafts[1] == []  # a's context repeats, b's does not
+    assert (budget._paused, budget._losing_steps, budget.drafted_requests) == (2, 2, 0.0)
+    proposer.observe(["a"], [proposer.trees["a"]], [[0, 1, 2]])
+    assert "a" not in proposer.policy._history
+    assert proposer.stats.as_dict()["draft_passes"] == 0

@@ -226,14 +226,17 @@ class LoadBudget:
         return True
 
     def choose(
-        self, trees: list[DraftTree], other_tokens: int, request_ids: list[str] | None = None
+        self, trees: list[DraftTree], other_tokens: int, request_ids: list[str] | None = None, account: bool = True
     ) -> list[DraftTree]:
         """The part of each grown tree worth verifying, given ``other_tokens``
         scheduled tokens besides the trees': its best nodes by path
         probability (:meth:`DraftTree.keep_best`), cut to its main path when
         the nodes off that path do not pay for the extra cost of a branching
         tree (:meth:`branch_cost`). ``request_ids``: the trees' requests, whose
-        own records calibrate them (:meth:`calibration`)."""
+        own records calibrate them (:meth:`calibration`). ``account`` False:
+        the trees come from a part of the drafter that runs while drafting is
+        paused (the hybrid's retrieval trie); they cost no drafting time and
+        do not count toward pausing or resuming the drafter."""
         ids = request_ids or [None] * len(trees)
         for request_id in ids:  # a request's record fades a step at a time, verified or not
             record = self._requests.get(request_id)
@@ -248,7 +251,7 @@ class LoadBudget:
             return [t.keep_best(int((v >= self.cold_min_p).sum())) for t, v in zip(trees, p_hat)]
         alpha, beta, gamma, eta, xi = fit
         alpha, other_tokens = alpha + gamma * other_tokens, 0  # prompt chunks: a fixed cost of the step
-        delta = self.draft_cost()
+        delta = self.draft_cost() if account else 0.0
 
         def expected_rate(kept: list[int]) -> float:
             """Committed tokens per second of the step with ``kept`` nodes per tree."""
@@ -271,6 +274,8 @@ class LoadBudget:
                 if net < xi * rate:
                     tree = path
             chosen.append(tree)
+        if not account:
+            return chosen
         measurable = bool(trees) and delta > 0.0
         self._account(expected_rate(kept) if measurable else None, len(trees) / (alpha + beta * len(trees)))
         return chosen

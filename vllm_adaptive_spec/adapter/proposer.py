@@ -33,6 +33,7 @@ class TreeStats:
     proposals: int = 0  # steps that asked for trees
     paused: int = 0  # of them, steps the load budget did not draft
     leaf_paths: int = 0  # verified trees whose accepted path reached a leaf
+    paused_trees: int = 0  # trees drafted while paused (by a drafter's paused part)
     last_step: dict[str, int] = field(default_factory=dict)
 
     def record_step(self, trees: int, nodes: int, accepted: int) -> None:
@@ -53,6 +54,7 @@ class TreeStats:
             "proposals": self.proposals,
             "paused": self.paused,
             "leaf_paths": self.leaf_paths,
+            "paused_trees": self.paused_trees,
             "drafting_share": 1.0 - self.paused / max(self.proposals, 1),
             "tau": 1.0 + self.tokens_accepted / trees,
             "nodes_per_tree": self.nodes_verified / trees,
@@ -99,6 +101,11 @@ class TreeProposer:
         self.stats = TreeStats()
         self.load_budget = LoadBudget(self.config.budget) if self.config.load_budget == "adaptive" else None
         self.recorder = None  # called with each verified tree and its accepted nodes (c2t-collect)
+        # What drafts while the load budget pauses the drafter: a part of it that
+        # runs no model pass, with its own policy (the hybrid's retrieval trie), or nothing.
+        paused_part = getattr(self.drafter, "paused_part", None)
+        self._paused_part = (None, None) if paused_part is None else paused_part()
+        self._from_paused_part: set[str] = set()  # requests whose last tree came from it
 
     def load_model(self, *args, **kwargs) -> None:
         """Only the retrieval drafter runs as vLLM's drafter object, and it has no
@@ -130,7 +137,8 @@ class TreeProposer:
                 self.recorder(tree, nodes)
             if self.load_budget is not None:
                 self.load_budget.observe_tree(tree, nodes, request_id)
-            self.policy.observe(request_id, tree, len(nodes))
+            if request_id not in self._from_paused_part:
+                self.policy.observe(request_id, tree, len(nodes))
 
     def observe_step(
         self, step_tokens: int, step_seconds: float, prefill_tokens: int, trees: int = 0, branching: int = 0
@@ -157,7 +165,8 @@ class TreeProposer:
         first_pass_seconds: float = 0.0,
     ) -> list[list[int]]:
         """One tree of at most ``N`` nodes per request (empty when it may not
-        draft, or when ``drafting`` is False), cut by the load budget when it
+        draft, or when ``drafting`` is False and the drafter has no part that
+        drafts without a model pass), cut by the load budget when it
         is on (``other_tokens``: the next step's scheduled tokens besides the
         trees', as far as known); returns each tree's tokens, breadth-first,
         as vLLM's draft token ids. ``prompt_lens``: each request's prompt
@@ -170,10 +179,12 @@ class TreeProposer:
         budgets, active, contexts = [], [], []
         self.stats.proposals += 1
         self.stats.paused += not drafting
+        drafter, policy = (self.drafter, self.policy) if drafting else self._paused_part
+        self._from_paused_part.clear()
         for i, request_id in enumerate(request_ids):
             length = int(num_tokens[i])
             budget = min(self.config.budget, self.max_model_len - length - 1)
-            if not drafting or not sampled_token_ids[i] or not eligible[i] or budget <= 0:
+            if drafter is None or not sampled_token_ids[i] or not eligible[i] or budget <= 0:
                 self.trees.pop(request_id, None)
                 continue
             active.append(i)
@@ -188,14 +199,19 @@ class TreeProposer:
             return drafts
         started = time.perf_counter()
         lens = None if prompt_lens is None else [int(prompt_lens[i]) for i in active]
-        self.drafter.prepare([request_ids[i] for i in active], contexts, active, lens)
-        self.policy.begin([request_ids[i] for i in active])
-        trees, stats = grow(self.drafter, self.policy, torch.tensor(budgets), self.drafter.max_depth)
-        if getattr(self.drafter, "is_model", False):
+        active_ids = [request_ids[i] for i in active]
+        drafter.prepare(active_ids, contexts, active, lens)
+        policy.begin(active_ids)
+        trees, stats = grow(drafter, policy, torch.tensor(budgets), drafter.max_depth)
+        if getattr(drafter, "is_model", False):
             self.stats.draft_passes += stats.draft_passes
         if self.load_budget is not None:
-            self.load_budget.observe_drafting(len(active), first_pass_seconds + time.perf_counter() - started)
-            trees = self.load_budget.choose(trees, other_tokens, [request_ids[i] for i in active])
+            if drafting:
+                self.load_budget.observe_drafting(len(active), first_pass_seconds + time.perf_counter() - started)
+            trees = self.load_budget.choose(trees, other_tokens, active_ids, account=drafting)
+        if not drafting:
+            self._from_paused_part.update(active_ids)
+            self.stats.paused_trees += sum(1 for tree in trees if len(tree))
         for i, tree in zip(active, trees):
             if len(tree):
                 self.trees[request_ids[i]] = tree

@@ -19,6 +19,12 @@ all candidates by path probability under the one budget, so retrieval nodes
 take the budget where the evidence behind them beats the model and none
 where it does not. Candidates stay deterministic, so verification (greedy or
 sampled) is unchanged and lossless.
+
+Decision (under the load budget): while the budget pauses drafting (the
+model's passes do not pay), the retrieval trie is still drafted, alone, as
+the ``retrieval`` drafter drafts it (its own policy, ``min_p`` 0.05): it runs
+no model pass, so pausing the model need not give up the retrieval side's
+tokens. The model's draft state is kept as for any paused model drafter.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from vllm_adaptive_spec.drafters.model import ROOT_HANDLE, DraftBackend, DraftMo
 from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
 from vllm_adaptive_spec.growth import Candidates
 from vllm_adaptive_spec.policies import Param
+from vllm_adaptive_spec.policies.retrieval import RetrievalPolicy
 
 NO_TRIE_NODE = -2  # the trie's root is node -1, as the retrieval drafter's handles
 BASES = {"eagle3": Eagle3Drafter, "draft_model": DraftModelDrafter}
@@ -63,6 +70,10 @@ class HybridDrafter:
     @property
     def shared(self):
         return self.retrieval.shared
+
+    def paused_part(self) -> tuple[RetrievalDrafter, RetrievalPolicy]:
+        """What drafts while the model is paused: the retrieval trie and its policy."""
+        return self.retrieval, RetrievalPolicy()
 
     def bind(self, backend: DraftBackend, fanout: int, entropy_top_m: int = 0) -> None:
         self.model.bind(backend, fanout, entropy_top_m)
