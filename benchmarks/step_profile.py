@@ -89,7 +89,7 @@ COLUMNS = {
     "verify": ["sample_tokens/verify"],
     "compact": ["sample_tokens/verify/compaction"],
     "grow": ["sample_tokens/draft/grow"],
-    "dpass": ["sample_tokens/draft/draft_first_pass", "sample_tokens/draft/draft_pass"],
+    "dpass": ["sample_tokens/draft/draft_first_pass", "sample_tokens/draft/grow/draft_pass"],
     "draft_self": ["sample_tokens/draft"],
     "runner": ["execute_model", "sample_tokens"],
 }
