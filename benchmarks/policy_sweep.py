@@ -252,9 +252,10 @@ def main(argv: list[str] | None = None) -> None:
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "vllm_version": throughput._installed_vllm_version(),
         "machine": throughput._machine(),
-        "settings": {"methods": methods, "batch_sizes": batch_sizes, "temperatures": temperatures,
-                     "prompts": sizes, "max_tokens": args.max_tokens, "engine_layout": args.engine_layout,
-                     "prompt_ids": [p.id for p in prompts]},
+        "settings": throughput.portable_paths(
+            {"methods": methods, "batch_sizes": batch_sizes, "temperatures": temperatures, "prompts": sizes,
+             "max_tokens": args.max_tokens, "engine_layout": args.engine_layout,
+             "prompt_ids": [p.id for p in prompts]}),
         "rows": rows,
         "elapsed_s": time.perf_counter() - t0,
     }

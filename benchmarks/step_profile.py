@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from throughput import _needed_model_len, interleave_categories
+    from throughput import _needed_model_len, interleave_categories, portable_paths
 
     from vllm_adaptive_spec.demo_model import ensure_demo_model
     from vllm_adaptive_spec.prompts import load_prompts
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
             rows += [{"method": method, "batch_size": b, "error": f"worker exited {code}, see {log}"} for b in batch_sizes]
             continue
         rows += [{"method": method, **r} for r in json.loads(Path(job["result_path"]).read_text())]
-    report = {"settings": vars(args), "rows": rows}
+    report = {"settings": portable_paths(vars(args)), "rows": rows}
     (out / "step_profile.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     text = table(report)
     (out / "step_profile.md").write_text(text + "\n", encoding="utf-8")

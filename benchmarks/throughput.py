@@ -117,6 +117,19 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
+def portable_paths(value):
+    """``value`` (settings for a report) with paths in this checkout made
+    relative to it and the home directory written ``~``: a committed report
+    names no machine's paths."""
+    if isinstance(value, dict):
+        return {k: portable_paths(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [portable_paths(v) for v in value]
+    if isinstance(value, str):
+        return value.replace(str(REPO) + os.sep, "").replace(str(Path.home()), "~")
+    return value
+
+
 def _tree(args, drafter: str, policy: str, budget: int | None = None, model: str | None = None, **params) -> dict:
     spec = {
         "method": "adaptive_tree",
@@ -864,7 +877,7 @@ def main(argv: list[str] | None = None) -> None:
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "vllm_version": vllm_version or _installed_vllm_version(),
         "machine": _machine(),
-        "settings": {
+        "settings": portable_paths({
             "methods": {m: configs[m] for m in methods},
             "batch_sizes": batch_sizes,
             "num_prompts": args.num_prompts,
@@ -888,7 +901,7 @@ def main(argv: list[str] | None = None) -> None:
             "model": model,
             "quick": args.quick,
             **({"suffix_decoding_dir": suffix_dir} if "suffix" in methods else {}),
-        },
+        }),
         "engines": engines,
         "results": results,
         "elapsed_s": elapsed,
