@@ -212,3 +212,22 @@ def test_a_requests_record_fades_back_to_the_engines_while_it_is_not_verified():
     for _ in range(40):
         budget.choose([DraftTree()], 0, ["poor"])
     assert before < budget.calibration("poor") == pytest.approx(budget.calibration(), rel=1e-2)
+
+
+def test_a_hybrid_model_that_pays_against_no_drafting_but_not_against_retrieval_alone_pauses():
+    """The hybrid's model is judged against its retrieval trie alone (which
+    drafts for free while the model is paused), not against no drafting."""
+
+    def run(fallback: bool) -> bool:
+        budget = LoadBudget(max_budget=16, pause_after=4, half_life=1e9)
+        _feed_steps(budget, alpha=0.04, beta=0.002)
+        budget.observe_drafting(8, 8 * 0.004)
+        tree = DraftTree.chain([1, 2, 3])
+        tree.q = [0.9, 0.9, 0.9]  # p: .9 .81 .73, all worth their rows
+        for _ in range(4):
+            assert budget.drafts()
+            assert budget.choose([tree] * 8, other_tokens=0, fallback=[tree] * 8 if fallback else None) == [tree] * 8
+        return budget.drafts()
+
+    assert run(fallback=False)  # 8 trees gain 27 tokens for 0.14 s of step: far above 8 plain tokens
+    assert not run(fallback=True)  # the same trees without the 0.032 s of drafting do better still

@@ -39,7 +39,9 @@ record none.
 
 Down to no speculation: drafting itself costs ``delta`` per request; after
 ``pause_after`` steps in a row whose expected rate with the kept nodes (and
-the drafting) was below the rate without drafting, drafting pauses for
+the drafting) was below the rate without drafting (for the hybrid drafter:
+the better of no drafting and its retrieval trie alone, which drafts while
+the model is paused), drafting pauses for
 ``pause_steps`` steps, then drafts one step to look (a probe): a probe that
 does not pay pauses again at once, for twice as long (up to ``max_pause``).
 Decision: one probe, not ``pause_after`` steps, since a model drafter's
@@ -226,7 +228,8 @@ class LoadBudget:
         return True
 
     def choose(
-        self, trees: list[DraftTree], other_tokens: int, request_ids: list[str] | None = None, account: bool = True
+        self, trees: list[DraftTree], other_tokens: int, request_ids: list[str] | None = None, account: bool = True,
+        fallback: list[DraftTree] | None = None,
     ) -> list[DraftTree]:
         """The part of each grown tree worth verifying, given ``other_tokens``
         scheduled tokens besides the trees': its best nodes by path
@@ -236,7 +239,9 @@ class LoadBudget:
         own records calibrate them (:meth:`calibration`). ``account`` False:
         the trees come from a part of the drafter that runs while drafting is
         paused (the hybrid's retrieval trie); they cost no drafting time and
-        do not count toward pausing or resuming the drafter."""
+        do not count toward pausing or resuming the drafter. ``fallback``:
+        the same requests' trees from that part, which drafting is judged
+        against (the hybrid's model pays only if it beats retrieval alone)."""
         ids = request_ids or [None] * len(trees)
         for request_id in ids:  # a request's record fades a step at a time, verified or not
             record = self._requests.get(request_id)
@@ -244,26 +249,35 @@ class LoadBudget:
                 record[0] *= self.request_decay
                 record[1] *= self.request_decay
         rhos = [self.calibration(request_id) for request_id in ids]
-        p_hat = [np.sort(np.asarray(t.path_probabilities(), dtype=np.float64))[::-1][: self.max_budget] * rho
-                 for t, rho in zip(trees, rhos)]
+
+        def expected(trees: list[DraftTree]) -> list[np.ndarray]:
+            return [np.sort(np.asarray(t.path_probabilities(), dtype=np.float64))[::-1][: self.max_budget] * rho
+                    for t, rho in zip(trees, rhos)]
+
+        p_hat = expected(trees)
         fit = self._solve()
         if fit is None:
             return [t.keep_best(int((v >= self.cold_min_p).sum())) for t, v in zip(trees, p_hat)]
         alpha, beta, gamma, eta, xi = fit
-        alpha, other_tokens = alpha + gamma * other_tokens, 0  # prompt chunks: a fixed cost of the step
+        alpha += gamma * other_tokens  # prompt chunks: a fixed cost of the step
+
+        def plan(p_hat: list[np.ndarray], delta: float) -> tuple[list[int], float, float]:
+            """Nodes kept per tree, the rate the trees were cut at, and the
+            expected committed tokens per second with the kept nodes."""
+            n = len(p_hat)
+
+            def expected_rate(kept: list[int]) -> float:
+                gain = n + sum(float(v[:k].sum()) for v, k in zip(p_hat, kept))
+                return gain / (alpha + delta * n + beta * (n + sum(kept)) + eta * sum(k > 0 for k in kept))
+
+            kept = allocate(p_hat, alpha, beta, 0, delta * n)
+            for _ in range(2):  # drop the trees whose nodes do not pay eta, at the resulting rate
+                rate = expected_rate(kept)
+                kept = [k if float(v[:k].sum()) - beta * k * rate >= eta * rate else 0 for v, k in zip(p_hat, kept)]
+            return kept, rate, expected_rate(kept)
+
         delta = self.draft_cost() if account else 0.0
-
-        def expected_rate(kept: list[int]) -> float:
-            """Committed tokens per second of the step with ``kept`` nodes per tree."""
-            gain = len(trees) + sum(float(v[:k].sum()) for v, k in zip(p_hat, kept))
-            seconds = (alpha + delta * len(trees) + beta * (other_tokens + len(trees) + sum(kept))
-                       + eta * sum(k > 0 for k in kept))
-            return gain / seconds
-
-        kept = allocate(p_hat, alpha, beta, other_tokens, delta * len(trees))
-        for _ in range(2):  # drop the trees whose nodes do not pay eta, at the resulting rate
-            rate = expected_rate(kept)
-            kept = [k if float(v[:k].sum()) - beta * k * rate >= eta * rate else 0 for v, k in zip(p_hat, kept)]
+        kept, rate, with_drafting = plan(p_hat, delta)
         chosen = []
         for tree, count, rho in zip(trees, kept, rhos):
             tree = tree.keep_best(count)
@@ -276,8 +290,11 @@ class LoadBudget:
             chosen.append(tree)
         if not account:
             return chosen
+        without = len(trees) / (alpha + beta * len(trees))
+        if fallback is not None:
+            without = max(without, plan(expected(fallback), 0.0)[2])
         measurable = bool(trees) and delta > 0.0
-        self._account(expected_rate(kept) if measurable else None, len(trees) / (alpha + beta * len(trees)))
+        self._account(with_drafting if measurable else None, without)
         return chosen
 
     def _account(self, with_drafting: float | None, without: float) -> None:

@@ -151,6 +151,15 @@ class TreeProposer:
         once per step, before any draft pass."""
         return self.load_budget is None or self.load_budget.drafts()
 
+    def _paused_part_trees(self, request_ids: list[str], budgets: list[int]) -> list[DraftTree] | None:
+        """What the drafter's paused part would draft for these requests this
+        step (prepared with the whole drafter), or None without one."""
+        drafter, policy = self._paused_part
+        if drafter is None:
+            return None
+        policy.begin(request_ids)
+        return grow(drafter, policy, torch.tensor(budgets), drafter.max_depth)[0]
+
     def propose_trees(
         self,
         request_ids: list[str],
@@ -206,9 +215,11 @@ class TreeProposer:
         if getattr(drafter, "is_model", False):
             self.stats.draft_passes += stats.draft_passes
         if self.load_budget is not None:
+            fallback = None
             if drafting:
                 self.load_budget.observe_drafting(len(active), first_pass_seconds + time.perf_counter() - started)
-            trees = self.load_budget.choose(trees, other_tokens, active_ids, account=drafting)
+                fallback = self._paused_part_trees(active_ids, budgets)
+            trees = self.load_budget.choose(trees, other_tokens, active_ids, account=drafting, fallback=fallback)
         if not drafting:
             self._from_paused_part.update(active_ids)
             self.stats.paused_trees += sum(1 for tree in trees if len(tree))
