@@ -45,6 +45,7 @@ class EngineRun:
     roots: list | None
     stash_flushes: int | None
     split_passes: int | None
+    probes: int | None
     log: str
 
     @property

@@ -6,8 +6,9 @@ JOB keys: model, prompt_token_ids (list of lists), max_tokens; optional:
 dtype, speculative_config, temperature, top_p, top_k, seeds (one per prompt),
 stop, ignore_eos, max_model_len, max_num_seqs, max_num_batched_tokens,
 num_gpu_blocks_override, block_size, abort_after_steps ({prompt index: engine steps}),
-pause_pattern ([d, p]: the plugin drafts d steps, then pauses p steps, as the load
-budget does when drafting does not pay; repeated), record_roots (a model drafter's
+pause_pattern ([d, p] or [d, p, k]: the plugin drafts d steps, then pauses p steps, as
+the load budget does when drafting does not pay; repeated; with k, the first drafting
+step of each cycle is a probe that drafts for k requests), record_roots (a model drafter's
 root draft distribution at every drafting step, see ``record_roots``), stash_bytes (an
 EAGLE-3 head's bound on kept rows of paused steps; the out key stash_flushes counts the
 passes it forced), max_pass_rows (the most rows of a model drafter's forward; longer
@@ -23,7 +24,8 @@ OUT: token_ids, texts, finish_reasons (per prompt; aborted prompts get None),
 metrics (vLLM's spec-decode, preemption and prefix-cache counters),
 tree_stats (the plugin's, when active), num_gpu_blocks (the engine's KV blocks),
 roots (with record_roots), stash_flushes (with stash_bytes), split_passes (with
-max_pass_rows: first passes fed in several).
+max_pass_rows: first passes fed in several), probes (with a pause_pattern's k: probes
+that drafted for fewer requests than the batch held).
 
 Requests go through ``LLMEngine.add_request``/``step`` so a job can abort some
 of them mid-generation. Each job runs in a fresh process, so engines never
@@ -43,11 +45,24 @@ import os
 import sys
 
 
-def pause_drafting(worker, drafting: int, paused: int) -> None:
+def pause_drafting(worker, drafting: int, paused: int, probe_requests: int | None = None) -> None:
     """Replace the load budget's pause decision by a fixed pattern (sent into
-    the worker with ``collective_rpc``)."""
+    the worker with ``collective_rpc``); with ``probe_requests``, the first
+    drafting step of each cycle is a probe that drafts for that many requests."""
     steps = itertools.count()
-    worker.model_runner.tree_proposer.drafting_this_step = lambda: next(steps) % (drafting + paused) < drafting
+    proposer = worker.model_runner.tree_proposer
+    phase = [0]
+
+    def drafting_this_step() -> bool:
+        phase[0] = next(steps) % (drafting + paused)
+        return phase[0] < drafting
+
+    proposer.drafting_this_step = drafting_this_step
+    if probe_requests is not None:
+        proposer.probe_requests = lambda: probe_requests if phase[0] == 0 else None
+        runner = worker.model_runner
+        _count_calls(worker, "probes", runner._draft_backend, "least_behind",
+                     lambda count: count < runner.input_batch.num_reqs)
 
 
 def record_roots(worker) -> None:
@@ -92,8 +107,8 @@ def _count_calls(worker, name: str, owner, method: str, counts=lambda *args, **k
     setattr(owner, method, counting)
 
 
-def counter(worker, name: str) -> int:
-    return getattr(worker, name)
+def counter(worker, name: str) -> int | None:
+    return getattr(worker, name, None)
 
 
 def limit_stash(worker, stash_bytes: int) -> None:
@@ -141,8 +156,8 @@ def main(job_path: str, out_path: str) -> None:
         **({"distributed_executor_backend": "uni"} if in_process else {}),
     )
     if "pause_pattern" in job:
-        llm.collective_rpc(functools.partial(pause_drafting, drafting=job["pause_pattern"][0],
-                                             paused=job["pause_pattern"][1]))
+        llm.collective_rpc(functools.partial(
+            pause_drafting, **dict(zip(("drafting", "paused", "probe_requests"), job["pause_pattern"]))))
     if job.get("record_roots"):
         llm.collective_rpc(record_roots)
     if "stash_bytes" in job:
@@ -213,7 +228,8 @@ def main(job_path: str, out_path: str) -> None:
                 "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
                 "roots": llm.collective_rpc(recorded_roots)[0] if job.get("record_roots") else None,
                 **{key: llm.collective_rpc(functools.partial(counter, name=key))[0] if setting in job else None
-                   for key, setting in (("stash_flushes", "stash_bytes"), ("split_passes", "max_pass_rows"))},
+                   for key, setting in (("stash_flushes", "stash_bytes"), ("split_passes", "max_pass_rows"),
+                                        ("probes", "pause_pattern"))},
             },
             handle,
         )

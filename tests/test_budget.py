@@ -231,3 +231,14 @@ def test_a_hybrid_model_that_pays_against_no_drafting_but_not_against_retrieval_
 
     assert run(fallback=False)  # 8 trees gain 27 tokens for 0.14 s of step: far above 8 plain tokens
     assert not run(fallback=True)  # the same trees without the 0.032 s of drafting do better still
+
+
+def test_plain_requests_count_as_requests_without_nodes():
+    """A probe drafts for a few requests; the step's other decoding requests
+    (one row, one token each) must weigh in the rate as empty trees would."""
+    rng = np.random.default_rng(5)
+    for _ in range(100):
+        p_hat = [np.sort(rng.random(int(rng.integers(0, 6))))[::-1] for _ in range(int(rng.integers(1, 4)))]
+        alpha, beta, plain = float(rng.random() * 0.1), float(rng.random() * 0.01), int(rng.integers(0, 60))
+        with_empty = allocate(p_hat + [np.zeros(0)] * plain, alpha, beta, 0)
+        assert allocate(p_hat, alpha, beta, 0, plain=plain) == with_empty[: len(p_hat)]

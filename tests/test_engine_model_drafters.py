@@ -79,16 +79,17 @@ def test_eagle3_eagle2_tree_greedy_equals_no_speculation(demo_model, prompt_ids,
     when they outgrow the stash (bounded here to 8 rows: alone a request
     keeps 2, the batch of 8 outgrows it on every second paused step); a
     draft forward takes at most 12 rows here, so prompts and catch-ups are
-    fed in several passes, the oldest rows first. The
+    fed in several passes, the oldest rows first; the first drafting step
+    after each pause is a probe for 3 requests (the others stay paused). The
     first prompts run twice (alone, then in the batch, the pauses falling
     elsewhere): wherever both runs draft from the same context, the head's
     root distribution must be the same, caught up or not (stale or missing
     draft KV changes it)."""
     spec = adaptive("eagle3", HEAD, 24, policy="eagle2", top_k=4, depth=6)
     row_bytes = 3 * 576 * 4  # three float32 hidden states of the demo model
-    run = _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec, pause_pattern=[3, 2],
+    run = _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec, pause_pattern=[3, 2, 3],
                                record_roots=True, stash_bytes=8 * row_bytes, max_pass_rows=12)
-    assert run.stash_flushes > 0 and run.split_passes > 0
+    assert run.stash_flushes > 0 and run.split_passes > 0 and run.probes > 0
     roots = defaultdict(list)
     for key, tokens, probs, caught_up in run.roots:
         roots[key].append((tokens, probs, caught_up))

@@ -44,7 +44,11 @@ the better of no drafting and its retrieval trie alone, which drafts while
 the model is paused), drafting pauses for
 ``pause_steps`` steps, then drafts one step to look (a probe): a probe that
 does not pay pauses again at once, for twice as long (up to ``max_pause``).
-Decision: one probe, not ``pause_after`` steps, since a model drafter's
+A probe drafts for at most ``probe_requests`` requests (the engine picks
+those whose draft state needs the least catch-up; the others count as plain
+rows of the step): a paused EAGLE-3 head must first feed every row it kept,
+which at batch 64 cost 6% of the step time when probes drafted for the
+whole batch. Decision: one probe, not ``pause_after`` steps, since a model drafter's
 tree costs several draft passes however few of its nodes are kept; and a
 step whose expected rate with drafting is below ``clear_loss`` times the
 rate without pauses at once: at batch 16 an EAGLE-2 tree of a draft LM
@@ -74,13 +78,16 @@ import numpy as np
 from vllm_adaptive_spec.tree import DraftTree
 
 
-def allocate(p_hat: list[np.ndarray], alpha: float, beta: float, other_tokens: int, fixed_cost: float = 0.0) -> list[int]:
+def allocate(
+    p_hat: list[np.ndarray], alpha: float, beta: float, other_tokens: int, fixed_cost: float = 0.0, plain: int = 0
+) -> list[int]:
     """Nodes to keep per request: ``p_hat[r]`` holds request ``r``'s expected
     acceptances in its keep order (descending); returns how many of each
-    maximise ``(B + kept p_hat) / (alpha + fixed_cost + beta * (other + B + kept))``."""
+    maximise ``(B + plain + kept p_hat) / (alpha + fixed_cost + beta * (other + B + plain + kept))``
+    (``plain``: requests of the step that decode one row without a tree)."""
     batch = len(p_hat)
-    gain = float(batch)
-    cost = alpha + fixed_cost + beta * (other_tokens + batch)
+    gain = float(batch + plain)
+    cost = alpha + fixed_cost + beta * (other_tokens + batch + plain)
     if batch == 0:
         return []
     values = np.concatenate([np.asarray(v, dtype=np.float64) for v in p_hat])
@@ -111,8 +118,10 @@ class LoadBudget:
         max_pause: int = 512,
         request_half_life: float = 32.0,
         request_prior: float = 4.0,
+        probe_requests: int = 4,
     ) -> None:
         self.max_budget = max_budget
+        self.probe_requests = probe_requests
         self.decay = 0.5 ** (1.0 / half_life)
         self.cold_min_p = cold_min_p
         self.gram = np.zeros((5, 5))  # decayed X^T X and X^T t, X = (1, rows, prefill tokens, trees, branching)
@@ -227,9 +236,14 @@ class LoadBudget:
             return False
         return True
 
+    @property
+    def probing(self) -> bool:
+        """Whether this drafting step is a probe (the first after a pause)."""
+        return self._probing
+
     def choose(
         self, trees: list[DraftTree], other_tokens: int, request_ids: list[str] | None = None, account: bool = True,
-        fallback: list[DraftTree] | None = None,
+        fallback: list[DraftTree] | None = None, plain: int = 0,
     ) -> list[DraftTree]:
         """The part of each grown tree worth verifying, given ``other_tokens``
         scheduled tokens besides the trees': its best nodes by path
@@ -241,7 +255,8 @@ class LoadBudget:
         paused (the hybrid's retrieval trie); they cost no drafting time and
         do not count toward pausing or resuming the drafter. ``fallback``:
         the same requests' trees from that part, which drafting is judged
-        against (the hybrid's model pays only if it beats retrieval alone)."""
+        against (the hybrid's model pays only if it beats retrieval alone).
+        ``plain``: the step's other decoding requests (one row, one token each)."""
         ids = request_ids or [None] * len(trees)
         for request_id in ids:  # a request's record fades a step at a time, verified or not
             record = self._requests.get(request_id)
@@ -267,10 +282,10 @@ class LoadBudget:
             n = len(p_hat)
 
             def expected_rate(kept: list[int]) -> float:
-                gain = n + sum(float(v[:k].sum()) for v, k in zip(p_hat, kept))
-                return gain / (alpha + delta * n + beta * (n + sum(kept)) + eta * sum(k > 0 for k in kept))
+                gain = n + plain + sum(float(v[:k].sum()) for v, k in zip(p_hat, kept))
+                return gain / (alpha + delta * n + beta * (n + plain + sum(kept)) + eta * sum(k > 0 for k in kept))
 
-            kept = allocate(p_hat, alpha, beta, 0, delta * n)
+            kept = allocate(p_hat, alpha, beta, 0, delta * n, plain)
             for _ in range(2):  # drop the trees whose nodes do not pay eta, at the resulting rate
                 rate = expected_rate(kept)
                 kept = [k if float(v[:k].sum()) - beta * k * rate >= eta * rate else 0 for v, k in zip(p_hat, kept)]
@@ -290,7 +305,7 @@ class LoadBudget:
             chosen.append(tree)
         if not account:
             return chosen
-        without = len(trees) / (alpha + beta * len(trees))
+        without = (len(trees) + plain) / (alpha + beta * (len(trees) + plain))
         if fallback is not None:
             without = max(without, plan(expected(fallback), 0.0)[2])
         measurable = bool(trees) and delta > 0.0

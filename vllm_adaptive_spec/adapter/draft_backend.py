@@ -122,9 +122,24 @@ class PagedDraftBackend:
             aux.append(torch.cat(stash.aux))
             batch_rows.append(index[request_id])
 
+    def least_behind(self, count: int) -> set[int]:
+        """The ``count`` batch rows whose draft state needs the fewest rows
+        fed to catch up (a probe drafts for these only)."""
+        batch = self.runner.input_batch
+        lengths = batch.num_tokens_no_spec
+
+        def behind(i: int) -> int:
+            request_id = batch.req_ids[i]
+            if self.is_eagle3:
+                stash = self._stash.get(request_id)
+                return 0 if stash is None else stash.rows
+            return int(lengths[i]) - self._behind.get(request_id, int(lengths[i]))
+
+        return set(sorted(range(batch.num_reqs), key=behind)[:count])
+
     # -- step start ---------------------------------------------------------------
     def first_pass(self, aux_hidden_states, block_table: torch.Tensor, accepted: dict[int, list[int]],
-                   sampled: list[list[int]], drafting: bool = True) -> float:
+                   sampled: list[list[int]], drafting: bool = True, only_rows: set[int] | None = None) -> float:
         """``accepted[row]``: for requests verified with a tree, the query rows
         (absolute) of their committed tokens in chain order; other requests
         committed all their scheduled rows. ``sampled``: each request's new
@@ -138,7 +153,8 @@ class PagedDraftBackend:
         feeds every token since (batched catch-up passes of at most
         ``max_pass_rows`` rows), so the draft KV is complete when drafting
         resumes; a paused step whose kept rows exceed ``STASH_BYTES`` feeds
-        them at once (bounded memory).
+        them at once (bounded memory). ``only_rows`` (a probe): the batch rows
+        that draft; the others are treated as paused.
 
         Returns the share of the rows fed that are this step's own (the rest
         catch up on paused steps): the load budget counts that share of the
@@ -164,7 +180,8 @@ class PagedDraftBackend:
             p0 = int(positions[chain[0]])
             m = len(chain)
             next_position = p0 + m
-            if not drafting and not self.is_eagle3:
+            request_drafts = drafting and (only_rows is None or i in only_rows)
+            if not request_drafts and not self.is_eagle3:
                 self._behind.setdefault(batch.req_ids[i], p0)
                 continue
             if sampled[i]:
@@ -178,7 +195,7 @@ class PagedDraftBackend:
             if self.is_eagle3:
                 fed = self._head_rows(
                     batch.req_ids[i], p0, torch.cat([ids[1:], ids.new_tensor([next_token])]),
-                    torch.cat([hidden[chain_t] for hidden in aux_hidden_states], dim=-1), drafting,
+                    torch.cat([hidden[chain_t] for hidden in aux_hidden_states], dim=-1), request_drafts,
                 )
                 if fed is None:
                     continue

@@ -151,6 +151,13 @@ class TreeProposer:
         once per step, before any draft pass."""
         return self.load_budget is None or self.load_budget.drafts()
 
+    def probe_requests(self) -> int | None:
+        """How many requests this drafting step may draft for: the load
+        budget's ``probe_requests`` on a probe (the first step after a pause),
+        else None (all)."""
+        budget = self.load_budget
+        return budget.probe_requests if budget is not None and budget.probing else None
+
     def _paused_part_trees(self, request_ids: list[str], budgets: list[int]) -> list[DraftTree] | None:
         """What the drafter's paused part would draft for these requests this
         step (prepared with the whole drafter), or None without one."""
@@ -219,7 +226,9 @@ class TreeProposer:
             if drafting:
                 self.load_budget.observe_drafting(len(active), first_pass_seconds + time.perf_counter() - started)
                 fallback = self._paused_part_trees(active_ids, budgets)
-            trees = self.load_budget.choose(trees, other_tokens, active_ids, account=drafting, fallback=fallback)
+            plain = sum(1 for i, sampled in enumerate(sampled_token_ids) if sampled) - len(active)
+            trees = self.load_budget.choose(trees, other_tokens, active_ids, account=drafting, fallback=fallback,
+                                            plain=plain)
         if not drafting:
             self._from_paused_part.update(active_ids)
             self.stats.paused_trees += sum(1 for tree in trees if len(tree))

@@ -14,7 +14,8 @@ Per engine step:
 4. ``propose_draft_token_ids``: a model drafter first runs on the committed
    tokens (:class:`PagedDraftBackend`), then the proposer grows the next
    trees, cut by the load budget (``load_budget: adaptive``) to the nodes
-   worth verifying at the measured costs.
+   worth verifying at the measured costs. A probe of a paused model drafter
+   drafts only for the requests whose draft state is least behind.
 
 With ``retrieval`` vLLM's drafter object is the plugin's proposer; with
 ``eagle3`` / ``draft_model`` it is vLLM's own (which loads the weights and
@@ -198,15 +199,20 @@ class TreeRunnerMixin:
                                         sum(1 for d in drafts if d), self._branching_trees)
         drafting = self.tree_proposer.drafting_this_step()
         first_pass_seconds = 0.0
+        probe_rows = None
         if self._draft_backend is not None:
+            probe = self.tree_proposer.probe_requests() if drafting else None
+            probe_rows = None if probe is None else self._draft_backend.least_behind(probe)
             started = time.perf_counter()
             own_share = self._draft_backend.first_pass(
                 aux_hidden_states, common_attn_metadata.block_table_tensor, self._accepted_rows, sampled_token_ids,
-                drafting,
+                drafting, probe_rows,
             )
             first_pass_seconds = own_share * (time.perf_counter() - started)
         eligible = [
-            can_draft(self.requests[r].sampling_params, len(self.requests[r].output_token_ids)) for r in req_ids
+            can_draft(self.requests[r].sampling_params, len(self.requests[r].output_token_ids))
+            and (probe_rows is None or i in probe_rows)
+            for i, r in enumerate(req_ids)
         ]
         return self.tree_proposer.propose_trees(
             req_ids, sampled_token_ids, num_tokens, batch.token_ids_cpu, eligible, other_tokens, drafting,
