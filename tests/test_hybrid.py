@@ -76,18 +76,13 @@ def test_while_the_budget_pauses_the_model_the_retrieval_trie_still_drafts():
     """Paused steps (the model's passes do not pay) draft the retrieval trie
     alone: no model pass, no drafting cost, and they neither pause nor resume
     the model; their trees do not feed the hybrid policy's history."""
-    from types import SimpleNamespace
-
     import numpy as np
 
-    from vllm_adaptive_spec.adapter.config_hook import ADDITIONAL_CONFIG_KEY
-    from vllm_adaptive_spec.adapter.proposer import TreeProposer
+    from test_policies import proposer_for
     from vllm_adaptive_spec.config import TreeConfig
 
-    config = TreeConfig("hybrid", "dynatree", 8, {"l_max": 2, "evidence_prior": 0.0}, {"window": 1})
-    vllm_config = SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: config.to_dict()},
-                                  model_config=SimpleNamespace(max_model_len=256))
-    proposer = TreeProposer(vllm_config)  # no backend bound: a model pass would fail
+    # No backend bound: a model pass would fail.
+    proposer = proposer_for(TreeConfig("hybrid", "dynatree", 8, {"l_max": 2, "evidence_prior": 0.0}, {"window": 1}))
     budget = proposer.load_budget
     budget._paused, budget._losing_steps = 3, 2
     assert not proposer.drafting_this_step()

@@ -14,7 +14,7 @@ import torch
 
 from test_model_drafter import TableBackend, grow_with, paths
 from test_verify import chi_square_pvalue, committed_pair_counts
-from vllm_adaptive_spec.config import TreeConfigError, parse_tree_config
+from vllm_adaptive_spec.config import TreeConfig, TreeConfigError, parse_tree_config
 from vllm_adaptive_spec.policies import (
     ChainPolicy,
     DeaglePolicy,
@@ -271,20 +271,24 @@ def test_policy_defaults_are_the_specs():
     assert (dyna.rho_stop, dyna.rho_deep, dyna.window) == (0.01, 0.1, 8)
 
 
-def test_the_proposer_keeps_policy_state_per_request_until_it_is_forgotten():
-    """The engine adapter's proposer: ``begin`` with the step's requests,
-    ``observe`` after verification, ``forget`` when vLLM reports a request
-    finished or preempted."""
+def proposer_for(config):
+    """The engine adapter's proposer for a tree config (no engine: vLLM's config
+    reduced to what the proposer reads)."""
     from types import SimpleNamespace
 
     from vllm_adaptive_spec.adapter.config_hook import ADDITIONAL_CONFIG_KEY
     from vllm_adaptive_spec.adapter.proposer import TreeProposer
-    from vllm_adaptive_spec.config import TreeConfig
 
+    return TreeProposer(SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: config.to_dict()},
+                                        model_config=SimpleNamespace(max_model_len=256)))
+
+
+def test_the_proposer_keeps_policy_state_per_request_until_it_is_forgotten():
+    """The engine adapter's proposer: ``begin`` with the step's requests,
+    ``observe`` after verification, ``forget`` when vLLM reports a request
+    finished or preempted."""
     config = TreeConfig("retrieval", "dynatree", 8, policy_params={"window": 1, "tau_h": 0.9}, load_budget="fixed")
-    vllm_config = SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: config.to_dict()},
-                                  model_config=SimpleNamespace(max_model_len=256))
-    proposer = TreeProposer(vllm_config)
+    proposer = proposer_for(config)
     tokens = np.array([[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3, 1, 2, 3, 1, 2]])
     drafts = proposer.propose_trees(["a", "b"], [[6], [2]], np.array([8, 8]), tokens, [True, True])
     assert all(drafts)  # both repeat their context: the retrieval drafter finds continuations
@@ -300,16 +304,8 @@ def test_contexts_include_the_sampled_tokens_vllm_has_not_stored_yet():
     """Model drafters run before vLLM writes the step's sampled tokens into
     its token table: the retrieval side (hybrid) must still see them, so its
     context is the committed tokens followed by the step's samples."""
-    from types import SimpleNamespace
-
-    from vllm_adaptive_spec.adapter.config_hook import ADDITIONAL_CONFIG_KEY
-    from vllm_adaptive_spec.adapter.proposer import TreeProposer
-    from vllm_adaptive_spec.config import TreeConfig
-
     config = TreeConfig("retrieval", "retrieval", 8, {"evidence_prior": 0.0}, {"min_p": 0.05}, load_budget="fixed")
-    vllm_config = SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: config.to_dict()},
-                                  model_config=SimpleNamespace(max_model_len=256))
-    proposer = TreeProposer(vllm_config)
+    proposer = proposer_for(config)
     stale = 9  # what the table holds past the committed tokens (an old draft)
     tokens = np.array([[5, 6, 7, 1, stale, stale, stale, stale]])
     drafts = proposer.propose_trees(["a"], [[5, 6]], np.array([6]), tokens, [True], sampled_pending=True)
@@ -321,16 +317,7 @@ def test_a_model_drafters_first_pass_counts_as_drafting_cost():
     ``propose_trees`` (in the runner); the load budget must see it as part of
     the drafting cost, or a drafter looks cheaper than it is and keeps
     drafting where it loses."""
-    from types import SimpleNamespace
-
-    from vllm_adaptive_spec.adapter.config_hook import ADDITIONAL_CONFIG_KEY
-    from vllm_adaptive_spec.adapter.proposer import TreeProposer
-    from vllm_adaptive_spec.config import TreeConfig
-
-    config = TreeConfig("retrieval", "retrieval", 8, load_budget="adaptive")
-    vllm_config = SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: config.to_dict()},
-                                  model_config=SimpleNamespace(max_model_len=256))
-    proposer = TreeProposer(vllm_config)
+    proposer = proposer_for(TreeConfig("retrieval", "retrieval", 8, load_budget="adaptive"))
     tokens = np.array([[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3, 1, 2, 3, 1, 2]])
     proposer.propose_trees(["a", "b"], [[6], [2]], np.array([8, 8]), tokens, [True, True], first_pass_seconds=0.5)
     assert 0.25 <= proposer.load_budget.draft_cost() < 0.3  # half a second over two drafting requests, plus growth
@@ -339,17 +326,7 @@ def test_a_model_drafters_first_pass_counts_as_drafting_cost():
 def test_the_proposer_counts_trees_accepted_down_to_a_leaf():
     """``leaf_paths`` (the best case of drafting ahead on a guessed outcome)
     counts the verified trees whose accepted path ends at a leaf."""
-    from types import SimpleNamespace
-
-    from vllm_adaptive_spec.adapter.config_hook import ADDITIONAL_CONFIG_KEY
-    from vllm_adaptive_spec.adapter.proposer import TreeProposer
-    from vllm_adaptive_spec.config import TreeConfig
-    from vllm_adaptive_spec.tree import DraftTree
-
-    config = TreeConfig("retrieval", "retrieval", 8, load_budget="fixed")
-    vllm_config = SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: config.to_dict()},
-                                  model_config=SimpleNamespace(max_model_len=256))
-    proposer = TreeProposer(vllm_config)
+    proposer = proposer_for(TreeConfig("retrieval", "retrieval", 8, load_budget="fixed"))
     tree = DraftTree([4, 5, 6, 7], [-1, -1, 0, 2], [0.5, 0.4, 0.5, 0.5])  # 4 -> 6 -> 7, and 5
     proposer.observe(["a", "b", "c", "d"], [tree] * 4, [[0, 2, 3], [1], [0, 2], []])
     assert proposer.stats.as_dict()["leaf_paths"] == 2
