@@ -226,7 +226,7 @@ class TreeProposer:
             if drafting:
                 self.load_budget.observe_drafting(len(active), first_pass_seconds + time.perf_counter() - started)
                 fallback = self._paused_part_trees(active_ids, budgets)
-            plain = sum(1 for i, sampled in enumerate(sampled_token_ids) if sampled) - len(active)
+            plain = sum(1 for sampled in sampled_token_ids if sampled) - len(active)
             trees = self.load_budget.choose(trees, other_tokens, active_ids, account=drafting, fallback=fallback,
                                             plain=plain)
         if not drafting:
