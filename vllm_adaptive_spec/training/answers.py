@@ -18,7 +18,8 @@ from vllm_adaptive_spec.training.corpus import first_stage, second_stage
 ANSWERS = "answers.jsonl"
 
 
-def generate_answers(model: str, work_dir: Path, first: int, second: int, max_tokens: int) -> Path:
+def generate_answers(model: str, work_dir: Path, first: int, second: int, max_tokens: int,
+                     corpus_seed: int = 0) -> Path:
     work_dir.mkdir(parents=True, exist_ok=True)
     path = work_dir / ANSWERS
     done = _read(path)
@@ -26,7 +27,8 @@ def generate_answers(model: str, work_dir: Path, first: int, second: int, max_to
     for stage in (1, 2):
         if any(record["id"].startswith(f"s{stage}-") for record in done):
             continue
-        prompts = first_stage(first) if stage == 1 else second_stage(done, second)
+        prompts = (first_stage(first, corpus_seed) if stage == 1
+                   else second_stage(done, second, corpus_seed + 1))
         if llm is None:
             llm = answer_engine(model)
         records = answer(llm, prompts, max_tokens)

@@ -136,7 +136,8 @@ def train(args) -> None:
     work = Path(args.work_dir)
     from vllm_adaptive_spec.training.answers import generate_answers
 
-    answers = generate_answers(args.model, work, args.first_stage, args.second_stage, args.max_answer_tokens)
+    answers = generate_answers(args.model, work, args.first_stage, args.second_stage, args.max_answer_tokens,
+                               args.corpus_seed)
     from transformers import AutoConfig
 
     target_config = AutoConfig.from_pretrained(args.model)
@@ -246,6 +247,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory for the exported head")
     p.add_argument("--first-stage", type=int, default=1500, help="prompts of the first corpus stage")
     p.add_argument("--second-stage", type=int, default=500, help="prompts of the second stage (over the first stage's answers)")
+    p.add_argument("--corpus-seed", type=int, default=0,
+                   help="seed of the corpus's sampling (stage 2 uses it plus one); another seed, other prompts")
     p.add_argument("--max-answer-tokens", type=int, default=160)
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--init-from", default=None,
