@@ -14,13 +14,15 @@ engine step (self time: a phase's time without the phases inside it):
   (and the load budget's observations);
 * ``draft``: the drafter: ``grow`` (the tree proposer: index updates, policy,
   tree assembly), ``dpass`` (model drafters' passes, their attention
-  included), ``draft_self`` (the rest of vLLM's / the plugin's drafting);
+  included), ``dbook`` (a model drafter's bookkeeping around its pass over
+  the committed tokens: gathers, the paused rows it keeps), ``draft_self``
+  (the rest of vLLM's / the plugin's drafting);
 * ``runner``: the rest of the worker's ``execute_model`` / ``sample_tokens``;
   ``engine``: the step's wall time outside the worker (scheduler, IPC,
   detokenisation);
 * ``leaf``: the share of verified trees whose accepted path reached a leaf,
   and ``overlap <=``: that share of the drafting time (``grow``, ``dpass``,
-  ``draft_self``) over the step time. Talon's overlapped rounds draft step
+  ``dbook``, ``draft_self``) over the step time. Talon's overlapped rounds draft step
   ``t + 1`` during step ``t``'s forward on a guessed outcome of ``t`` (a whole
   path accepted, and the bonus token); the guess is right at most on the
   ``leaf`` share, so an overlap saves at most ``overlap <=`` of the step time
@@ -89,7 +91,8 @@ COLUMNS = {
     "verify": ["sample_tokens/verify"],
     "compact": ["sample_tokens/verify/compaction"],
     "grow": ["sample_tokens/draft/grow"],
-    "dpass": ["sample_tokens/draft/draft_first_pass", "sample_tokens/draft/grow/draft_pass"],
+    "dpass": ["sample_tokens/draft/draft_first_pass/draft_forward", "sample_tokens/draft/grow/draft_pass"],
+    "dbook": ["sample_tokens/draft/draft_first_pass"],
     "draft_self": ["sample_tokens/draft"],
     "runner": ["execute_model", "sample_tokens"],
 }
@@ -189,7 +192,7 @@ def table(report: dict) -> str:
         tree = row.get("tree") or {}
         if tree.get("trees_verified"):
             leaf = tree["leaf_paths"] / tree["trees_verified"]
-            drafting = sum(cols[c] for c in ("grow", "dpass", "draft_self"))
+            drafting = sum(cols[c] for c in ("grow", "dpass", "dbook", "draft_self"))
             cells += [f"{leaf:.0%}", f"{leaf * drafting / row['wall_s']:.1%}"]
         else:
             cells += ["", ""]

@@ -103,7 +103,7 @@ class PagedDraftBackend:
             self._row_bytes = aux[0].numel() * aux.element_size()
             if stash is None:
                 stash = _Stash(p0)
-            stash.add(tokens, aux)
+            stash.add(tokens.clone(), aux.clone())  # not views: they would keep the whole step's rows
             self._stash[request_id] = stash
             self._stash_rows += stash.rows
             return None
@@ -160,59 +160,17 @@ class PagedDraftBackend:
         catch up on paused steps): the load budget counts that share of the
         pass's time as the step's drafting cost, since a catch-up is paid once
         whatever is decided next."""
-        runner = self.runner
-        batch = runner.input_batch
-        num_reqs = batch.num_reqs
-        query_start = runner.query_start_loc.np[: num_reqs + 1]
-        input_ids = runner.input_ids.gpu
-        positions = runner.positions
         self._roots = None
         self._root_index.clear()
         self._root_hidden.clear()
         self._context.clear()
 
         tokens, pos, aux, batch_rows = [], [], [], []
-        own_rows = 0
-        for i in range(num_reqs):
-            chain = accepted.get(i) or list(range(int(query_start[i]), int(query_start[i + 1])))
-            if not chain:
-                continue
-            p0 = int(positions[chain[0]])
-            m = len(chain)
-            next_position = p0 + m
-            request_drafts = drafting and (only_rows is None or i in only_rows)
-            if not request_drafts and not self.is_eagle3:
-                self._behind.setdefault(batch.req_ids[i], p0)
-                continue
-            if sampled[i]:
-                next_token = sampled[i][-1]
-            elif next_position < int(batch.num_prompt_tokens[i]):
-                next_token = int(batch.token_ids_cpu[i, next_position])
-            else:
-                continue  # nothing committed after these rows (nothing to draft from)
-            chain_t = torch.tensor(chain, dtype=torch.long)
-            ids = input_ids[chain_t].to(torch.long)
-            if self.is_eagle3:
-                fed = self._head_rows(
-                    batch.req_ids[i], p0, torch.cat([ids[1:], ids.new_tensor([next_token])]),
-                    torch.cat([hidden[chain_t] for hidden in aux_hidden_states], dim=-1), request_drafts,
-                )
-                if fed is None:
-                    continue
-                start, head_tokens, head_aux = fed
-                tokens.append(head_tokens)
-                pos.append(torch.arange(start, p0 + m))
-                aux.append(head_aux)
-                self._context[i] = (p0 + m, p0 + m - 1)
-                own_rows += m
-            else:
-                start = min(self._behind.pop(batch.req_ids[i], p0), p0)
-                missed = torch.from_numpy(batch.token_ids_cpu[i, start:p0].astype(np.int64)).to(ids.device)
-                tokens.append(torch.cat([missed, ids, ids.new_tensor([next_token])]))
-                pos.append(torch.arange(start, p0 + m + 1))
-                self._context[i] = (p0 + m + 1, p0 + m)
-                own_rows += m + 1
-            batch_rows.append(i)
+        entries = self._committed(accepted, sampled, drafting, only_rows)
+        if self.is_eagle3:
+            own_rows = self._head_entries(entries, aux_hidden_states, tokens, pos, aux, batch_rows)
+        else:
+            own_rows = self._lm_entries(entries, tokens, pos, batch_rows)
         if not drafting and self._stash_rows * self._row_bytes > self.STASH_BYTES:
             self._flush_stash(tokens, pos, aux, batch_rows)
         if not batch_rows:
@@ -231,6 +189,96 @@ class PagedDraftBackend:
                 self._root_hidden[i] = out_hidden[last[k]]
         self._block_table = block_table
         return own_share
+
+    def _committed(self, accepted, sampled, drafting: bool, only_rows) -> list[tuple]:
+        """Every request that committed rows this step: ``(batch row, its
+        query rows in chain order, the first one's position, the token after
+        them or None (nothing committed after them), whether it drafts)``."""
+        runner = self.runner
+        batch = runner.input_batch
+        query_start = runner.query_start_loc.np[: batch.num_reqs + 1]
+        spans = []
+        for i in range(batch.num_reqs):
+            chain = accepted.get(i)
+            rows = (np.asarray(chain, dtype=np.int64) if chain
+                    else np.arange(query_start[i], query_start[i + 1], dtype=np.int64))
+            if rows.size:
+                spans.append((i, rows))
+        if not spans:
+            return []
+        firsts = runner.positions[torch.tensor([rows[0] for _, rows in spans])].tolist()
+        entries = []
+        for (i, rows), p0 in zip(spans, firsts):
+            next_position = p0 + len(rows)
+            if sampled[i]:
+                next_token = sampled[i][-1]
+            elif next_position < int(batch.num_prompt_tokens[i]):
+                next_token = int(batch.token_ids_cpu[i, next_position])
+            else:
+                next_token = None
+            entries.append((i, rows, p0, next_token, drafting and (only_rows is None or i in only_rows)))
+        return entries
+
+    def _head_entries(self, entries, aux_hidden_states, tokens, pos, aux, batch_rows) -> int:
+        """EAGLE-3: the step's rows of every request, gathered for the whole
+        batch at once (a paused step's cost is these gathers and a slice per
+        request, not per-request gathers): each row's input token (the next
+        one; the last row's is the token after the chain) and the target's
+        auxiliary hidden states. Paused requests keep theirs
+        (:meth:`_head_rows`); drafting ones are appended to the pass. Returns
+        the rows that are this step's own."""
+        entries = [e for e in entries if e[3] is not None]
+        if not entries:
+            return 0
+        lengths = [len(e[1]) for e in entries]
+        ends = np.cumsum(lengths)
+        rows = torch.from_numpy(np.concatenate([e[1] for e in entries]))
+        input_ids = self.runner.input_ids.gpu
+        ids = input_ids[rows.to(input_ids.device)].to(torch.long)
+        following = torch.empty_like(ids)
+        following[:-1] = ids[1:]
+        following[torch.from_numpy(ends - 1).to(ids.device)] = torch.tensor([e[3] for e in entries],
+                                                                             dtype=torch.long, device=ids.device)
+        hidden = torch.cat([h[rows.to(h.device)] for h in aux_hidden_states], dim=-1)
+        own = 0
+        batch = self.runner.input_batch
+        for (i, _, p0, _, drafts), end, m in zip(entries, ends.tolist(), lengths):
+            fed = self._head_rows(batch.req_ids[i], p0, following[end - m:end], hidden[end - m:end], drafts)
+            if fed is None:
+                continue
+            start, head_tokens, head_aux = fed
+            tokens.append(head_tokens)
+            pos.append(torch.arange(start, p0 + m))
+            aux.append(head_aux)
+            self._context[i] = (p0 + m, p0 + m - 1)
+            own += m
+            batch_rows.append(i)
+        return own
+
+    def _lm_entries(self, entries, tokens, pos, batch_rows) -> int:
+        """Draft LM: each drafting request's tokens since its draft KV stops
+        (paused steps' tokens first), its committed rows and the token after
+        them; a paused request remembers where its KV stops. Returns the rows
+        that are this step's own."""
+        batch = self.runner.input_batch
+        input_ids = self.runner.input_ids.gpu
+        own = 0
+        for i, rows, p0, next_token, drafts in entries:
+            if not drafts:
+                self._behind.setdefault(batch.req_ids[i], p0)
+                continue
+            if next_token is None:
+                continue
+            m = len(rows)
+            ids = input_ids[torch.from_numpy(rows).to(input_ids.device)].to(torch.long)
+            start = min(self._behind.pop(batch.req_ids[i], p0), p0)
+            missed = torch.from_numpy(batch.token_ids_cpu[i, start:p0].astype(np.int64)).to(ids.device)
+            tokens.append(torch.cat([missed, ids, ids.new_tensor([next_token])]))
+            pos.append(torch.arange(start, p0 + m + 1))
+            self._context[i] = (p0 + m + 1, p0 + m)
+            own += m + 1
+            batch_rows.append(i)
+        return own
 
     def _feed_oldest(self, tokens, pos, aux, batch_rows, block_table) -> None:
         """While a pass's rows exceed what one draft forward takes (vLLM's

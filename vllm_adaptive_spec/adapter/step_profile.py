@@ -83,6 +83,7 @@ def install(worker) -> bool:
     if backend is not None:
         _wrap_method(backend, "first_pass", "draft_first_pass")
         _wrap_method(backend, "feed", "draft_pass")
+        _wrap_method(backend, "_feed_rows", "draft_forward")
     if proposer is not None and getattr(runner, "rejection_sampler", None) is not None:
         verifier = runner.rejection_sampler
         verifier.on_accept = runner._after_acceptance
