@@ -24,18 +24,22 @@ def generate_answers(model: str, work_dir: Path, first: int, second: int, max_to
     path = work_dir / ANSWERS
     done = _read(path)
     llm = None
-    for stage in (1, 2):
-        if any(record["id"].startswith(f"s{stage}-") for record in done):
-            continue
-        prompts = (first_stage(first, corpus_seed) if stage == 1
-                   else second_stage(done, second, corpus_seed + 1))
-        if llm is None:
-            llm = answer_engine(model)
-        records = answer(llm, prompts, max_tokens)
-        with path.open("a", encoding="utf-8") as handle:
-            for record in records:
-                handle.write(json.dumps(record) + "\n")
-        done += records
+    try:
+        for stage in (1, 2):
+            if any(record["id"].startswith(f"s{stage}-") for record in done):
+                continue
+            prompts = (first_stage(first, corpus_seed) if stage == 1
+                       else second_stage(done, second, corpus_seed + 1))
+            if llm is None:
+                llm = answer_engine(model)
+            records = answer(llm, prompts, max_tokens)
+            with path.open("a", encoding="utf-8") as handle:
+                for record in records:
+                    handle.write(json.dumps(record) + "\n")
+            done += records
+    finally:
+        if llm is not None:
+            close_engine(llm)
     return path
 
 
@@ -49,6 +53,14 @@ def answer_engine(model: str):
 
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
     return LLM(**engine_kwargs(model, "float32", max_model_len=2048, max_num_seqs=128))
+
+
+def close_engine(llm) -> None:
+    """Stop an offline engine's processes now. Left to the garbage collector,
+    its worker outlived the answers: in ``train-eagle3`` it stayed up through
+    the features with its KV cache resident (13 GiB of this machine's 23), and
+    a run stopped there left it running without a parent."""
+    llm.llm_engine.engine_core.shutdown()
 
 
 def answer(llm, prompts: list[dict], max_tokens: int) -> list[dict]:

@@ -24,14 +24,18 @@ ANSWERS = "benchmark_answers.jsonl"
 
 def benchmark_answers(model: str, work_dir: Path, prompts_path: str | None, max_tokens: int) -> Path:
     from vllm_adaptive_spec.prompts import load_prompts
-    from vllm_adaptive_spec.training.answers import answer, answer_engine
+    from vllm_adaptive_spec.training.answers import answer, answer_engine, close_engine
 
     work_dir.mkdir(parents=True, exist_ok=True)
     path = work_dir / ANSWERS
     if not path.is_file():
         prompts = [{"id": p.id, "category": p.category, "prompt": p.messages[-1]["content"],
                     "history": p.messages[:-1]} for p in load_prompts(prompts_path)]
-        records = answer(answer_engine(model), prompts, max_tokens)
+        llm = answer_engine(model)
+        try:
+            records = answer(llm, prompts, max_tokens)
+        finally:
+            close_engine(llm)
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
         tmp.rename(path)
