@@ -36,7 +36,9 @@ model drafters (EAGLE-2 trees of N nodes, ``load_budget: fixed``; the head of
 ``--head``, the draft LM of ``vllm-adaptive-spec draft-lm``), whose ``dpass``
 share bounds what overlapping drafting with verification could save;
 ``eagle3-adaptive-N`` / ``draft-lm-adaptive-N``: the same under the default
-load budget (what a model drafter costs while the budget pauses it).
+load budget (what a model drafter costs while the budget pauses it);
+``hybrid-N`` / ``hybrid-adaptive-N``: the EAGLE-3 head's EAGLE-2 tree merged
+with the retrieval trie (Talon's hybrid), likewise.
 
 Reproduce (about 12 minutes on 2 CPU cores; writes ``step_profile.{json,md}``)::
 
@@ -74,13 +76,13 @@ def method_config(name: str) -> dict | None:
         if budget == 0:
             tree.update(l_max=MAX_LEN, l_min=MAX_LEN)
         return {"method": "adaptive_tree", "num_speculative_tokens": max(budget, 1), "tree": tree}
-    for prefix, drafter in (("eagle3-", "eagle3"), ("draft-lm-", "draft_model")):
+    for prefix, drafter in (("eagle3-", "eagle3"), ("draft-lm-", "draft_model"), ("hybrid-", "hybrid")):
         if name.startswith(prefix):
             adaptive = name.startswith(prefix + "adaptive-")
             return {"method": "adaptive_tree", "num_speculative_tokens": int(name.rsplit("-", 1)[1]),
                     "tree": {"drafter": drafter, "policy": "eagle2", "load_budget": "adaptive" if adaptive else "fixed"}}
     raise ValueError(f"unknown method {name!r}: none, ngram, tree-N, tree-adaptive-N, eagle3-N, eagle3-adaptive-N, "
-                     "draft-lm-N, draft-lm-adaptive-N")
+                     "draft-lm-N, draft-lm-adaptive-N, hybrid-N, hybrid-adaptive-N")
 
 
 COLUMNS = {
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for method in args.methods.split(","):
         spec = method_config(method)
-        if spec is not None and spec.get("tree", {}).get("drafter") == "eagle3":
+        if spec is not None and spec.get("tree", {}).get("drafter") in ("eagle3", "hybrid"):
             spec["model"] = args.head
         elif spec is not None and spec.get("tree", {}).get("drafter") == "draft_model":
             from vllm_adaptive_spec.training.draft_lm import ensure_draft_lm

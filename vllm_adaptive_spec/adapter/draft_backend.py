@@ -29,6 +29,8 @@ on; dense distributions never leave the backend.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 from vllm.forward_context import set_forward_context
@@ -36,6 +38,16 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from kernels.draft_distribution import DraftDistribution, draft_distribution
 from vllm_adaptive_spec.adapter import step as tree_step
+
+
+class _Committed(NamedTuple):
+    """A request's rows committed this step."""
+
+    batch_row: int
+    rows: np.ndarray  # its query rows, in chain order
+    first_position: int
+    next_token: int | None  # the token after them; None: nothing committed after them yet
+    drafts: bool
 
 
 class _Stash:
@@ -190,10 +202,8 @@ class PagedDraftBackend:
         self._block_table = block_table
         return own_share
 
-    def _committed(self, accepted, sampled, drafting: bool, only_rows) -> list[tuple]:
-        """Every request that committed rows this step: ``(batch row, its
-        query rows in chain order, the first one's position, the token after
-        them or None (nothing committed after them), whether it drafts)``."""
+    def _committed(self, accepted, sampled, drafting: bool, only_rows) -> list[_Committed]:
+        """Every request that committed rows this step (:class:`_Committed`)."""
         runner = self.runner
         batch = runner.input_batch
         query_start = runner.query_start_loc.np[: batch.num_reqs + 1]
@@ -216,7 +226,7 @@ class PagedDraftBackend:
                 next_token = int(batch.token_ids_cpu[i, next_position])
             else:
                 next_token = None
-            entries.append((i, rows, p0, next_token, drafting and (only_rows is None or i in only_rows)))
+            entries.append(_Committed(i, rows, p0, next_token, drafting and (only_rows is None or i in only_rows)))
         return entries
 
     def _head_entries(self, entries, aux_hidden_states, tokens, pos, aux, batch_rows) -> int:
@@ -227,17 +237,17 @@ class PagedDraftBackend:
         auxiliary hidden states. Paused requests keep theirs
         (:meth:`_head_rows`); drafting ones are appended to the pass. Returns
         the rows that are this step's own."""
-        entries = [e for e in entries if e[3] is not None]
+        entries = [e for e in entries if e.next_token is not None]
         if not entries:
             return 0
-        lengths = [len(e[1]) for e in entries]
+        lengths = [len(e.rows) for e in entries]
         ends = np.cumsum(lengths)
-        rows = torch.from_numpy(np.concatenate([e[1] for e in entries]))
+        rows = torch.from_numpy(np.concatenate([e.rows for e in entries]))
         input_ids = self.runner.input_ids.gpu
         ids = input_ids[rows.to(input_ids.device)].to(torch.long)
         following = torch.empty_like(ids)
         following[:-1] = ids[1:]
-        following[torch.from_numpy(ends - 1).to(ids.device)] = torch.tensor([e[3] for e in entries],
+        following[torch.from_numpy(ends - 1).to(ids.device)] = torch.tensor([e.next_token for e in entries],
                                                                              dtype=torch.long, device=ids.device)
         hidden = torch.cat([h[rows.to(h.device)] for h in aux_hidden_states], dim=-1)
         own = 0
