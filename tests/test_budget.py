@@ -9,10 +9,10 @@ from vllm_adaptive_spec.budget import LoadBudget, allocate
 from vllm_adaptive_spec.tree import DraftTree
 
 
-def _rate(p_hat, kept, alpha, beta, other, fixed=0.0):
-    batch = len(p_hat)
+def _rate(p_hat, kept, alpha, beta, plain=0):
+    batch = len(p_hat) + plain
     gain = batch + sum(float(np.sum(v[:k])) for v, k in zip(p_hat, kept))
-    return gain / (alpha + fixed + beta * (other + batch + sum(kept)))
+    return gain / (alpha + beta * (batch + sum(kept)))
 
 
 def test_allocation_is_the_best_over_every_choice():
@@ -22,30 +22,30 @@ def test_allocation_is_the_best_over_every_choice():
     for _ in range(200):
         batch = int(rng.integers(1, 4))
         p_hat = [np.sort(rng.random(int(rng.integers(0, 5))))[::-1] for _ in range(batch)]
-        alpha, beta, other = float(rng.random()), float(rng.random() * 0.3), int(rng.integers(0, 5))
-        kept = allocate(p_hat, alpha, beta, other)
+        alpha, beta, plain = float(rng.random()), float(rng.random() * 0.3), int(rng.integers(0, 5))
+        kept = allocate(p_hat, alpha, beta, plain=plain)
         best = max(
-            _rate(p_hat, choice, alpha, beta, other)
+            _rate(p_hat, choice, alpha, beta, plain)
             for choice in np.ndindex(*[len(v) + 1 for v in p_hat])
         )
-        assert _rate(p_hat, kept, alpha, beta, other) == pytest.approx(best)
+        assert _rate(p_hat, kept, alpha, beta, plain) == pytest.approx(best)
 
 
 def test_confident_requests_get_more_nodes():
     p_hat = [np.array([0.95, 0.9, 0.85, 0.8]), np.array([0.3, 0.1, 0.05, 0.01])]
-    assert allocate(p_hat, alpha=0.2, beta=0.01, other_tokens=0) == [4, 1]
+    assert allocate(p_hat, alpha=0.2, beta=0.01) == [4, 1]
 
 
 def test_nodes_shrink_with_load_down_to_none():
     p = np.array([0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05])
-    totals = [sum(allocate([p] * batch, alpha=0.2, beta=0.002, other_tokens=0)) / batch for batch in (1, 8, 64, 2048)]
+    totals = [sum(allocate([p] * batch, alpha=0.2, beta=0.002)) / batch for batch in (1, 8, 64, 2048)]
     assert totals == sorted(totals, reverse=True)
     assert totals[0] == 7 and totals[-1] == 0
 
 
 def test_every_node_kept_when_verification_is_free():
     p = [np.array([0.5, 0.2, 0.01])] * 3
-    assert allocate(p, alpha=0.05, beta=0.0, other_tokens=100) == [3, 3, 3]
+    assert allocate(p, alpha=0.05, beta=0.0, plain=100) == [3, 3, 3]
 
 
 def _feed_steps(budget: LoadBudget, alpha: float, beta: float, steps: int = 40) -> None:
@@ -90,7 +90,7 @@ def test_a_trees_fixed_cost_is_fitted_and_only_confident_trees_pay_it():
     confident.q = [0.95, 0.95, 0.95]
     weak = DraftTree.chain([4, 5, 6])
     weak.q = [0.3, 0.3, 0.3]  # p = .3, .09, .03: less than eta's worth of tokens
-    assert budget.choose([confident, weak], other_tokens=0) == [confident, DraftTree()]
+    assert budget.choose([confident, weak]) == [confident, DraftTree()]
     assert LoadBudget(max_budget=8).tree_cost() == 0.0  # unknown before any step
 
 
@@ -105,7 +105,7 @@ def test_calibration_discounts_an_optimistic_drafter():
 def test_cold_start_keeps_only_likely_nodes():
     budget = LoadBudget(max_budget=8, cold_min_p=0.3)
     tree = DraftTree([5, 6, 7], [-1, 0, -1], [0.9, 0.5, 0.2])  # p: .9 .45 .2
-    assert budget.choose([tree], other_tokens=0) == [DraftTree([5, 6], [-1, 0], [0.9, 0.5])]
+    assert budget.choose([tree]) == [DraftTree([5, 6], [-1, 0], [0.9, 0.5])]
 
 
 def test_speculation_that_never_pays_settles_on_no_drafting():
@@ -122,7 +122,7 @@ def test_speculation_that_never_pays_settles_on_no_drafting():
             continue
         drafted.append(True)
         budget.observe_drafting(8, 0.004)
-        assert budget.choose([weak] * 8, other_tokens=0) == [DraftTree()] * 8
+        assert budget.choose([weak] * 8) == [DraftTree()] * 8
     assert sum(drafted[-100:]) <= 2, "drafting should be paused almost always"
     # After the first pause, each look at drafting is a single probe step.
     after_first_pause = drafted[drafted.index(False):]
@@ -138,12 +138,12 @@ def test_drafting_that_costs_far_more_than_a_step_pauses_at_once():
     weak = DraftTree.chain([1, 2, 3])
     weak.q = [0.2, 0.2, 0.2]
     budget.observe_drafting(16, 16 * 0.03)  # 0.48 s of drafting for a 0.07 s step
-    budget.choose([weak] * 16, other_tokens=0)
+    budget.choose([weak] * 16)
     assert not budget.drafts()
     cheap = LoadBudget(max_budget=16, pause_after=16, half_life=1e9)
     _feed_steps(cheap, alpha=0.05, beta=0.001)
     cheap.observe_drafting(16, 16 * 0.0005)
-    cheap.choose([weak] * 16, other_tokens=0)
+    cheap.choose([weak] * 16)
     assert cheap.drafts()
 
 
@@ -156,7 +156,7 @@ def test_speculation_that_always_pays_keeps_the_full_tree():
     for _ in range(20):
         budget.observe_tree(strong, list(range(10)))  # calibrated: 10 of sum(p) = 10.9
     assert all(budget.drafts() for _ in range(50))
-    assert budget.choose([strong] * 4, other_tokens=0) == [strong] * 4
+    assert budget.choose([strong] * 4) == [strong] * 4
 
 
 def _fitted(branch_seconds: float) -> LoadBudget:
@@ -181,9 +181,9 @@ def test_a_branching_trees_extra_cost_is_fitted_apart_from_its_rows():
 def test_branches_kept_only_when_they_pay_for_their_extra_cost():
     # Root children .8 and .5; the .8 child has a child .6 (p = .48).
     tree = DraftTree([1, 2, 3], [-1, -1, 0], [0.8, 0.5, 0.6])
-    assert _fitted(0.0).choose([tree], 0) == [tree]  # free branching: the whole tree
-    assert _fitted(0.001).choose([tree], 0) == [tree]  # cheap: the .5 branch pays
-    assert _fitted(0.05).choose([tree], 0) == [DraftTree([1, 3], [-1, 0], [0.8, 0.6])]  # dear: main path only
+    assert _fitted(0.0).choose([tree]) == [tree]  # free branching: the whole tree
+    assert _fitted(0.001).choose([tree]) == [tree]  # cheap: the .5 branch pays
+    assert _fitted(0.05).choose([tree]) == [DraftTree([1, 3], [-1, 0], [0.8, 0.6])]  # dear: main path only
 
 
 def test_a_request_whose_trees_are_accepted_keeps_more_nodes_than_one_whose_trees_fail():
@@ -194,7 +194,7 @@ def test_a_request_whose_trees_are_accepted_keeps_more_nodes_than_one_whose_tree
     for _ in range(10):
         budget.observe_tree(tree, list(range(4)), "good")  # four of sum(p) = 1.43 accepted
         budget.observe_tree(tree, [], "poor")  # none
-    good, poor, new = budget.choose([tree, tree, tree], 0, ["good", "poor", "new"])
+    good, poor, new = budget.choose([tree, tree, tree], ["good", "poor", "new"])
     assert len(good) > len(new) > len(poor)
     assert budget.calibration("good") > budget.calibration() > budget.calibration("poor")
     budget.forget("good")
@@ -210,7 +210,7 @@ def test_a_requests_record_fades_back_to_the_engines_while_it_is_not_verified():
         budget.observe_tree(tree, [0, 1], "good")
     before = budget.calibration("poor")
     for _ in range(40):
-        budget.choose([DraftTree()], 0, ["poor"])
+        budget.choose([DraftTree()], ["poor"])
     assert before < budget.calibration("poor") == pytest.approx(budget.calibration(), rel=1e-2)
 
 
@@ -226,7 +226,7 @@ def test_a_hybrid_model_that_pays_against_no_drafting_but_not_against_retrieval_
         tree.q = [0.9, 0.9, 0.9]  # p: .9 .81 .73, all worth their rows
         for _ in range(4):
             assert budget.drafts()
-            assert budget.choose([tree] * 8, other_tokens=0, fallback=[tree] * 8 if fallback else None) == [tree] * 8
+            assert budget.choose([tree] * 8, fallback=[tree] * 8 if fallback else None) == [tree] * 8
         return budget.drafts()
 
     assert run(fallback=False)  # 8 trees gain 27 tokens for 0.14 s of step: far above 8 plain tokens

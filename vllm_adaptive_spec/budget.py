@@ -7,7 +7,7 @@ the batch is large. Every step, after the trees are grown at the full budget
 maximise the expected committed tokens per second of the next step::
 
     G / C,   G = B + sum of kept nodes' p_hat,
-             C = alpha + beta * (T_other + B + n_kept) + delta * B_drafting
+             C = alpha + beta * (B + n_kept) + delta * B_drafting
 
 * ``p_hat = rho_r * p``: ``p`` is the node's path probability (for the
   retrieval drafter, a calibrated chance of acceptance), ``rho`` the ratio of
@@ -18,10 +18,16 @@ maximise the expected committed tokens per second of the next step::
   predicted nodes (decayed per step, half-life ``request_half_life``) and
   ``k = request_prior``; a request whose trees are accepted deeply keeps
   more nodes than one whose trees fail on the same evidence.
-* ``alpha + beta * T``: the step time for ``T`` decode rows (``T_other``:
-  prompt-chunk tokens, with a slope of their own), fitted by exponentially
-  weighted least squares on measured steps (fixed cost and per-row cost);
+* ``alpha + beta * T``: the step time for ``T`` decode rows, fitted by
+  exponentially weighted least squares on measured steps (fixed cost,
+  per-row cost, and prompt-chunk tokens with a slope of their own);
   ``delta``: the drafter's measured time per drafting request.
+  Decision: a step's prompt chunks are left out of ``C``. They are work the
+  engine does whatever is drafted, so they do not make a node cheaper: a node
+  costs ``beta`` and saves ``p_hat`` decode rows at ``beta + alpha / B`` each
+  in every step. Counted in (as before), a prefill-heavy step kept nearly
+  every node offered (at batch 64, 133 nodes a step, against 7 a step
+  without prompt chunks).
 * ``eta``: what verifying a tree costs beyond its rows (layout, verification,
   KV compaction), fitted in the same regression with the step's number of
   trees as a fourth column. Decision: without it that cost lands in
@@ -79,15 +85,15 @@ from vllm_adaptive_spec.tree import DraftTree
 
 
 def allocate(
-    p_hat: list[np.ndarray], alpha: float, beta: float, other_tokens: int, fixed_cost: float = 0.0, plain: int = 0
+    p_hat: list[np.ndarray], alpha: float, beta: float, fixed_cost: float = 0.0, plain: int = 0
 ) -> list[int]:
     """Nodes to keep per request: ``p_hat[r]`` holds request ``r``'s expected
     acceptances in its keep order (descending); returns how many of each
-    maximise ``(B + plain + kept p_hat) / (alpha + fixed_cost + beta * (other + B + plain + kept))``
+    maximise ``(B + plain + kept p_hat) / (alpha + fixed_cost + beta * (B + plain + kept))``
     (``plain``: requests of the step that decode one row without a tree)."""
     batch = len(p_hat)
     gain = float(batch + plain)
-    cost = alpha + fixed_cost + beta * (other_tokens + batch + plain)
+    cost = alpha + fixed_cost + beta * (batch + plain)
     if batch == 0:
         return []
     values = np.concatenate([np.asarray(v, dtype=np.float64) for v in p_hat])
@@ -242,11 +248,10 @@ class LoadBudget:
         return self._probing
 
     def choose(
-        self, trees: list[DraftTree], other_tokens: int, request_ids: list[str] | None = None, account: bool = True,
+        self, trees: list[DraftTree], request_ids: list[str] | None = None, account: bool = True,
         fallback: list[DraftTree] | None = None, plain: int = 0,
     ) -> list[DraftTree]:
-        """The part of each grown tree worth verifying, given ``other_tokens``
-        scheduled tokens besides the trees': its best nodes by path
+        """The part of each grown tree worth verifying: its best nodes by path
         probability (:meth:`DraftTree.keep_best`), cut to its main path when
         the nodes off that path do not pay for the extra cost of a branching
         tree (:meth:`branch_cost`). ``request_ids``: the trees' requests, whose
@@ -273,8 +278,7 @@ class LoadBudget:
         fit = self._solve()
         if fit is None:
             return [t.keep_best(int((v >= self.cold_min_p).sum())) for t, v in zip(trees, p_hat)]
-        alpha, beta, gamma, eta, xi = fit
-        alpha += gamma * other_tokens  # prompt chunks: a fixed cost of the step
+        alpha, beta, _, eta, xi = fit
 
         def plan(p_hat: list[np.ndarray], delta: float) -> tuple[list[int], float, float]:
             """Nodes kept per tree, the rate the trees were cut at, and the
@@ -285,7 +289,7 @@ class LoadBudget:
                 gain = n + plain + sum(float(v[:k].sum()) for v, k in zip(p_hat, kept))
                 return gain / (alpha + delta * n + beta * (n + plain + sum(kept)) + eta * sum(k > 0 for k in kept))
 
-            kept = allocate(p_hat, alpha, beta, 0, delta * n, plain)
+            kept = allocate(p_hat, alpha, beta, delta * n, plain)
             for _ in range(2):  # drop the trees whose nodes do not pay eta, at the resulting rate
                 rate = expected_rate(kept)
                 kept = [k if float(v[:k].sum()) - beta * k * rate >= eta * rate else 0 for v, k in zip(p_hat, kept)]

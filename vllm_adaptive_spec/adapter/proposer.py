@@ -174,7 +174,6 @@ class TreeProposer:
         num_tokens: np.ndarray,
         token_ids: np.ndarray,
         eligible: list[bool],
-        other_tokens: int = 0,
         drafting: bool = True,
         prompt_lens: np.ndarray | None = None,
         sampled_pending: bool = False,
@@ -183,8 +182,7 @@ class TreeProposer:
         """One tree of at most ``N`` nodes per request (empty when it may not
         draft, or when ``drafting`` is False and the drafter has no part that
         drafts without a model pass), cut by the load budget when it
-        is on (``other_tokens``: the next step's scheduled tokens besides the
-        trees', as far as known); returns each tree's tokens, breadth-first,
+        is on; returns each tree's tokens, breadth-first,
         as vLLM's draft token ids. ``prompt_lens``: each request's prompt
         length, where a drafter's shared datastore keeps outputs only.
         ``sampled_pending``: ``token_ids`` does not hold this step's sampled
@@ -227,7 +225,7 @@ class TreeProposer:
                 self.load_budget.observe_drafting(len(active), first_pass_seconds + time.perf_counter() - started)
                 fallback = self._paused_part_trees(active_ids, budgets)
             plain = sum(1 for sampled in sampled_token_ids if sampled) - len(active)
-            trees = self.load_budget.choose(trees, other_tokens, active_ids, account=drafting, fallback=fallback,
+            trees = self.load_budget.choose(trees, active_ids, account=drafting, fallback=fallback,
                                             plain=plain)
         if not drafting:
             self._from_paused_part.update(active_ids)

@@ -215,7 +215,7 @@ class TreeRunnerMixin:
             for i, r in enumerate(req_ids)
         ]
         return self.tree_proposer.propose_trees(
-            req_ids, sampled_token_ids, num_tokens, batch.token_ids_cpu, eligible, other_tokens, drafting,
+            req_ids, sampled_token_ids, num_tokens, batch.token_ids_cpu, eligible, drafting,
             batch.num_prompt_tokens, sampled_pending, first_pass_seconds,
         )
 
