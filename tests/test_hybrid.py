@@ -93,3 +93,29 @@ def test_while_the_budget_pauses_the_model_the_retrieval_trie_still_drafts():
     proposer.observe(["a"], [proposer.trees["a"]], [[0, 1, 2]])
     assert "a" not in proposer.policy._history
     assert proposer.stats.as_dict()["draft_passes"] == 0
+
+
+def test_the_retrieval_trie_has_a_budget_of_its_own():
+    """The trie's drafting while the model is paused is timed into its own
+    budget, its trees calibrate that budget only, and when that budget
+    pauses no trie is drafted either."""
+    import numpy as np
+
+    from test_policies import proposer_for
+    from vllm_adaptive_spec.config import TreeConfig
+
+    proposer = proposer_for(TreeConfig("hybrid", "dynatree", 8, {"l_max": 2, "evidence_prior": 0.0}, {"window": 1}))
+    model, trie = proposer.load_budget, proposer.paused_budget
+    assert trie is not None and trie is not model
+    model._paused = 3
+    tokens = np.array([[5, 6, 4, 4, 4, 0, 5, 6], [1, 2, 3, 7, 8, 9, 0, 11]])
+    assert not proposer.drafting_this_step()
+    drafts = proposer.propose_trees(["a", "b"], [[6], [11]], np.array([8, 8]), tokens, [True, True], drafting=False)
+    assert drafts[0][:3] == [4, 4, 4]
+    assert trie.drafted_requests == 2.0 and model.drafted_requests == 0.0
+    proposer.observe(["a"], [proposer.trees["a"]], [[0, 1, 2]])
+    assert "a" in trie._requests and "a" not in model._requests
+    trie._paused = 2
+    assert not proposer.drafting_this_step()
+    drafts = proposer.propose_trees(["a", "b"], [[6], [11]], np.array([8, 8]), tokens, [True, True], drafting=False)
+    assert drafts == [[], []] and trie._paused == 1

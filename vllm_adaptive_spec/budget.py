@@ -47,7 +47,7 @@ Down to no speculation: drafting itself costs ``delta`` per request; after
 ``pause_after`` steps in a row whose expected rate with the kept nodes (and
 the drafting) was below the rate without drafting (for the hybrid drafter:
 the better of no drafting and its retrieval trie alone, which drafts while
-the model is paused), drafting pauses for
+the model is paused, under a budget of its own), drafting pauses for
 ``pause_steps`` steps, then drafts one step to look (a probe): a probe that
 does not pay pauses again at once, for twice as long (up to ``max_pause``).
 A probe drafts for at most ``probe_requests`` requests (the engine picks
@@ -248,19 +248,17 @@ class LoadBudget:
         return self._probing
 
     def choose(
-        self, trees: list[DraftTree], request_ids: list[str] | None = None, account: bool = True,
+        self, trees: list[DraftTree], request_ids: list[str] | None = None,
         fallback: list[DraftTree] | None = None, plain: int = 0,
     ) -> list[DraftTree]:
         """The part of each grown tree worth verifying: its best nodes by path
         probability (:meth:`DraftTree.keep_best`), cut to its main path when
         the nodes off that path do not pay for the extra cost of a branching
         tree (:meth:`branch_cost`). ``request_ids``: the trees' requests, whose
-        own records calibrate them (:meth:`calibration`). ``account`` False:
-        the trees come from a part of the drafter that runs while drafting is
-        paused (the hybrid's retrieval trie); they cost no drafting time and
-        do not count toward pausing or resuming the drafter. ``fallback``:
-        the same requests' trees from that part, which drafting is judged
-        against (the hybrid's model pays only if it beats retrieval alone).
+        own records calibrate them (:meth:`calibration`). ``fallback``: the
+        same requests' trees from the part of the drafter that runs while the
+        drafter is paused (the hybrid's retrieval trie), which drafting is
+        judged against (the hybrid's model pays only if it beats retrieval alone).
         ``plain``: the step's other decoding requests (one row, one token each)."""
         ids = request_ids or [None] * len(trees)
         for request_id in ids:  # a request's record fades a step at a time, verified or not
@@ -295,7 +293,7 @@ class LoadBudget:
                 kept = [k if float(v[:k].sum()) - beta * k * rate >= eta * rate else 0 for v, k in zip(p_hat, kept)]
             return kept, rate, expected_rate(kept)
 
-        delta = self.draft_cost() if account else 0.0
+        delta = self.draft_cost()
         kept, rate, with_drafting = plan(p_hat, delta)
         chosen = []
         for tree, count, rho in zip(trees, kept, rhos):
@@ -307,8 +305,6 @@ class LoadBudget:
                 if net < xi * rate:
                     tree = path
             chosen.append(tree)
-        if not account:
-            return chosen
         without = (len(trees) + plain) / (alpha + beta * (len(trees) + plain))
         if fallback is not None:
             without = max(without, plan(expected(fallback), 0.0)[2])

@@ -106,6 +106,13 @@ class TreeProposer:
         paused_part = getattr(self.drafter, "paused_part", None)
         self._paused_part = (None, None) if paused_part is None else paused_part()
         self._from_paused_part: set[str] = set()  # requests whose last tree came from it
+        # That part's own load budget. Decision: its drafting is not free (the
+        # trie's index and growth took 4% of the step time at batch 64, where its
+        # trees rarely pay), so it pauses on its own measured cost, and its trees
+        # calibrate its own rho rather than the model's.
+        self.paused_budget = (
+            LoadBudget(self.config.budget) if self.load_budget is not None and self._paused_part[0] is not None else None
+        )
 
     def load_model(self, *args, **kwargs) -> None:
         """Only the retrieval drafter runs as vLLM's drafter object, and it has no
@@ -121,8 +128,11 @@ class TreeProposer:
             self.trees.pop(request_id, None)
             self.drafter.forget(request_id, finished=request_id in finished)
             self.policy.forget(request_id)
-            if self.load_budget is not None:
-                self.load_budget.forget(request_id)
+            for budget in self._budgets():
+                budget.forget(request_id)
+
+    def _budgets(self) -> list[LoadBudget]:
+        return [b for b in (self.load_budget, self.paused_budget) if b is not None]
 
     def clear_shared_datastore(self) -> int:
         """Empty the retrieval drafter's shared datastore; the tokens dropped."""
@@ -135,16 +145,18 @@ class TreeProposer:
             self.stats.leaf_paths += bool(nodes) and nodes[-1] not in tree.parents
             if self.recorder is not None:
                 self.recorder(tree, nodes)
-            if self.load_budget is not None:
-                self.load_budget.observe_tree(tree, nodes, request_id)
-            if request_id not in self._from_paused_part:
+            paused = request_id in self._from_paused_part
+            budget = self.paused_budget if paused else self.load_budget
+            if budget is not None:
+                budget.observe_tree(tree, nodes, request_id)
+            if not paused:
                 self.policy.observe(request_id, tree, len(nodes))
 
     def observe_step(
         self, step_tokens: int, step_seconds: float, prefill_tokens: int, trees: int = 0, branching: int = 0
     ) -> None:
-        if self.load_budget is not None:
-            self.load_budget.observe_step(step_tokens, step_seconds, prefill_tokens, trees, branching)
+        for budget in self._budgets():
+            budget.observe_step(step_tokens, step_seconds, prefill_tokens, trees, branching)
 
     def drafting_this_step(self) -> bool:
         """Whether this step drafts at all (the load budget may pause it); asked
@@ -194,6 +206,8 @@ class TreeProposer:
         self.stats.proposals += 1
         self.stats.paused += not drafting
         drafter, policy = (self.drafter, self.policy) if drafting else self._paused_part
+        if not drafting and self.paused_budget is not None and not self.paused_budget.drafts():
+            drafter = None
         self._from_paused_part.clear()
         for i, request_id in enumerate(request_ids):
             length = int(num_tokens[i])
@@ -219,14 +233,12 @@ class TreeProposer:
         trees, stats = grow(drafter, policy, torch.tensor(budgets), drafter.max_depth)
         if getattr(drafter, "is_model", False):
             self.stats.draft_passes += stats.draft_passes
-        if self.load_budget is not None:
-            fallback = None
-            if drafting:
-                self.load_budget.observe_drafting(len(active), first_pass_seconds + time.perf_counter() - started)
-                fallback = self._paused_part_trees(active_ids, budgets)
+        budget = self.load_budget if drafting else self.paused_budget
+        if budget is not None:
+            budget.observe_drafting(len(active), (first_pass_seconds if drafting else 0.0) + time.perf_counter() - started)
+            fallback = self._paused_part_trees(active_ids, budgets) if drafting else None
             plain = sum(1 for sampled in sampled_token_ids if sampled) - len(active)
-            trees = self.load_budget.choose(trees, active_ids, account=drafting, fallback=fallback,
-                                            plain=plain)
+            trees = budget.choose(trees, active_ids, fallback=fallback, plain=plain)
         if not drafting:
             self._from_paused_part.update(active_ids)
             self.stats.paused_trees += sum(1 for tree in trees if len(tree))

@@ -24,7 +24,9 @@ Decision (under the load budget): while the budget pauses drafting (the
 model's passes do not pay), the retrieval trie is still drafted, alone, as
 the ``retrieval`` drafter drafts it (its own policy, ``min_p`` 0.05): it runs
 no model pass, so pausing the model need not give up the retrieval side's
-tokens. The model's draft state is kept as for any paused model drafter.
+tokens. It has a load budget of its own (its cost is measured, and it
+pauses where its trees do not pay, as the ``retrieval`` drafter does). The
+model's draft state is kept as for any paused model drafter.
 """
 
 from __future__ import annotations
