@@ -83,8 +83,13 @@ class TreeVerifier(torch.nn.Module):
         starts = cu_rows - rows_per_request
         batch, width = num_drafts.shape[0], int(num_drafts.max()) + 1
 
+        # A step without drafts has one row per request: no gather (a copy of every row's
+        # logits), unless logprobs are read from ``logits`` after vLLM's sampler, which
+        # processes the rows it is given in place.
+        no_copy = logits.shape[0] == batch and sampling_metadata.max_num_logprobs is None
+        bonus = logits if no_copy else logits[metadata.bonus_logits_indices]
         plain = self.sampler(
-            logits=logits[metadata.bonus_logits_indices],
+            logits=bonus,
             sampling_metadata=sampling_metadata,
             predict_bonus_token=True,
         )
