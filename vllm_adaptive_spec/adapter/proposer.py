@@ -235,7 +235,7 @@ class TreeProposer:
             self.stats.draft_passes += stats.draft_passes
         budget = self.load_budget if drafting else self.paused_budget
         if budget is not None:
-            budget.observe_drafting(len(active), (first_pass_seconds if drafting else 0.0) + time.perf_counter() - started)
+            budget.observe_drafting(len(active), first_pass_seconds + time.perf_counter() - started)
             fallback = self._paused_part_trees(active_ids, budgets) if drafting else None
             plain = sum(1 for sampled in sampled_token_ids if sampled) - len(active)
             trees = budget.choose(trees, active_ids, fallback=fallback, plain=plain)
