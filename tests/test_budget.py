@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from vllm_adaptive_spec.budget import LoadBudget, allocate
+from vllm_adaptive_spec.step_cost import StepCostFit
 from vllm_adaptive_spec.tree import DraftTree
 
 
@@ -52,15 +53,25 @@ def _feed_steps(budget: LoadBudget, alpha: float, beta: float, steps: int = 40) 
     rng = np.random.default_rng(0)
     for _ in range(steps):
         tokens = int(rng.integers(4, 200))
-        budget.observe_step(tokens, alpha + beta * tokens)
+        budget.fit.observe(tokens, alpha + beta * tokens)
 
 
 def test_cost_fit_recovers_a_linear_step_time():
     budget = LoadBudget(max_budget=8)
-    assert budget.cost() is None
+    assert budget.fit.cost() is None
     _feed_steps(budget, alpha=0.02, beta=0.001)
-    alpha, beta, gamma = budget.cost()
+    alpha, beta, gamma = budget.fit.cost()
     assert alpha == pytest.approx(0.02) and beta == pytest.approx(0.001) and gamma == beta  # no prefill seen
+
+
+def test_cost_fit_is_solved_again_after_each_new_step():
+    fit = StepCostFit(half_life=1e9)
+    for rows in range(1, 11):
+        fit.observe(rows, 0.02 + 0.001 * rows)
+    assert fit.cost() == pytest.approx((0.02, 0.001, 0.001))
+    for rows in range(1, 11):  # the same rows now cost twice as much; the fit moves toward it
+        fit.observe(rows, 0.02 + 0.002 * rows)
+    assert fit.cost()[1] == pytest.approx(0.0015)
 
 
 def test_cost_fit_tells_prompt_tokens_from_decode_rows():
@@ -70,8 +81,8 @@ def test_cost_fit_tells_prompt_tokens_from_decode_rows():
     rng = np.random.default_rng(1)
     for _ in range(60):
         rows, prefill = int(rng.integers(1, 40)), int(rng.choice([0, 0, 300, 900]))
-        budget.observe_step(rows + prefill, 0.03 + 0.004 * rows + 0.0002 * prefill, prefill)
-    assert budget.cost() == pytest.approx((0.03, 0.004, 0.0002))
+        budget.fit.observe(rows + prefill, 0.03 + 0.004 * rows + 0.0002 * prefill, prefill)
+    assert budget.fit.cost() == pytest.approx((0.03, 0.004, 0.0002))
 
 
 def test_a_trees_fixed_cost_is_fitted_and_only_confident_trees_pay_it():
@@ -83,15 +94,15 @@ def test_a_trees_fixed_cost_is_fitted_and_only_confident_trees_pay_it():
     for _ in range(80):
         trees = int(rng.integers(0, 5))
         rows = 4 + trees * int(rng.integers(1, 9))
-        budget.observe_step(rows, 0.05 + 0.002 * rows + 0.03 * trees, 0, trees)
-    assert budget.cost() == pytest.approx((0.05, 0.002, 0.002))
-    assert budget.tree_cost() == pytest.approx(0.03)
+        budget.fit.observe(rows, 0.05 + 0.002 * rows + 0.03 * trees, 0, trees)
+    assert budget.fit.cost() == pytest.approx((0.05, 0.002, 0.002))
+    assert budget.fit.tree_cost() == pytest.approx(0.03)
     confident = DraftTree.chain([1, 2, 3])
     confident.q = [0.95, 0.95, 0.95]
     weak = DraftTree.chain([4, 5, 6])
     weak.q = [0.3, 0.3, 0.3]  # p = .3, .09, .03: less than eta's worth of tokens
     assert budget.choose([confident, weak]) == [confident, DraftTree()]
-    assert LoadBudget(max_budget=8).tree_cost() == 0.0  # unknown before any step
+    assert LoadBudget(max_budget=8).fit.tree_cost() == 0.0  # unknown before any step
 
 
 def test_calibration_discounts_an_optimistic_drafter():
@@ -167,15 +178,15 @@ def _fitted(branch_seconds: float) -> LoadBudget:
         trees = int(rng.integers(0, 5))
         branching = int(rng.integers(0, trees + 1))
         rows = 4 + trees * int(rng.integers(1, 9))
-        budget.observe_step(rows, 0.05 + 0.0005 * rows + branch_seconds * branching, 0, trees, branching)
+        budget.fit.observe(rows, 0.05 + 0.0005 * rows + branch_seconds * branching, 0, trees, branching)
     return budget
 
 
 def test_a_branching_trees_extra_cost_is_fitted_apart_from_its_rows():
-    assert _fitted(0.02).branch_cost() == pytest.approx(0.02)
-    assert _fitted(0.02).cost() == pytest.approx((0.05, 0.0005, 0.0005))
-    assert _fitted(0.0).branch_cost() == pytest.approx(0.0, abs=1e-9)
-    assert LoadBudget(max_budget=8).branch_cost() == 0.0  # unknown before any step
+    assert _fitted(0.02).fit.branch_cost() == pytest.approx(0.02)
+    assert _fitted(0.02).fit.cost() == pytest.approx((0.05, 0.0005, 0.0005))
+    assert _fitted(0.0).fit.branch_cost() == pytest.approx(0.0, abs=1e-9)
+    assert LoadBudget(max_budget=8).fit.branch_cost() == 0.0  # unknown before any step
 
 
 def test_branches_kept_only_when_they_pay_for_their_extra_cost():
@@ -216,9 +227,10 @@ def test_a_requests_record_fades_back_to_the_engines_while_it_is_not_verified():
 
 def test_a_hybrid_model_that_pays_against_no_drafting_but_not_against_retrieval_alone_pauses():
     """The hybrid's model is judged against its retrieval trie alone (which
-    drafts for free while the model is paused), not against no drafting."""
+    drafts for free while the model is paused), not against no drafting, and
+    the trie's trees are scored by the trie's own record."""
 
-    def run(fallback: bool) -> bool:
+    def run(fallback: bool, trie: LoadBudget | None = None) -> bool:
         budget = LoadBudget(max_budget=16, pause_after=4, half_life=1e9)
         _feed_steps(budget, alpha=0.04, beta=0.002)
         budget.observe_drafting(8, 8 * 0.004)
@@ -226,11 +238,16 @@ def test_a_hybrid_model_that_pays_against_no_drafting_but_not_against_retrieval_
         tree.q = [0.9, 0.9, 0.9]  # p: .9 .81 .73, all worth their rows
         for _ in range(4):
             assert budget.drafts()
-            assert budget.choose([tree] * 8, fallback=[tree] * 8 if fallback else None) == [tree] * 8
+            chosen = budget.choose([tree] * 8, fallback=[tree] * 8 if fallback else None, fallback_budget=trie)
+            assert chosen == [tree] * 8
         return budget.drafts()
 
     assert run(fallback=False)  # 8 trees gain 27 tokens for 0.14 s of step: far above 8 plain tokens
     assert not run(fallback=True)  # the same trees without the 0.032 s of drafting do better still
+    failing_trie = LoadBudget(max_budget=16, half_life=1e9)
+    for _ in range(50):
+        failing_trie.observe_tree(DraftTree.chain([1, 2, 3]), [])  # the trie's trees are never accepted
+    assert run(fallback=True, trie=failing_trie)  # so retrieval alone is no better than no drafting
 
 
 def test_plain_requests_count_as_requests_without_nodes():

@@ -18,9 +18,10 @@ maximise the expected committed tokens per second of the next step::
   predicted nodes (decayed per step, half-life ``request_half_life``) and
   ``k = request_prior``; a request whose trees are accepted deeply keeps
   more nodes than one whose trees fail on the same evidence.
-* ``alpha + beta * T``: the step time for ``T`` decode rows, fitted by
-  exponentially weighted least squares on measured steps (fixed cost,
-  per-row cost, and prompt-chunk tokens with a slope of their own);
+* ``alpha + beta * T``: the step time for ``T`` decode rows, from the
+  engine's :class:`~vllm_adaptive_spec.step_cost.StepCostFit` (fixed cost,
+  per-row cost, and prompt-chunk tokens with a slope of their own), one fit
+  shared by the engine's budgets;
   ``delta``: the drafter's measured time per drafting request.
   Decision: a step's prompt chunks are left out of ``C``. They are work the
   engine does whatever is drafted, so they do not make a node cheaper: a node
@@ -73,7 +74,7 @@ rows only vLLM's kernel does not run at all and the tree path's whole time
 as a chain; until branching trees have been seen ``xi`` is 0, so they are
 tried and then measured.
 
-Decision: before ``MIN_STEPS`` measured steps, or when the fit is degenerate,
+Decision: before ``StepCostFit.MIN_STEPS`` measured steps, or when the fit is degenerate,
 nodes with ``p_hat >= cold_min_p`` are kept (a cautious default).
 """
 
@@ -81,6 +82,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vllm_adaptive_spec.step_cost import StepCostFit
 from vllm_adaptive_spec.tree import DraftTree
 
 
@@ -111,11 +113,10 @@ def allocate(
 
 
 class LoadBudget:
-    MIN_STEPS = 8  # measured steps before the cost fit is trusted
-
     def __init__(
         self,
         max_budget: int,
+        fit: StepCostFit | None = None,
         half_life: float = 200.0,
         cold_min_p: float = 0.3,
         pause_after: int = 16,
@@ -130,9 +131,7 @@ class LoadBudget:
         self.probe_requests = probe_requests
         self.decay = 0.5 ** (1.0 / half_life)
         self.cold_min_p = cold_min_p
-        self.gram = np.zeros((5, 5))  # decayed X^T X and X^T t, X = (1, rows, prefill tokens, trees, branching)
-        self.moment = np.zeros(5)
-        self.steps_seen = 0
+        self.fit = fit if fit is not None else StepCostFit(half_life)
         self.predicted = 1.0  # decayed sums for rho = accepted / predicted
         self.accepted_nodes = 1.0
         self.request_decay = 0.5 ** (1.0 / request_half_life)
@@ -148,18 +147,6 @@ class LoadBudget:
         self._probing = False  # the step after a pause
 
     # -- measurements -------------------------------------------------------
-
-    def observe_step(
-        self, tokens: int, seconds: float, prefill_tokens: int = 0, trees: int = 0, branching: int = 0
-    ) -> None:
-        """One engine step: ``tokens`` scheduled (``prefill_tokens`` of them
-        prompt chunks, the rest one row per decoding request and its tree
-        nodes; ``trees`` requests verified a tree, ``branching`` of them a
-        branching one), ``seconds`` of wall time."""
-        x = np.array([1.0, tokens - prefill_tokens, prefill_tokens, trees, branching])
-        self.gram = self.gram * self.decay + np.outer(x, x)
-        self.moment = self.moment * self.decay + x * seconds
-        self.steps_seen += 1
 
     def observe_tree(self, tree: DraftTree, accepted_nodes: list[int], request_id: str | None = None) -> None:
         """A verified tree (of ``request_id``) and the indices of its accepted nodes."""
@@ -179,44 +166,6 @@ class LoadBudget:
         """The drafter grew ``requests`` trees in ``seconds``."""
         self.draft_seconds = self.draft_seconds * self.decay + seconds
         self.drafted_requests = self.drafted_requests * self.decay + requests
-
-    def cost(self) -> tuple[float, float, float] | None:
-        """``(alpha, beta, gamma)``: step time = alpha + beta * decode rows +
-        gamma * prefill tokens (a prompt token costs less than a decode row,
-        so one slope for both would understate a node's cost), or None while
-        unknown. A prefill column never seen is left out of the fit."""
-        solution = self._solve()
-        return None if solution is None else tuple(solution[:3])
-
-    def tree_cost(self) -> float:
-        """``eta``: seconds a verified tree costs beyond its rows (0 until known)."""
-        solution = self._solve()
-        return 0.0 if solution is None else solution[3]
-
-    def branch_cost(self) -> float:
-        """``xi``: seconds a branching tree costs beyond a chain of its rows (0 until known)."""
-        solution = self._solve()
-        return 0.0 if solution is None else solution[4]
-
-    def _solve(self) -> list[float] | None:
-        """``[alpha, beta, gamma, eta, xi]`` (each >= 0); a column never seen
-        is left out (gamma then equals beta, eta and xi are 0), as are the
-        trees and branching columns when they cannot be told apart from the
-        others."""
-        if self.steps_seen < self.MIN_STEPS:
-            return None
-        seen = self.gram.diagonal() > 1e-9 * max(self.gram[0, 0], 1.0)
-        base = [0, 1] + ([2] if seen[2] else [])
-        optional = [column for column in (3, 4) if seen[column]]
-        for used in [base + optional[:n] for n in range(len(optional), -1, -1)]:
-            gram = self.gram[np.ix_(used, used)]
-            if np.linalg.cond(gram) <= 1e12:
-                break
-        else:
-            return None
-        values = dict(zip(used, np.linalg.solve(gram, self.moment[used])))
-        alpha, beta = max(values[0], 0.0), max(values[1], 0.0)
-        return [alpha, beta, max(values.get(2, beta), 0.0), *(max(values.get(c, 0.0), 0.0) for c in (3, 4))]
 
     def calibration(self, request_id: str | None = None) -> float:
         """``rho``: accepted nodes per unit of predicted acceptance, the
@@ -249,16 +198,17 @@ class LoadBudget:
 
     def choose(
         self, trees: list[DraftTree], request_ids: list[str] | None = None,
-        fallback: list[DraftTree] | None = None, plain: int = 0,
+        fallback: list[DraftTree] | None = None, plain: int = 0, fallback_budget: LoadBudget | None = None,
     ) -> list[DraftTree]:
         """The part of each grown tree worth verifying: its best nodes by path
         probability (:meth:`DraftTree.keep_best`), cut to its main path when
         the nodes off that path do not pay for the extra cost of a branching
-        tree (:meth:`branch_cost`). ``request_ids``: the trees' requests, whose
+        tree (:meth:`StepCostFit.branch_cost`). ``request_ids``: the trees' requests, whose
         own records calibrate them (:meth:`calibration`). ``fallback``: the
         same requests' trees from the part of the drafter that runs while the
         drafter is paused (the hybrid's retrieval trie), which drafting is
-        judged against (the hybrid's model pays only if it beats retrieval alone).
+        judged against (the hybrid's model pays only if it beats retrieval alone),
+        calibrated by that part's own budget ``fallback_budget`` (default: this one).
         ``plain``: the step's other decoding requests (one row, one token each)."""
         ids = request_ids or [None] * len(trees)
         for request_id in ids:  # a request's record fades a step at a time, verified or not
@@ -268,12 +218,12 @@ class LoadBudget:
                 record[1] *= self.request_decay
         rhos = [self.calibration(request_id) for request_id in ids]
 
-        def expected(trees: list[DraftTree]) -> list[np.ndarray]:
+        def expected(trees: list[DraftTree], rhos: list[float]) -> list[np.ndarray]:
             return [np.sort(np.asarray(t.path_probabilities(), dtype=np.float64))[::-1][: self.max_budget] * rho
                     for t, rho in zip(trees, rhos)]
 
-        p_hat = expected(trees)
-        fit = self._solve()
+        p_hat = expected(trees, rhos)
+        fit = self.fit.solve()
         if fit is None:
             return [t.keep_best(int((v >= self.cold_min_p).sum())) for t, v in zip(trees, p_hat)]
         alpha, beta, _, eta, xi = fit
@@ -307,7 +257,8 @@ class LoadBudget:
             chosen.append(tree)
         without = (len(trees) + plain) / (alpha + beta * (len(trees) + plain))
         if fallback is not None:
-            without = max(without, plan(expected(fallback), 0.0)[2])
+            scorer = fallback_budget or self
+            without = max(without, plan(expected(fallback, [scorer.calibration(r) for r in ids]), 0.0)[2])
         measurable = bool(trees) and delta > 0.0
         self._account(with_drafting if measurable else None, without)
         return chosen

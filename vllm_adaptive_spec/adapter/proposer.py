@@ -17,6 +17,7 @@ import torch
 from vllm_adaptive_spec.adapter.config_hook import tree_config_of
 from vllm_adaptive_spec.budget import LoadBudget
 from vllm_adaptive_spec.growth import grow
+from vllm_adaptive_spec.step_cost import StepCostFit
 from vllm_adaptive_spec.tree import DraftTree
 
 
@@ -99,7 +100,8 @@ class TreeProposer:
         self.max_model_len = vllm_config.model_config.max_model_len
         self.trees: dict[str, DraftTree] = {}
         self.stats = TreeStats()
-        self.load_budget = LoadBudget(self.config.budget) if self.config.load_budget == "adaptive" else None
+        self.step_cost = StepCostFit() if self.config.load_budget == "adaptive" else None
+        self.load_budget = None if self.step_cost is None else LoadBudget(self.config.budget, self.step_cost)
         self.recorder = None  # called with each verified tree and its accepted nodes (c2t-collect)
         # What drafts while the load budget pauses the drafter: a part of it that
         # runs no model pass, with its own policy (the hybrid's retrieval trie), or nothing.
@@ -109,9 +111,11 @@ class TreeProposer:
         # That part's own load budget. Decision: its drafting is not free (the
         # trie's index and growth took 4% of the step time at batch 64, where its
         # trees rarely pay), so it pauses on its own measured cost, and its trees
-        # calibrate its own rho rather than the model's.
+        # calibrate its own rho rather than the model's; the step-cost fit is shared.
         self.paused_budget = (
-            LoadBudget(self.config.budget) if self.load_budget is not None and self._paused_part[0] is not None else None
+            LoadBudget(self.config.budget, self.step_cost)
+            if self.load_budget is not None and self._paused_part[0] is not None
+            else None
         )
 
     def load_model(self, *args, **kwargs) -> None:
@@ -155,8 +159,9 @@ class TreeProposer:
     def observe_step(
         self, step_tokens: int, step_seconds: float, prefill_tokens: int, trees: int = 0, branching: int = 0
     ) -> None:
-        for budget in self._budgets():
-            budget.observe_step(step_tokens, step_seconds, prefill_tokens, trees, branching)
+        """One engine step's tokens and time, for the step-cost fit the budgets share."""
+        if self.step_cost is not None:
+            self.step_cost.observe(step_tokens, step_seconds, prefill_tokens, trees, branching)
 
     def drafting_this_step(self) -> bool:
         """Whether this step drafts at all (the load budget may pause it); asked
@@ -238,7 +243,9 @@ class TreeProposer:
             budget.observe_drafting(len(active), first_pass_seconds + time.perf_counter() - started)
             fallback = self._paused_part_trees(active_ids, budgets) if drafting else None
             plain = sum(1 for sampled in sampled_token_ids if sampled) - len(active)
-            trees = budget.choose(trees, active_ids, fallback=fallback, plain=plain)
+            trees = budget.choose(
+                trees, active_ids, fallback=fallback, plain=plain, fallback_budget=self.paused_budget
+            )
         if not drafting:
             self._from_paused_part.update(active_ids)
             self.stats.paused_trees += sum(1 for tree in trees if len(tree))

@@ -1,0 +1,87 @@
+"""What an engine step costs, fitted online (ALGORITHMS.md section 8).
+
+Step time = ``alpha + beta * decode rows + gamma * prompt tokens + eta *
+trees + xi * branching trees``: exponentially weighted least squares over
+measured steps. ``alpha`` is the step's fixed cost, ``beta`` a decode row's
+(a request's row or a tree node's), ``gamma`` a prompt-chunk token's (cheaper
+than a decode row, so one slope for both would understate a node's cost),
+``eta`` what verifying a tree costs beyond its rows (layout, verification, KV
+compaction), ``xi`` what a branching tree costs beyond a chain of its rows (on
+vLLM's CPU platform a chain runs in vLLM's own attention kernel, a branching
+tree in the plugin's tree path).
+
+Decision: one fit per engine, shared by every load budget of it (the hybrid
+drafter's model and its retrieval trie each have one): they see the same
+steps, so one regression, solved once per step, serves them all.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+COLUMNS = 5  # 1, decode rows, prompt tokens, trees, branching trees
+
+
+class StepCostFit:
+    MIN_STEPS = 8  # measured steps before the fit is trusted
+
+    def __init__(self, half_life: float = 200.0) -> None:
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.gram = np.zeros((COLUMNS, COLUMNS))  # decayed X^T X and X^T t
+        self.moment = np.zeros(COLUMNS)
+        self.steps_seen = 0
+        self._solution: list[float] | None = None
+        self._solved_at = -1
+
+    def observe(
+        self, tokens: int, seconds: float, prefill_tokens: int = 0, trees: int = 0, branching: int = 0
+    ) -> None:
+        """One engine step: ``tokens`` scheduled (``prefill_tokens`` of them
+        prompt chunks, the rest one row per decoding request and its tree
+        nodes; ``trees`` requests verified a tree, ``branching`` of them a
+        branching one), ``seconds`` of wall time."""
+        x = np.array([1.0, tokens - prefill_tokens, prefill_tokens, trees, branching])
+        self.gram = self.gram * self.decay + np.outer(x, x)
+        self.moment = self.moment * self.decay + x * seconds
+        self.steps_seen += 1
+
+    def solve(self) -> list[float] | None:
+        """``[alpha, beta, gamma, eta, xi]`` (each >= 0), or None before
+        ``MIN_STEPS`` steps or when degenerate; a column never seen is left
+        out (gamma then equals beta, eta and xi are 0), as are the trees and
+        branching columns when they cannot be told apart from the others."""
+        if self._solved_at != self.steps_seen:
+            self._solution = self._solve()
+            self._solved_at = self.steps_seen
+        return self._solution
+
+    def _solve(self) -> list[float] | None:
+        if self.steps_seen < self.MIN_STEPS:
+            return None
+        seen = self.gram.diagonal() > 1e-9 * max(self.gram[0, 0], 1.0)
+        base = [0, 1] + ([2] if seen[2] else [])
+        optional = [column for column in (3, 4) if seen[column]]
+        for used in [base + optional[:n] for n in range(len(optional), -1, -1)]:
+            gram = self.gram[np.ix_(used, used)]
+            if np.linalg.cond(gram) <= 1e12:
+                break
+        else:
+            return None
+        values = dict(zip(used, np.linalg.solve(gram, self.moment[used])))
+        alpha, beta = max(values[0], 0.0), max(values[1], 0.0)
+        return [alpha, beta, max(values.get(2, beta), 0.0), *(max(values.get(c, 0.0), 0.0) for c in (3, 4))]
+
+    def cost(self) -> tuple[float, float, float] | None:
+        """``(alpha, beta, gamma)``, or None while unknown."""
+        solution = self.solve()
+        return None if solution is None else tuple(solution[:3])
+
+    def tree_cost(self) -> float:
+        """``eta``: seconds a verified tree costs beyond its rows (0 until known)."""
+        solution = self.solve()
+        return 0.0 if solution is None else solution[3]
+
+    def branch_cost(self) -> float:
+        """``xi``: seconds a branching tree costs beyond a chain of its rows (0 until known)."""
+        solution = self.solve()
+        return 0.0 if solution is None else solution[4]
