@@ -39,6 +39,7 @@ class EngineRun:
     token_ids: list[list[int] | None]
     texts: list[str | None]
     finish_reasons: list[str | None]
+    logprobs: list[list[dict[str, float]] | None]  # per request and position: token id -> logprob
     metrics: dict
     tree_stats: dict | None
     num_gpu_blocks: int | None

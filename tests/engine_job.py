@@ -176,6 +176,7 @@ def main(job_path: str, out_path: str) -> None:
             seed=seeds[index],
             stop=job.get("stop"),
             ignore_eos=job.get("ignore_eos", False),
+            logprobs=job.get("logprobs"),
         )
         engine.add_request(str(index), {"prompt_token_ids": prompts[index]}, params)
 
@@ -205,8 +206,11 @@ def main(job_path: str, out_path: str) -> None:
     def result(index):
         out = finished.get(str(index))
         if out is None:
-            return None, None, None
-        return list(out.token_ids), out.text, out.finish_reason
+            return None, None, None, None
+        logprobs = None if out.logprobs is None else [
+            {str(token): entry.logprob for token, entry in position.items()} for position in out.logprobs
+        ]
+        return list(out.token_ids), out.text, out.finish_reason, logprobs
 
     rows = [result(i) for i in range(len(prompts))]
     metrics = {
@@ -223,6 +227,7 @@ def main(job_path: str, out_path: str) -> None:
                 "token_ids": [r[0] for r in rows],
                 "texts": [r[1] for r in rows],
                 "finish_reasons": [r[2] for r in rows],
+                "logprobs": [r[3] for r in rows],
                 "metrics": metrics,
                 "tree_stats": tree_stats,
                 "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,

@@ -2,7 +2,8 @@
 
 Greedy output with tree speculation equals vLLM without speculation, token for
 token, at several batch sizes and under chunked prefill, draft truncation,
-preemption, prefix caching, aborts, stop strings and max_tokens; sampling at
+preemption, prefix caching, aborts, stop strings and max_tokens, and so do the
+logprobs read with it (batch 16); sampling at
 temperature 1 keeps the target's law (retrieval trees, and TALON's trees on
 the EAGLE-3 head).
 """
@@ -19,6 +20,7 @@ from vllm_adaptive_spec.prompts import load_prompts
 pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 64
+LOGPROBS = 2  # top logprobs read at every position (the baseline, and the batch-16 tree run)
 SERIAL_PROMPTS = 10
 # The fixed load budget verifies every drafted node, so the trees these tests
 # check do not depend on how fast the machine is; the edge-case test runs the
@@ -60,7 +62,8 @@ def prompt_ids(prompts, demo_tokenizer):
 def baseline(demo_model, prompt_ids, tmp_path_factory):
     return run_engine_job(
         tmp_path_factory.mktemp("baseline"),
-        {"model": demo_model, "prompt_token_ids": prompt_ids, "max_tokens": MAX_TOKENS, "max_num_seqs": 16},
+        {"model": demo_model, "prompt_token_ids": prompt_ids, "max_tokens": MAX_TOKENS, "max_num_seqs": 16,
+         "logprobs": LOGPROBS},
     )
 
 
@@ -73,9 +76,21 @@ def _mismatches(prompts, expected, got):
     ]
 
 
-def _run_and_compare(tmp_path, demo_model, prompts, prompt_ids, baseline, keep, batch_size, spec):
+def _logprob_mismatches(expected, got, tolerance=1e-3):
+    """Positions whose logprobs (the sampled token's and the top ones') differ
+    from the baseline's in their tokens, or in value by more than ``tolerance``."""
+    return [
+        (request, position)
+        for request, (want, have) in enumerate(zip(expected, got))
+        for position, (a, b) in enumerate(zip(want, have))
+        if a.keys() != b.keys() or any(abs(a[token] - b[token]) > tolerance for token in a)
+    ]
+
+
+def _run_and_compare(tmp_path, demo_model, prompts, prompt_ids, baseline, keep, batch_size, spec, logprobs=None):
     """Run the prompts ``keep`` (the last one: the repeated longest prompt) with
-    ``spec`` at ``batch_size``; their greedy tokens must equal the baseline's."""
+    ``spec`` at ``batch_size``; their greedy tokens must equal the baseline's,
+    and with ``logprobs`` so must the logprobs read at every position."""
     run = run_engine_job(
         tmp_path,
         {
@@ -84,10 +99,15 @@ def _run_and_compare(tmp_path, demo_model, prompts, prompt_ids, baseline, keep, 
             "max_tokens": MAX_TOKENS,
             "max_num_seqs": batch_size,
             "speculative_config": spec,
+            "logprobs": logprobs,
         },
     )
     expected = [baseline.token_ids[i] for i in keep]
     assert not _mismatches([prompts[i] for i in keep[:-1]], expected, run.token_ids)
+    if logprobs is not None:
+        expected_logprobs = [baseline.logprobs[i] for i in keep]
+        assert all(len(p) == len(t) for p, t in zip(run.logprobs, run.token_ids))
+        assert not _logprob_mismatches(expected_logprobs, run.logprobs)
     return run
 
 
@@ -99,7 +119,9 @@ def test_greedy_tree_equals_no_speculation(batch_size, demo_model, prompts, prom
     if batch_size == 1:
         longest = max(keep[:-1], key=lambda i: len(prompt_ids[i]))
         keep = sorted(set(keep[:SERIAL_PROMPTS]) | {longest}) + keep[-1:]
-    run = _run_and_compare(tmp_path, demo_model, prompts, prompt_ids, baseline, keep, batch_size, TREE)
+    # Batch 16 also reads logprobs: each from the tree row that emitted its token.
+    logprobs = LOGPROBS if batch_size > 1 else None
+    run = _run_and_compare(tmp_path, demo_model, prompts, prompt_ids, baseline, keep, batch_size, TREE, logprobs)
     # The trees were really verified, and paid off where answers repeat the prompt.
     assert run.metrics["vllm:spec_decode_num_drafts"] > 0
     assert run.tree_stats["nodes_verified"] == run.metrics["vllm:spec_decode_num_draft_tokens"]
