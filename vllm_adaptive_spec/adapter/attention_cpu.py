@@ -55,7 +55,8 @@ class PagePlan:
     reads, each query row's slot in the ``[B * L]`` padded query rows
     (``slots``; None when every slot is a row), and the ``[B, L, S]`` float
     bias of the keys (0 where visible: all context, and the ``query_mask``
-    bits of the request's last ``window`` keys; ``-inf`` elsewhere)."""
+    bits of the request's last ``window`` keys; ``-inf`` elsewhere), ``S``
+    the longest request's keys (the pages' padding beyond it is not read)."""
 
     blocks: torch.Tensor
     slots: torch.Tensor | None
@@ -63,8 +64,9 @@ class PagePlan:
 
 
 def plan_pages(block_table, query_start_loc, seq_lens, query_mask, block_size, window_lens=None) -> PagePlan:
-    num_blocks = -(-int(seq_lens.max()) // block_size)
-    request, local, visible = key_visibility(query_start_loc, seq_lens, query_mask, num_blocks * block_size, window_lens)
+    keys = int(seq_lens.max())
+    num_blocks = -(-keys // block_size)
+    request, local, visible = key_visibility(query_start_loc, seq_lens, query_mask, keys, window_lens)
     batch, max_q, _ = visible.shape
     slots = request * max_q + local
     bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
@@ -84,17 +86,19 @@ def paged_tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: Page
     explicit layouts replace ``einsum`` (which permuted and copied inside):
     at batch 1, context 300 and 8 rows this is 0.34 ms a layer instead of
     0.71 on the 2-core CPU, the shape that matters, since only requests whose
-    tree branches come here."""
+    tree branches come here. The keys stop at the longest request's (the last
+    page's padding is not multiplied)."""
     batch, max_q, span = plan.bias.shape
     _, heads, block_size, two_d = kv_cache.shape
     head_dim = two_d // 2
     group = query.shape[1] // heads
-    num_blocks = span // block_size
+    num_blocks = plan.blocks.numel() // batch
+    paged = num_blocks * block_size
     pages = kv_cache.index_select(0, plan.blocks).view(batch, num_blocks, heads, 2 * block_size * head_dim).float()
     page_keys = pages[..., : block_size * head_dim].view(batch, num_blocks, heads, head_dim, block_size)
-    keys = page_keys.permute(0, 2, 3, 1, 4).reshape(batch, heads, head_dim, span)
+    keys = page_keys.permute(0, 2, 3, 1, 4).reshape(batch, heads, head_dim, paged)[..., :span]
     page_values = pages[..., block_size * head_dim:].view(batch, num_blocks, heads, block_size, head_dim)
-    values = page_values.permute(0, 2, 1, 3, 4).reshape(batch, heads, span, head_dim)
+    values = page_values.permute(0, 2, 1, 3, 4).reshape(batch, heads, paged, head_dim)[:, :, :span]
     rows = query.float()
     if plan.slots is not None:
         rows = rows.new_zeros(batch * max_q, heads * group, head_dim).index_copy_(0, plan.slots, rows)
