@@ -59,7 +59,7 @@ def _case(seed: int, dtype, window: bool, requests: int = 3):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(4))
 def test_page_reader_matches_the_reference(seed, dtype, window, requests):
-    from vllm_adaptive_spec.adapter.attention_cpu import paged_tree_attention, plan_pages
+    from vllm_adaptive_spec.adapter.attention_cpu import cache_views, paged_tree_attention, plan_pages
 
     query, kv_cache, block_table, starts, seq_lens, query_mask, window_lens, expected = _case(
         seed, dtype, window, requests
@@ -68,3 +68,27 @@ def test_page_reader_matches_the_reference(seed, dtype, window, requests):
     got = paged_tree_attention(query, kv_cache, plan, 0.125)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    # The next layer of the pass reuses the plan (and its buffers) on its own cache.
+    next_layer = kv_cache.flip(0)
+    key_view, value_view = cache_views(next_layer)
+    expected = tree_attention_reference(
+        query, key_view, value_view, block_table, starts, seq_lens, query_mask, 0.125, window_lens
+    )
+    got = paged_tree_attention(query, next_layer, plan, 0.125)
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_the_tree_path_and_vllms_kernel_agree_on_causal_rows(tmp_path):
+    """``benchmarks/cpu_tree_attention.py`` times both on the same chain rows:
+    the comparison only means something if they compute the same outputs."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import cpu_tree_attention
+
+    cpu_tree_attention.main(["--shapes", "1x200x5,3x150x4", "--calls", "2", "--repeats", "1", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "cpu_tree_attention.json").read_text())["results"]
+    assert [(r["batch"], r["context"], r["rows"]) for r in results] == [(1, 200, 5), (3, 150, 4)]
+    assert all(r["max_abs_difference"] < 1e-5 and r["tree_path_ms"] > 0 for r in results)
