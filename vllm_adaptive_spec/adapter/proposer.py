@@ -17,7 +17,6 @@ import torch
 from vllm_adaptive_spec.adapter.config_hook import tree_config_of
 from vllm_adaptive_spec.budget import LoadBudget
 from vllm_adaptive_spec.growth import grow
-from vllm_adaptive_spec.step_cost import StepCostFit
 from vllm_adaptive_spec.tree import DraftTree
 
 
@@ -100,8 +99,7 @@ class TreeProposer:
         self.max_model_len = vllm_config.model_config.max_model_len
         self.trees: dict[str, DraftTree] = {}
         self.stats = TreeStats()
-        self.step_cost = StepCostFit() if self.config.load_budget == "adaptive" else None
-        self.load_budget = None if self.step_cost is None else LoadBudget(self.config.budget, self.step_cost)
+        self.load_budget = LoadBudget(self.config.budget) if self.config.load_budget == "adaptive" else None
         self.recorder = None  # called with each verified tree and its accepted nodes (c2t-collect)
         # What drafts while the load budget pauses the drafter: a part of it that
         # runs no model pass, with its own policy (the hybrid's retrieval trie), or nothing.
@@ -113,7 +111,7 @@ class TreeProposer:
         # trees rarely pay), so it pauses on its own measured cost, and its trees
         # calibrate its own rho rather than the model's; the step-cost fit is shared.
         self.paused_budget = (
-            LoadBudget(self.config.budget, self.step_cost)
+            LoadBudget(self.config.budget, self.load_budget.fit)
             if self.load_budget is not None and self._paused_part[0] is not None
             else None
         )
@@ -160,8 +158,8 @@ class TreeProposer:
         self, step_tokens: int, step_seconds: float, prefill_tokens: int, trees: int = 0, branching: int = 0
     ) -> None:
         """One engine step's tokens and time, for the step-cost fit the budgets share."""
-        if self.step_cost is not None:
-            self.step_cost.observe(step_tokens, step_seconds, prefill_tokens, trees, branching)
+        if self.load_budget is not None:
+            self.load_budget.fit.observe(step_tokens, step_seconds, prefill_tokens, trees, branching)
 
     def drafting_this_step(self) -> bool:
         """Whether this step drafts at all (the load budget may pause it); asked
