@@ -74,7 +74,7 @@ class PagePlan:
     def layouts(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The pass's ``[B * nb, H, bs, 2 * D]`` pages (the cache's dtype) and
         float32 ``[B, H, D, nb, bs]`` keys and ``[B, H, nb, bs, D]`` values."""
-        if self.buffers is None or self.buffers[0].dtype != kv_cache.dtype:
+        if self.buffers is None:
             _, heads, block_size, two_d = kv_cache.shape
             batch = self.bias.shape[0]
             num_blocks = self.blocks.numel() // batch
