@@ -13,6 +13,20 @@ Reports, per drafter setting: tau (tokens per step), nodes drafted per step,
 and accepted fraction against predicted ``p`` in buckets; a calibrated
 drafter has the accepted fraction of each bucket inside it.
 
+Two oracle settings bound what any choice among the retrieved continuations
+can reach: ``oracle`` drafts, from the whole trie, exactly the path the
+answer takes (its nodes are the accepted ones), ``oracle-last-token`` the
+same from the continuations of every earlier occurrence of the context's
+last token (the widest evidence a suffix match can give).
+
+The speedup each setting can reach at batch 1 follows from the cost of a
+step: ``--step-ms`` without speculation, ``--row-ms`` per verified node (the
+target's rows and their logits: ``benchmarks/row_cost.py``) and
+``--tree-ms`` for the plugin's own work in a step that verifies a tree
+(``benchmarks/step_profile.py``, ``tree-adaptive-16`` against ``tree-0``);
+``est. b1`` is the answers' tokens over their steps' time so costed, against
+one token per ``--step-ms``.
+
 Reproduce (about 2 minutes on 2 CPU cores, the first run generates the answers)::
 
     .venv/bin/python benchmarks/retrieval_calibration.py
@@ -23,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -58,31 +73,54 @@ def greedy_answers(model: str, max_tokens: int, path: Path) -> list[dict]:
     return answers
 
 
-def replay(answers: list[dict], drafter_params: dict, policy_params: dict, budget: int) -> dict:
+@dataclass
+class StepCost:
+    """Milliseconds: a step without speculation, each verified node, and the
+    plugin's own work in a step that verifies a tree."""
+
+    step: float
+    row: float
+    tree: float
+
+    def of(self, nodes: int) -> float:
+        return self.step + (self.tree + self.row * nodes if nodes else 0.0)
+
+
+def replay(answers: list[dict], drafter_params: dict, policy_params: dict, budget: int, cost: StepCost) -> dict:
     """Replay greedy decoding of every answer with retrieval trees."""
     drafter = RetrievalDrafter(**drafter_params)
-    policy = ChainPolicy() if policy_params.get("chain") else RetrievalPolicy(**policy_params)
+    oracle = policy_params.get("oracle", False)
+    policy = ChainPolicy() if policy_params.get("chain") or oracle else RetrievalPolicy(**policy_params)
     steps = tokens = nodes = 0
+    elapsed = 0.0
     predicted: list[float] = []
     accepted_flags: list[bool] = []
     for k, record in enumerate(answers):
         prompt, answer = record["prompt"], record["answer"]
         t = 1  # the first token comes from the prefill step, before any tree
+        elapsed += cost.step  # the prefill step's token
         while t < len(answer):
             context = prompt + answer[:t]
             drafter.prepare([f"r{k}"], [context])
-            trees, _ = grow(drafter, policy, torch.tensor([budget]), drafter.max_depth)
-            tree = trees[0]
+            if oracle:
+                tree = drafter.candidate_trees()[0]
+            else:
+                trees, _ = grow(drafter, policy, torch.tensor([budget]), drafter.max_depth)
+                tree = trees[0]
             p = tree.path_probabilities()
             ok: list[bool] = []
             for token, parent, depth in zip(tree.tokens, tree.parents, tree.depths()):
                 on_path = parent == ROOT or ok[parent]
                 ok.append(on_path and t + depth - 1 < len(answer) and answer[t + depth - 1] == token)
             accepted = max((d for d, good in zip(tree.depths(), ok) if good), default=0)
+            if oracle:  # only the answer's path is drafted
+                p = [q for q, good in zip(p, ok) if good]
+                ok = [True] * len(p)
             predicted += p
             accepted_flags += ok
             steps += 1
-            nodes += len(tree)
+            nodes += len(ok)
+            elapsed += cost.of(len(ok))
             commit = min(accepted + 1, len(answer) - t)
             tokens += commit
             t += commit
@@ -93,6 +131,7 @@ def replay(answers: list[dict], drafter_params: dict, policy_params: dict, budge
         table.append({"low": low, "high": min(high, 1.0), "nodes": len(inside),
                       "accepted": sum(inside) / len(inside) if inside else None})
     return {"tau": tokens / steps, "nodes_per_step": nodes / steps, "steps": steps,
+            "est_speedup_b1": (tokens + len(answers)) * cost.step / elapsed,
             "accepted_nodes_share": sum(accepted_flags) / max(len(accepted_flags), 1),
             "expected_accepted_per_step": sum(predicted) / steps,
             "accepted_per_step": sum(accepted_flags) / steps, "buckets": table}
@@ -102,7 +141,8 @@ def markdown(name: str, result: dict) -> str:
     lines = [f"### {name}", "",
              f"tau {result['tau']:.2f}, nodes per step {result['nodes_per_step']:.1f}, accepted per step "
              f"{result['accepted_per_step']:.2f} (predicted {result['expected_accepted_per_step']:.2f}), "
-             f"{100 * result['accepted_nodes_share']:.1f}% of nodes accepted", "",
+             f"{100 * result['accepted_nodes_share']:.1f}% of nodes accepted, est. b1 "
+             f"{result['est_speedup_b1']:.2f}x", "",
              "| predicted p | nodes | accepted fraction |", "|---|---:|---:|"]
     for row in result["buckets"]:
         if row["nodes"]:
@@ -118,6 +158,8 @@ SETTINGS = {
     "evidence-p0.3": ({}, {"min_p": 0.3}),
     "evidence-p0.5": ({}, {"min_p": 0.5}),
     "evidence-chain": ({}, {"chain": True}),
+    "oracle": ({}, {"oracle": True}),
+    "oracle-last-token": ({"l_max": 1, "max_matches": 1 << 20}, {"oracle": True}),
 }
 
 
@@ -126,18 +168,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"of {', '.join(SETTINGS)}")
+    parser.add_argument("--step-ms", type=float, default=46.6,
+                        help="a step without speculation at batch 1 (step_profile: none)")
+    parser.add_argument("--row-ms", type=float, default=2.35,
+                        help="a verified node: a row's forward and its logits (row_cost.py)")
+    parser.add_argument("--tree-ms", type=float, default=1.6,
+                        help="the plugin's own work in a step with a tree (step_profile)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args(argv)
+    cost = StepCost(args.step_ms, args.row_ms, args.tree_ms)
 
     from vllm_adaptive_spec.demo_model import ensure_demo_model
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     answers = greedy_answers(str(ensure_demo_model()), args.max_tokens, out / f"greedy_answers_{args.max_tokens}.json")
-    report, text = {}, []
+    report = {"cost_ms": vars(cost), "max_tokens": args.max_tokens}
+    text = [f"Greedy answers of {args.max_tokens} tokens to the {len(answers)} prompts; est. b1 with a step of "
+            f"{cost.step} ms, {cost.row} ms a verified node, {cost.tree} ms of the plugin's work a tree."]
     for name in args.settings.split(","):
         drafter_params, policy_params = SETTINGS[name]
-        report[name] = replay(answers, drafter_params, policy_params, args.budget)
+        report[name] = replay(answers, drafter_params, policy_params, args.budget, cost)
         text.append(markdown(f"{name}: drafter {drafter_params}, policy {policy_params}, N={args.budget}", report[name]))
         print(text[-1] + "\n", flush=True)
     (out / "retrieval_calibration.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,57 @@
+"""The replay's oracle and cost model (``benchmarks/retrieval_calibration.py``)
+and the row-cost slope (``benchmarks/row_cost.py``): pure logic, no engine."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+# Appended, not prepended: benchmarks/kernels.py would shadow the kernels package.
+sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import retrieval_calibration  # noqa: E402
+import row_cost  # noqa: E402
+
+COST = retrieval_calibration.StepCost(step=40.0, row=2.0, tree=1.0)
+
+
+def _answers(seed: int) -> list[dict]:
+    """Answers that repeat their prompts' phrases with changes, so a suffix
+    match offers several continuations and not all are right."""
+    rng = random.Random(seed)
+    answers = []
+    for _ in range(6):
+        phrases = [[rng.randrange(20) for _ in range(5)] for _ in range(4)]
+        prompt = [t for p in phrases for t in p] * 2
+        answer = [t for _ in range(3) for t in rng.choice(phrases)[: rng.randrange(2, 6)]]
+        answers.append({"prompt": prompt, "answer": answer + [rng.randrange(20) for _ in range(5)]})
+    return answers
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_oracle_bounds_every_choice_from_the_same_trie(seed):
+    answers = _answers(seed)
+    oracle = retrieval_calibration.replay(answers, {}, {"oracle": True}, 16, COST)
+    assert oracle["accepted_nodes_share"] == 1.0
+    for name, (drafter_params, policy_params) in retrieval_calibration.SETTINGS.items():
+        if set(drafter_params) - {"evidence_prior"}:  # another trie (oracle-last-token's is wider)
+            continue
+        result = retrieval_calibration.replay(answers, drafter_params, policy_params, 16, COST)
+        assert result["tau"] <= oracle["tau"] + 1e-9
+        assert result["est_speedup_b1"] <= oracle["est_speedup_b1"] + 1e-9
+
+
+def test_estimated_speedup_charges_rows_and_trees():
+    answers = [{"prompt": [1, 2, 3, 4, 5, 6], "answer": [9, 1, 2, 3, 4, 5, 6]}]
+    result = retrieval_calibration.replay(answers, {}, {"oracle": True}, 16, COST)
+    # Step 1 (prefill) gives 9; step 2 drafts nothing after 9 and commits 1;
+    # step 3 drafts 2..6 after its match on 1, all accepted: 7 tokens in 3 steps, 5 rows.
+    assert result["steps"] == 2
+    assert result["est_speedup_b1"] == pytest.approx(7 * 40.0 / (40.0 + 40.0 + 40.0 + 1.0 + 2.0 * 5))
+
+
+def test_row_slope_leaves_the_first_row_out():
+    points = [(1, 30.0)] + [(rows, 40.0 + 2.5 * rows) for rows in (2, 4, 8, 16)]
+    assert row_cost.slope(points) == pytest.approx(2.5)
