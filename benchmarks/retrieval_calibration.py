@@ -124,14 +124,60 @@ def replay(answers: list[dict], drafter_params: dict, policy_params: dict, budge
             commit = min(accepted + 1, len(answer) - t)
             tokens += commit
             t += commit
-        drafter.forget(f"r{k}")
+        drafter.forget(f"r{k}", finished=True)  # joins a shared datastore, where one is on
+    return summary(len(answers), steps, tokens, nodes, elapsed, predicted, accepted_flags, cost)
+
+
+def replay_suffix(answers: list[dict], cost: StepCost, depth: int = 24, max_spec_factor: float = 1.0,
+                  min_token_prob: float = 0.1, cached_requests: int = 10000) -> dict:
+    """The same replay with vLLM's ``suffix`` method's drafter (Arctic
+    Inference's Suffix Decoding, vLLM's defaults as ``benchmarks/throughput.py``
+    runs it): a chain from the request's prompt tree and the cache of
+    earlier answers (``cached_requests``; 0: the request's own text only),
+    driven as vLLM's proposer drives it; its nodes' probabilities are the
+    drafter's own estimates."""
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+    cache = SuffixDecodingCache(max_tree_depth=depth, max_cached_requests=cached_requests)
+    steps = tokens = nodes = 0
+    elapsed = 0.0
+    predicted: list[float] = []
+    accepted_flags: list[bool] = []
+    for k, record in enumerate(answers):
+        prompt, answer = record["prompt"], record["answer"]
+        cache.start_request(k, prompt)
+        cache.add_active_response(k, answer[:1])
+        t = 1
+        elapsed += cost.step
+        while t < len(answer):
+            context = (prompt + answer[:t])[-depth:]
+            draft = cache.speculate(k, context, max_spec_tokens=depth, max_spec_factor=max_spec_factor,
+                                    min_token_prob=min_token_prob)
+            ok: list[bool] = []
+            for i, token in enumerate(draft.token_ids):
+                ok.append((not ok or ok[-1]) and t + i < len(answer) and answer[t + i] == token)
+            predicted += list(draft.probs)
+            accepted_flags += ok
+            steps += 1
+            nodes += len(ok)
+            elapsed += cost.of(len(ok))
+            commit = min(sum(ok) + 1, len(answer) - t)
+            cache.add_active_response(k, answer[t:t + commit])
+            tokens += commit
+            t += commit
+        cache.stop_request(k)
+    return summary(len(answers), steps, tokens, nodes, elapsed, predicted, accepted_flags, cost)
+
+
+def summary(answers: int, steps: int, tokens: int, nodes: int, elapsed: float, predicted: list[float],
+            accepted_flags: list[bool], cost: StepCost) -> dict:
     table = []
     for low, high in zip(BUCKETS, BUCKETS[1:]):
         inside = [a for q, a in zip(predicted, accepted_flags) if low <= q < high]
         table.append({"low": low, "high": min(high, 1.0), "nodes": len(inside),
                       "accepted": sum(inside) / len(inside) if inside else None})
     return {"tau": tokens / steps, "nodes_per_step": nodes / steps, "steps": steps,
-            "est_speedup_b1": (tokens + len(answers)) * cost.step / elapsed,
+            "est_speedup_b1": (tokens + answers) * cost.step / elapsed,
             "accepted_nodes_share": sum(accepted_flags) / max(len(accepted_flags), 1),
             "expected_accepted_per_step": sum(predicted) / steps,
             "accepted_per_step": sum(accepted_flags) / steps, "buckets": table}
@@ -160,14 +206,42 @@ SETTINGS = {
     "evidence-chain": ({}, {"chain": True}),
     "oracle": ({}, {"oracle": True}),
     "oracle-last-token": ({"l_max": 1, "max_matches": 1 << 20}, {"oracle": True}),
+    "evidence-shared": ({"datastore": "shared"}, {}),
+    "evidence-shared-p0.2": ({"datastore": "shared"}, {"min_p": 0.2}),
+    "evidence-shared-p0.3": ({"datastore": "shared"}, {"min_p": 0.3}),
+    "oracle-shared": ({"datastore": "shared"}, {"oracle": True}),
 }
+# vLLM's `suffix` drafter: replay_suffix options.
+SUFFIX_SETTINGS = {
+    "suffix": {},
+    "suffix-own-text": {"cached_requests": 0},
+}
+
+
+def _import_suffix_decoding() -> str | None:
+    """Make ``arctic_inference.suffix_decoding`` importable (built by
+    ``benchmarks/throughput.py``'s script if needed); returns why not, or None."""
+    try:
+        import arctic_inference.suffix_decoding  # noqa: F401
+        return None
+    except ImportError:
+        pass
+    sys.path.append(str(REPO / "benchmarks"))
+    from throughput import _suffix_decoding_dir
+
+    directory, why = _suffix_decoding_dir()
+    if directory is None:
+        return why
+    sys.path.append(directory)
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"of {', '.join(SETTINGS)}")
+    parser.add_argument("--settings", default=",".join([*SETTINGS, *SUFFIX_SETTINGS]),
+                        help=f"of {', '.join([*SETTINGS, *SUFFIX_SETTINGS])}")
     parser.add_argument("--step-ms", type=float, default=46.6,
                         help="a step without speculation at batch 1 (step_profile: none)")
     parser.add_argument("--row-ms", type=float, default=2.35,
@@ -186,10 +260,20 @@ def main(argv: list[str] | None = None) -> None:
     report = {"cost_ms": vars(cost), "max_tokens": args.max_tokens}
     text = [f"Greedy answers of {args.max_tokens} tokens to the {len(answers)} prompts; est. b1 with a step of "
             f"{cost.step} ms, {cost.row} ms a verified node, {cost.tree} ms of the plugin's work a tree."]
-    for name in args.settings.split(","):
-        drafter_params, policy_params = SETTINGS[name]
-        report[name] = replay(answers, drafter_params, policy_params, args.budget, cost)
-        text.append(markdown(f"{name}: drafter {drafter_params}, policy {policy_params}, N={args.budget}", report[name]))
+    names = args.settings.split(",")
+    suffix_missing = _import_suffix_decoding() if set(names) & set(SUFFIX_SETTINGS) else None
+    for name in names:
+        if name in SUFFIX_SETTINGS:
+            if suffix_missing:
+                print(f"{name}: skipped, {suffix_missing}", flush=True)
+                continue
+            report[name] = replay_suffix(answers, cost, **SUFFIX_SETTINGS[name])
+            title = f"{name}: vLLM's suffix decoding {SUFFIX_SETTINGS[name] or '(defaults)'}"
+        else:
+            drafter_params, policy_params = SETTINGS[name]
+            report[name] = replay(answers, drafter_params, policy_params, args.budget, cost)
+            title = f"{name}: drafter {drafter_params}, policy {policy_params}, N={args.budget}"
+        text.append(markdown(title, report[name]))
         print(text[-1] + "\n", flush=True)
     (out / "retrieval_calibration.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     (out / "retrieval_calibration.md").write_text("\n\n".join(text) + "\n", encoding="utf-8")
