@@ -37,7 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -54,17 +54,19 @@ from vllm_adaptive_spec.tree import ROOT  # noqa: E402
 BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0001)
 
 
-def greedy_answers(model: str, max_tokens: int, path: Path) -> list[dict]:
-    """``[{"prompt": ids, "answer": ids, "category": ...}]``, generated once."""
+def greedy_answers(max_tokens: int, path: Path) -> list[dict]:
+    """``[{"prompt": ids, "answer": ids, "category": ...}]``, generated once
+    (the demo model's answers to the prompt set) and kept at ``path``."""
     if path.is_file():
         return json.loads(path.read_text(encoding="utf-8"))
     from vllm import LLM, SamplingParams
 
+    from vllm_adaptive_spec.demo_model import ensure_demo_model
     from vllm_adaptive_spec.kv_cache_size import engine_kwargs
     from vllm_adaptive_spec.prompts import load_prompts
 
     prompts = load_prompts()
-    llm = LLM(**engine_kwargs(model, "float32", max_model_len=1024, max_num_seqs=16))
+    llm = LLM(**engine_kwargs(str(ensure_demo_model()), "float32", max_model_len=1024, max_num_seqs=16))
     outputs = llm.chat([p.messages for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_tokens),
                        use_tqdm=False)
     answers = [{"id": p.id, "category": p.category, "prompt": list(o.prompt_token_ids),
@@ -86,19 +88,57 @@ class StepCost:
         return self.step + (self.tree + self.row * nodes if nodes else 0.0)
 
 
+@dataclass
+class Tally:
+    """A replay's running sums: every drafted node's predicted ``p`` and
+    whether it was accepted, the steps, the committed tokens and the costed time."""
+
+    cost: StepCost
+    answers: int = 0
+    steps: int = 0
+    tokens: int = 0
+    nodes: int = 0
+    elapsed: float = 0.0
+    predicted: list[float] = field(default_factory=list)
+    accepted_flags: list[bool] = field(default_factory=list)
+
+    def start_answer(self) -> None:
+        """An answer's first token, from its prefill step (before any draft)."""
+        self.answers += 1
+        self.elapsed += self.cost.step
+
+    def step(self, predicted: list[float], accepted_flags: list[bool], commit: int) -> None:
+        self.predicted += predicted
+        self.accepted_flags += accepted_flags
+        self.steps += 1
+        self.nodes += len(accepted_flags)
+        self.elapsed += self.cost.of(len(accepted_flags))
+        self.tokens += commit
+
+    def summary(self) -> dict:
+        predicted, accepted_flags, steps = self.predicted, self.accepted_flags, self.steps
+        table = []
+        for low, high in zip(BUCKETS, BUCKETS[1:]):
+            inside = [a for q, a in zip(predicted, accepted_flags) if low <= q < high]
+            table.append({"low": low, "high": min(high, 1.0), "nodes": len(inside),
+                          "accepted": sum(inside) / len(inside) if inside else None})
+        return {"tau": self.tokens / steps, "nodes_per_step": self.nodes / steps, "steps": steps,
+                "est_speedup_b1": (self.tokens + self.answers) * self.cost.step / self.elapsed,
+                "accepted_nodes_share": sum(accepted_flags) / max(len(accepted_flags), 1),
+                "expected_accepted_per_step": sum(predicted) / steps,
+                "accepted_per_step": sum(accepted_flags) / steps, "buckets": table}
+
+
 def replay(answers: list[dict], drafter_params: dict, policy_params: dict, budget: int, cost: StepCost) -> dict:
     """Replay greedy decoding of every answer with retrieval trees."""
     drafter = RetrievalDrafter(**drafter_params)
     oracle = policy_params.get("oracle", False)
     policy = ChainPolicy() if policy_params.get("chain") or oracle else RetrievalPolicy(**policy_params)
-    steps = tokens = nodes = 0
-    elapsed = 0.0
-    predicted: list[float] = []
-    accepted_flags: list[bool] = []
+    tally = Tally(cost)
     for k, record in enumerate(answers):
         prompt, answer = record["prompt"], record["answer"]
-        t = 1  # the first token comes from the prefill step, before any tree
-        elapsed += cost.step  # the prefill step's token
+        tally.start_answer()
+        t = 1
         while t < len(answer):
             context = prompt + answer[:t]
             drafter.prepare([f"r{k}"], [context])
@@ -116,16 +156,11 @@ def replay(answers: list[dict], drafter_params: dict, policy_params: dict, budge
             if oracle:  # only the answer's path is drafted
                 p = [q for q, good in zip(p, ok) if good]
                 ok = [True] * len(p)
-            predicted += p
-            accepted_flags += ok
-            steps += 1
-            nodes += len(ok)
-            elapsed += cost.of(len(ok))
             commit = min(accepted + 1, len(answer) - t)
-            tokens += commit
+            tally.step(p, ok, commit)
             t += commit
         drafter.forget(f"r{k}", finished=True)  # joins a shared datastore, where one is on
-    return summary(len(answers), steps, tokens, nodes, elapsed, predicted, accepted_flags, cost)
+    return tally.summary()
 
 
 def replay_suffix(answers: list[dict], cost: StepCost, depth: int = 24, max_spec_factor: float = 1.0,
@@ -139,16 +174,13 @@ def replay_suffix(answers: list[dict], cost: StepCost, depth: int = 24, max_spec
     from arctic_inference.suffix_decoding import SuffixDecodingCache
 
     cache = SuffixDecodingCache(max_tree_depth=depth, max_cached_requests=cached_requests)
-    steps = tokens = nodes = 0
-    elapsed = 0.0
-    predicted: list[float] = []
-    accepted_flags: list[bool] = []
+    tally = Tally(cost)
     for k, record in enumerate(answers):
         prompt, answer = record["prompt"], record["answer"]
         cache.start_request(k, prompt)
         cache.add_active_response(k, answer[:1])
+        tally.start_answer()
         t = 1
-        elapsed += cost.step
         while t < len(answer):
             context = (prompt + answer[:t])[-depth:]
             draft = cache.speculate(k, context, max_spec_tokens=depth, max_spec_factor=max_spec_factor,
@@ -156,31 +188,12 @@ def replay_suffix(answers: list[dict], cost: StepCost, depth: int = 24, max_spec
             ok: list[bool] = []
             for i, token in enumerate(draft.token_ids):
                 ok.append((not ok or ok[-1]) and t + i < len(answer) and answer[t + i] == token)
-            predicted += list(draft.probs)
-            accepted_flags += ok
-            steps += 1
-            nodes += len(ok)
-            elapsed += cost.of(len(ok))
             commit = min(sum(ok) + 1, len(answer) - t)
+            tally.step(list(draft.probs), ok, commit)
             cache.add_active_response(k, answer[t:t + commit])
-            tokens += commit
             t += commit
         cache.stop_request(k)
-    return summary(len(answers), steps, tokens, nodes, elapsed, predicted, accepted_flags, cost)
-
-
-def summary(answers: int, steps: int, tokens: int, nodes: int, elapsed: float, predicted: list[float],
-            accepted_flags: list[bool], cost: StepCost) -> dict:
-    table = []
-    for low, high in zip(BUCKETS, BUCKETS[1:]):
-        inside = [a for q, a in zip(predicted, accepted_flags) if low <= q < high]
-        table.append({"low": low, "high": min(high, 1.0), "nodes": len(inside),
-                      "accepted": sum(inside) / len(inside) if inside else None})
-    return {"tau": tokens / steps, "nodes_per_step": nodes / steps, "steps": steps,
-            "est_speedup_b1": (tokens + answers) * cost.step / elapsed,
-            "accepted_nodes_share": sum(accepted_flags) / max(len(accepted_flags), 1),
-            "expected_accepted_per_step": sum(predicted) / steps,
-            "accepted_per_step": sum(accepted_flags) / steps, "buckets": table}
+    return tally.summary()
 
 
 def markdown(name: str, result: dict) -> str:
@@ -252,11 +265,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cost = StepCost(args.step_ms, args.row_ms, args.tree_ms)
 
-    from vllm_adaptive_spec.demo_model import ensure_demo_model
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    answers = greedy_answers(str(ensure_demo_model()), args.max_tokens, out / f"greedy_answers_{args.max_tokens}.json")
+    answers = greedy_answers(args.max_tokens, out / f"greedy_answers_{args.max_tokens}.json")
     report = {"cost_ms": vars(cost), "max_tokens": args.max_tokens}
     text = [f"Greedy answers of {args.max_tokens} tokens to the {len(answers)} prompts; est. b1 with a step of "
             f"{cost.step} ms, {cost.row} ms a verified node, {cost.tree} ms of the plugin's work a tree."]

@@ -55,3 +55,18 @@ def test_estimated_speedup_charges_rows_and_trees():
 def test_row_slope_leaves_the_first_row_out():
     points = [(1, 30.0)] + [(rows, 40.0 + 2.5 * rows) for rows in (2, 4, 8, 16)]
     assert row_cost.slope(points) == pytest.approx(2.5)
+
+
+def test_the_tool_reports_every_setting_from_stored_answers(tmp_path):
+    """``main`` on answers already on disk (no engine): one report entry and
+    one markdown section per setting, with the cost it was estimated at."""
+    import json
+
+    (tmp_path / "greedy_answers_8.json").write_text(json.dumps(_answers(0)), encoding="utf-8")
+    retrieval_calibration.main(["--max-tokens", "8", "--settings", "evidence,oracle", "--row-ms", "3",
+                                "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "retrieval_calibration.json").read_text(encoding="utf-8"))
+    assert report["cost_ms"] == {"step": 46.6, "row": 3.0, "tree": 1.6}
+    assert report["oracle"]["est_speedup_b1"] > report["evidence"]["est_speedup_b1"]
+    text = (tmp_path / "retrieval_calibration.md").read_text(encoding="utf-8")
+    assert "### evidence:" in text and "### oracle:" in text and "est. b1" in text
