@@ -40,6 +40,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -163,36 +164,79 @@ def replay(answers: list[dict], drafter_params: dict, policy_params: dict, budge
     return tally.summary()
 
 
-def replay_suffix(answers: list[dict], cost: StepCost, depth: int = 24, max_spec_factor: float = 1.0,
-                  min_token_prob: float = 0.1, cached_requests: int = 10000) -> dict:
-    """The same replay with vLLM's ``suffix`` method's drafter (Arctic
-    Inference's Suffix Decoding, vLLM's defaults as ``benchmarks/throughput.py``
-    runs it): a chain from the request's prompt tree and the cache of
-    earlier answers (``cached_requests``; 0: the request's own text only),
-    driven as vLLM's proposer drives it; its nodes' probabilities are the
-    drafter's own estimates."""
-    from arctic_inference.suffix_decoding import SuffixDecodingCache
+class SuffixChains:
+    """vLLM's ``suffix`` method's drafter (Arctic Inference's Suffix Decoding,
+    vLLM's defaults as ``benchmarks/throughput.py`` runs it), driven as vLLM's
+    proposer drives it: a chain from the request's prompt tree and the cache of
+    earlier answers (``cached_requests``; 0: the request's own text only);
+    its nodes' probabilities are the drafter's own estimates."""
 
-    cache = SuffixDecodingCache(max_tree_depth=depth, max_cached_requests=cached_requests)
+    def __init__(self, depth: int = 24, max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
+                 cached_requests: int = 10000) -> None:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.cache = SuffixDecodingCache(max_tree_depth=depth, max_cached_requests=cached_requests)
+        self.depth, self.max_spec_factor, self.min_token_prob = depth, max_spec_factor, min_token_prob
+
+    def start(self, k: int, prompt: list[int], first: list[int]) -> None:
+        self.cache.start_request(k, prompt)
+        self.cache.add_active_response(k, first)
+
+    def draft(self, k: int, context: list[int]) -> tuple[list[int], list[float]]:
+        draft = self.cache.speculate(k, context[-self.depth:], max_spec_tokens=self.depth,
+                                     max_spec_factor=self.max_spec_factor, min_token_prob=self.min_token_prob)
+        return list(draft.token_ids), list(draft.probs)
+
+    def commit(self, k: int, tokens: list[int]) -> None:
+        self.cache.add_active_response(k, tokens)
+
+    def stop(self, k: int) -> None:
+        self.cache.stop_request(k)
+
+
+class NgramChains:
+    """vLLM's ``ngram`` method's drafter (its own matching function; K=4,
+    n-grams of 1 to 4 tokens, as ``benchmarks/throughput.py`` runs it). It
+    gives no probabilities: its nodes are recorded as predicted 1."""
+
+    def __init__(self, k: int = 4, min_n: int = 1, max_n: int = 4) -> None:
+        from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens
+
+        self.propose = _find_longest_matched_ngram_and_propose_tokens
+        self.k, self.min_n, self.max_n = k, min_n, max_n
+
+    def start(self, k: int, prompt: list[int], first: list[int]) -> None:
+        pass
+
+    def draft(self, k: int, context: list[int]) -> tuple[list[int], list[float]]:
+        tokens = self.propose(np.asarray(context, dtype=np.int32), self.min_n, self.max_n, 1 << 30, self.k).tolist()
+        return tokens, [1.0] * len(tokens)
+
+    def commit(self, k: int, tokens: list[int]) -> None:
+        pass
+
+    def stop(self, k: int) -> None:
+        pass
+
+
+def replay_chains(answers: list[dict], cost: StepCost, drafter) -> dict:
+    """The same replay with one of vLLM's chain drafters (:class:`SuffixChains`, :class:`NgramChains`)."""
     tally = Tally(cost)
     for k, record in enumerate(answers):
         prompt, answer = record["prompt"], record["answer"]
-        cache.start_request(k, prompt)
-        cache.add_active_response(k, answer[:1])
+        drafter.start(k, prompt, answer[:1])
         tally.start_answer()
         t = 1
         while t < len(answer):
-            context = (prompt + answer[:t])[-depth:]
-            draft = cache.speculate(k, context, max_spec_tokens=depth, max_spec_factor=max_spec_factor,
-                                    min_token_prob=min_token_prob)
+            tokens, probs = drafter.draft(k, prompt + answer[:t])
             ok: list[bool] = []
-            for i, token in enumerate(draft.token_ids):
+            for i, token in enumerate(tokens):
                 ok.append((not ok or ok[-1]) and t + i < len(answer) and answer[t + i] == token)
             commit = min(sum(ok) + 1, len(answer) - t)
-            tally.step(list(draft.probs), ok, commit)
-            cache.add_active_response(k, answer[t:t + commit])
+            tally.step(probs, ok, commit)
+            drafter.commit(k, answer[t:t + commit])
             t += commit
-        cache.stop_request(k)
+        drafter.stop(k)
     return tally.summary()
 
 
@@ -224,10 +268,11 @@ SETTINGS = {
     "evidence-shared-p0.3": ({"datastore": "shared"}, {"min_p": 0.3}),
     "oracle-shared": ({"datastore": "shared"}, {"oracle": True}),
 }
-# vLLM's `suffix` drafter: replay_suffix options.
-SUFFIX_SETTINGS = {
-    "suffix": {},
-    "suffix-own-text": {"cached_requests": 0},
+# vLLM's own chain drafters: name -> (drafter class, its options).
+CHAIN_SETTINGS = {
+    "ngram": (NgramChains, {}),
+    "suffix": (SuffixChains, {}),
+    "suffix-own-text": (SuffixChains, {"cached_requests": 0}),
 }
 
 
@@ -253,8 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--settings", default=",".join([*SETTINGS, *SUFFIX_SETTINGS]),
-                        help=f"of {', '.join([*SETTINGS, *SUFFIX_SETTINGS])}")
+    parser.add_argument("--settings", default=",".join([*SETTINGS, *CHAIN_SETTINGS]),
+                        help=f"of {', '.join([*SETTINGS, *CHAIN_SETTINGS])}")
     parser.add_argument("--step-ms", type=float, default=46.6,
                         help="a step without speculation at batch 1 (step_profile: none)")
     parser.add_argument("--row-ms", type=float, default=2.35,
@@ -272,14 +317,15 @@ def main(argv: list[str] | None = None) -> None:
     text = [f"Greedy answers of {args.max_tokens} tokens to the {len(answers)} prompts; est. b1 with a step of "
             f"{cost.step} ms, {cost.row} ms a verified node, {cost.tree} ms of the plugin's work a tree."]
     names = args.settings.split(",")
-    suffix_missing = _import_suffix_decoding() if set(names) & set(SUFFIX_SETTINGS) else None
+    suffix_missing = _import_suffix_decoding() if any(n.startswith("suffix") for n in names) else None
     for name in names:
-        if name in SUFFIX_SETTINGS:
-            if suffix_missing:
+        if name in CHAIN_SETTINGS:
+            if name.startswith("suffix") and suffix_missing:
                 print(f"{name}: skipped, {suffix_missing}", flush=True)
                 continue
-            report[name] = replay_suffix(answers, cost, **SUFFIX_SETTINGS[name])
-            title = f"{name}: vLLM's suffix decoding {SUFFIX_SETTINGS[name] or '(defaults)'}"
+            drafter_class, options = CHAIN_SETTINGS[name]
+            report[name] = replay_chains(answers, cost, drafter_class(**options))
+            title = f"{name}: vLLM's own {name.split('-')[0]} drafter, {options or 'its defaults'}"
         else:
             drafter_params, policy_params = SETTINGS[name]
             report[name] = replay(answers, drafter_params, policy_params, args.budget, cost)

@@ -70,3 +70,14 @@ def test_the_tool_reports_every_setting_from_stored_answers(tmp_path):
     assert report["oracle"]["est_speedup_b1"] > report["evidence"]["est_speedup_b1"]
     text = (tmp_path / "retrieval_calibration.md").read_text(encoding="utf-8")
     assert "### evidence:" in text and "### oracle:" in text and "est. b1" in text
+
+
+def test_vllms_ngram_drafter_replays_as_vllm_matches():
+    """vLLM's own n-gram matching, driven by the chain replay: after 9 nothing
+    matches (one token, 1); after 1 it proposes 2 3 4 5 from the prompt, all
+    accepted, and the answer is done: 6 tokens, 5 of them over 2 steps."""
+    answers = [{"prompt": [1, 2, 3, 4, 5], "answer": [9, 1, 2, 3, 4, 5]}]
+    result = retrieval_calibration.replay_chains(answers, COST, retrieval_calibration.NgramChains())
+    assert result["steps"] == 2
+    assert result["tau"] == pytest.approx(2.5)
+    assert result["accepted_nodes_share"] == 1.0
