@@ -23,7 +23,9 @@ The speedup each setting can reach at batch 1 follows from the cost of a
 step: ``--step-ms`` without speculation, ``--row-ms`` per verified node (the
 target's rows and their logits: ``benchmarks/row_cost.py``) and
 ``--tree-ms`` for the plugin's own work in a step that verifies a tree
-(``benchmarks/step_profile.py``, ``tree-adaptive-16`` against ``tree-0``);
+(``benchmarks/step_profile.py``, ``tree-adaptive-16`` against ``tree-0``) and
+``--branch-ms`` for a branching tree beyond a chain of its nodes (the CPU
+tree path; the load budget's fit at batch 1);
 ``est. b1`` is the answers' tokens over their steps' time so costed, against
 one token per ``--step-ms``.
 
@@ -47,11 +49,14 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from vllm_adaptive_spec.budget import LoadBudget  # noqa: E402
 from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter  # noqa: E402
 from vllm_adaptive_spec.growth import grow  # noqa: E402
 from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy  # noqa: E402
-from vllm_adaptive_spec.tree import ROOT  # noqa: E402
+from vllm_adaptive_spec.tree import ROOT, DraftTree  # noqa: E402
 
+# The trie's drafting time a step at batch 1 (step profile, `grow`), the load budget's drafting cost.
+TRIE_MS = 0.6
 BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0001)
 
 
@@ -78,15 +83,17 @@ def greedy_answers(max_tokens: int, path: Path) -> list[dict]:
 
 @dataclass
 class StepCost:
-    """Milliseconds: a step without speculation, each verified node, and the
-    plugin's own work in a step that verifies a tree."""
+    """Milliseconds: a step without speculation, each verified node, the
+    plugin's own work in a step that verifies a tree, and what a branching
+    tree costs beyond a chain of its nodes (the CPU tree path)."""
 
     step: float
     row: float
     tree: float
+    branch: float = 0.0
 
-    def of(self, nodes: int) -> float:
-        return self.step + (self.tree + self.row * nodes if nodes else 0.0)
+    def of(self, nodes: int, branching: bool = False) -> float:
+        return self.step + (self.tree + self.row * nodes if nodes else 0.0) + (self.branch if branching else 0.0)
 
 
 @dataclass
@@ -108,13 +115,16 @@ class Tally:
         self.answers += 1
         self.elapsed += self.cost.step
 
-    def step(self, predicted: list[float], accepted_flags: list[bool], commit: int) -> None:
+    def step(self, predicted: list[float], accepted_flags: list[bool], commit: int, branching: bool = False) -> float:
+        """One drafting step; returns its costed milliseconds."""
         self.predicted += predicted
         self.accepted_flags += accepted_flags
         self.steps += 1
         self.nodes += len(accepted_flags)
-        self.elapsed += self.cost.of(len(accepted_flags))
+        ms = self.cost.of(len(accepted_flags), branching)
+        self.elapsed += ms
         self.tokens += commit
+        return ms
 
     def summary(self) -> dict:
         predicted, accepted_flags, steps = self.predicted, self.accepted_flags, self.steps
@@ -131,10 +141,17 @@ class Tally:
 
 
 def replay(answers: list[dict], drafter_params: dict, policy_params: dict, budget: int, cost: StepCost) -> dict:
-    """Replay greedy decoding of every answer with retrieval trees."""
+    """Replay greedy decoding of every answer with retrieval trees. With
+    ``policy_params["load_budget"]`` the trees are cut by the engine's default
+    :class:`LoadBudget`, its step-cost fit fed each replayed step's costed
+    time as the engine feeds it measured ones (and the trie's drafting time,
+    ``TRIE_MS``, as its drafting cost)."""
+    params = dict(policy_params)
+    oracle = params.pop("oracle", False)
+    chain = params.pop("chain", False)
+    load_budget = LoadBudget(budget) if params.pop("load_budget", False) else None
     drafter = RetrievalDrafter(**drafter_params)
-    oracle = policy_params.get("oracle", False)
-    policy = ChainPolicy() if policy_params.get("chain") or oracle else RetrievalPolicy(**policy_params)
+    policy = ChainPolicy() if chain or oracle else RetrievalPolicy(**params)
     tally = Tally(cost)
     for k, record in enumerate(answers):
         prompt, answer = record["prompt"], record["answer"]
@@ -145,9 +162,14 @@ def replay(answers: list[dict], drafter_params: dict, policy_params: dict, budge
             drafter.prepare([f"r{k}"], [context])
             if oracle:
                 tree = drafter.candidate_trees()[0]
+            elif load_budget is not None and not load_budget.drafts():
+                tree = DraftTree()
             else:
                 trees, _ = grow(drafter, policy, torch.tensor([budget]), drafter.max_depth)
                 tree = trees[0]
+                if load_budget is not None:
+                    load_budget.observe_drafting(1, TRIE_MS / 1e3)
+                    tree = load_budget.choose([tree], [f"r{k}"])[0]
             p = tree.path_probabilities()
             ok: list[bool] = []
             for token, parent, depth in zip(tree.tokens, tree.parents, tree.depths()):
@@ -158,9 +180,15 @@ def replay(answers: list[dict], drafter_params: dict, policy_params: dict, budge
                 p = [q for q, good in zip(p, ok) if good]
                 ok = [True] * len(p)
             commit = min(accepted + 1, len(answer) - t)
-            tally.step(p, ok, commit)
+            branching = not oracle and tree.branches()
+            ms = tally.step(p, ok, commit, branching)
+            if load_budget is not None:
+                load_budget.observe_tree(tree, [i for i, good in enumerate(ok) if good], f"r{k}")
+                load_budget.fit.observe(1 + len(tree), ms / 1e3, 0, int(len(tree) > 0), int(branching))
             t += commit
         drafter.forget(f"r{k}", finished=True)  # joins a shared datastore, where one is on
+        if load_budget is not None:
+            load_budget.forget(f"r{k}")
     return tally.summary()
 
 
@@ -267,6 +295,8 @@ SETTINGS = {
     "evidence-shared-p0.2": ({"datastore": "shared"}, {"min_p": 0.2}),
     "evidence-shared-p0.3": ({"datastore": "shared"}, {"min_p": 0.3}),
     "oracle-shared": ({"datastore": "shared"}, {"oracle": True}),
+    "load-budget": ({}, {"load_budget": True}),
+    "load-budget-shared": ({"datastore": "shared"}, {"load_budget": True}),
 }
 # vLLM's own chain drafters: name -> (drafter class, its options).
 CHAIN_SETTINGS = {
@@ -306,16 +336,19 @@ def main(argv: list[str] | None = None) -> None:
                         help="a verified node: a row's forward and its logits (row_cost.py)")
     parser.add_argument("--tree-ms", type=float, default=1.6,
                         help="the plugin's own work in a step with a tree (step_profile)")
+    parser.add_argument("--branch-ms", type=float, default=7.8,
+                        help="a branching tree beyond a chain of its nodes (the load budget's fit, batch 1)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args(argv)
-    cost = StepCost(args.step_ms, args.row_ms, args.tree_ms)
+    cost = StepCost(args.step_ms, args.row_ms, args.tree_ms, args.branch_ms)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     answers = greedy_answers(args.max_tokens, out / f"greedy_answers_{args.max_tokens}.json")
     report = {"cost_ms": vars(cost), "max_tokens": args.max_tokens}
     text = [f"Greedy answers of {args.max_tokens} tokens to the {len(answers)} prompts; est. b1 with a step of "
-            f"{cost.step} ms, {cost.row} ms a verified node, {cost.tree} ms of the plugin's work a tree."]
+            f"{cost.step} ms, {cost.row} ms a verified node, {cost.tree} ms of the plugin's work a tree, "
+            f"{cost.branch} ms more for a branching tree."]
     names = args.settings.split(",")
     suffix_missing = _import_suffix_decoding() if any(n.startswith("suffix") for n in names) else None
     for name in names:

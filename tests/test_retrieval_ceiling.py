@@ -66,7 +66,7 @@ def test_the_tool_reports_every_setting_from_stored_answers(tmp_path):
     retrieval_calibration.main(["--max-tokens", "8", "--settings", "evidence,oracle", "--row-ms", "3",
                                 "--out", str(tmp_path)])
     report = json.loads((tmp_path / "retrieval_calibration.json").read_text(encoding="utf-8"))
-    assert report["cost_ms"] == {"step": 46.6, "row": 3.0, "tree": 1.6}
+    assert report["cost_ms"] == {"step": 46.6, "row": 3.0, "tree": 1.6, "branch": 7.8}
     assert report["oracle"]["est_speedup_b1"] > report["evidence"]["est_speedup_b1"]
     text = (tmp_path / "retrieval_calibration.md").read_text(encoding="utf-8")
     assert "### evidence:" in text and "### oracle:" in text and "est. b1" in text
@@ -81,3 +81,21 @@ def test_vllms_ngram_drafter_replays_as_vllm_matches():
     assert result["steps"] == 2
     assert result["tau"] == pytest.approx(2.5)
     assert result["accepted_nodes_share"] == 1.0
+
+
+def test_the_replayed_load_budget_learns_the_costs_it_is_fed():
+    """The ``load-budget`` setting feeds the engine's budget the replayed steps'
+    costed times: where a node costs as much as ten steps it soon drafts
+    almost nothing (its first steps, before the fit is trusted, draft the
+    confident nodes), while the fixed budget keeps drafting; where nodes are
+    nearly free it drafts about what the fixed budget drafts."""
+    answers = _answers(1) * 3
+    dear = retrieval_calibration.StepCost(step=40.0, row=400.0, tree=1.0)
+    cheap = retrieval_calibration.StepCost(step=40.0, row=0.01, tree=0.0)
+    budget, fixed = ({}, {"load_budget": True}), ({}, {})
+    result = {(name, c.row): retrieval_calibration.replay(answers, *params, 16, c)
+              for name, params in (("budget", budget), ("fixed", fixed)) for c in (dear, cheap)}
+    assert result["fixed", 400.0]["est_speedup_b1"] < 0.5
+    assert result["budget", 400.0]["est_speedup_b1"] > 0.5
+    assert result["budget", 400.0]["nodes_per_step"] < 0.1 * result["fixed", 400.0]["nodes_per_step"]
+    assert result["budget", 0.01]["nodes_per_step"] > 0.5 * result["fixed", 0.01]["nodes_per_step"]
