@@ -21,7 +21,7 @@ def test_defaults_and_round_trip():
     config = parse_tree_config(spec())
     assert config == TreeConfig(
         "retrieval", "retrieval", 4,
-        {"l_max": 8, "l_min": 1, "max_matches": 32, "max_depth": 16, "evidence_prior": 2.0,
+        {"l_max": 8, "l_min": 1, "max_matches": 32, "max_depth": 16, "evidence_prior": 4.0,
          "datastore": "off", "datastore_tokens": 100_000, "corpus": ""},
         {"min_p": 0.05},
     )
@@ -29,7 +29,7 @@ def test_defaults_and_round_trip():
         spec(128, policy="chain", l_max=4, l_min=2, max_matches=3, max_depth=5, datastore="shared", datastore_tokens=50)
     )
     assert custom.policy == "chain" and custom.budget == 128
-    assert custom.drafter_params == {"l_max": 4, "l_min": 2, "max_matches": 3, "max_depth": 5, "evidence_prior": 2.0,
+    assert custom.drafter_params == {"l_max": 4, "l_min": 2, "max_matches": 3, "max_depth": 5, "evidence_prior": 4.0,
                                      "datastore": "shared", "datastore_tokens": 50, "corpus": ""}
     assert TreeConfig.from_dict(json.loads(json.dumps(custom.to_dict()))) == custom
     drafter, policy = custom.make_drafter(), custom.make_policy()

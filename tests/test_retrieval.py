@@ -77,17 +77,19 @@ def test_longest_suffix_wins():
 
 
 def test_evidence_lowers_q_of_thin_matches():
-    """One occurrence after a 1-token match: q = 1 / (1 + 2.0); deeper nodes
-    have more matched context, so q rises along the path."""
-    tree = draft(RetrievalDrafter(), [[1, 2, 3, 4, 1]])[0]
+    """One occurrence after a 1-token match: q = 1 / (1 + evidence_prior) (the
+    default's); deeper nodes have more matched context, so q rises along the path."""
+    drafter = RetrievalDrafter()
+    tree = draft(drafter, [[1, 2, 3, 4, 1]], policy=RetrievalPolicy(min_p=0.0))[0]
     assert tree.tokens == [2, 3, 4, 1]
-    assert tree.q == pytest.approx([1 / (1 + 2.0 * k ** -1.3) for k in (1, 2, 3, 4)], rel=1e-6)
+    assert drafter.evidence_prior == 4.0
+    assert tree.q == pytest.approx([1 / (1 + 4.0 * k ** -1.3) for k in (1, 2, 3, 4)], rel=1e-6)
 
 
 def test_l_min():
     context = [1, 2, 3, 4, 1]  # only the 1-token suffix [1] repeats
-    assert len(draft(RetrievalDrafter(l_min=2), [context])[0]) == 0
-    assert draft(RetrievalDrafter(l_min=1), [context])[0].tokens == [2, 3, 4, 1]
+    assert len(draft(RetrievalDrafter(l_min=2, evidence_prior=0), [context])[0]) == 0
+    assert draft(RetrievalDrafter(l_min=1, evidence_prior=0), [context])[0].tokens == [2, 3, 4, 1]
 
 
 def test_max_matches_keeps_most_recent():
@@ -133,7 +135,7 @@ class LayerByLayer:
 @pytest.mark.parametrize("policy", [RetrievalPolicy(), RetrievalPolicy(min_p=0.2), ChainPolicy()], ids=["retrieval", "retrieval-min_p-0.2", "chain"])
 def test_choice_from_whole_tree_equals_the_layer_loop(policy):
     rng = random.Random(1)
-    drafter = RetrievalDrafter(l_max=3, max_matches=8, max_depth=6)
+    drafter = RetrievalDrafter(l_max=3, max_matches=8, max_depth=6, evidence_prior=2.0)
     streams = [[rng.randrange(5) for _ in range(120)] for _ in range(4)]
     compared = 0
     for length in range(10, 120, 7):

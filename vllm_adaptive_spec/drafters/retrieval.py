@@ -24,9 +24,18 @@ So the drafter's ``q`` is that chance, not the share::
     q = (c / n) * c / (c + kappa(L)),    kappa(L) = evidence_prior * L ** -1.3
 
 with ``n`` the siblings' total count; ``evidence_prior = 0`` gives the
-spec's plain share. The default (2.0) and the exponent were fitted on those
-replays; path probabilities ``p`` are then expected acceptances, which the
-policy's ``min_p`` and the budget compare with a node's cost.
+spec's plain share. The exponent was fitted on those replays; path
+probabilities ``p`` are then expected acceptances (up to a scale the load
+budget measures, ``rho``), which the policy's ``min_p`` and the budget
+compare with a node's cost.
+
+Decision (``evidence_prior`` 4.0): 2.0 fits acceptance best over all trie
+nodes (log-loss), but over-predicts the nodes near the load budget's cut
+(predicted 0.2-0.5, accepted 0.16-0.35); the same replays costed at this
+machine's step and row costs (``benchmarks/retrieval_calibration.py``,
+setting ``load-budget``) give 1.379x at batch 1 with 4.0 against 1.357x with
+2.0 for 64-token answers, 1.572x against 1.553x for 128-token ones, higher
+or level in 6 of 7 prompt categories.
 
 Shared datastore (``datastore: "shared"``, off by default): the outputs of
 finished requests, at most ``datastore_tokens`` of them, oldest dropped first;
@@ -87,7 +96,7 @@ class RetrievalDrafter:
         "l_min": Param(int, 1, "an integer >= 1 and <= l_max", lambda v: v >= 1),
         "max_matches": Param(int, 32, "an integer >= 1", lambda v: v >= 1),
         "max_depth": Param(int, 16, "an integer >= 1", lambda v: v >= 1),
-        "evidence_prior": Param(float, 2.0, "a number >= 0", lambda v: v >= 0),
+        "evidence_prior": Param(float, 4.0, "a number >= 0", lambda v: v >= 0),
         "datastore": Param(str, "off", "one of 'off', 'shared'", lambda v: v in ("off", "shared")),
         "datastore_tokens": Param(int, 100_000, "an integer >= 1", lambda v: v >= 1),
         "corpus": Param(str, "", "the path of a readable text file, or '' for none", _readable_file),
@@ -99,7 +108,7 @@ class RetrievalDrafter:
         l_min: int = 1,
         max_matches: int = 32,
         max_depth: int = 16,
-        evidence_prior: float = 2.0,
+        evidence_prior: float = 4.0,
         datastore: str = "off",
         datastore_tokens: int = 100_000,
         corpus: str = "",
