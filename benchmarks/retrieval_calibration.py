@@ -283,6 +283,7 @@ def markdown(name: str, result: dict) -> str:
 
 SETTINGS = {
     "share": ({"evidence_prior": 0.0}, {}),
+    "evidence-prior2": ({"evidence_prior": 2.0}, {}),
     "evidence": ({}, {}),
     "evidence-p0.1": ({}, {"min_p": 0.1}),
     "evidence-p0.2": ({}, {"min_p": 0.2}),
@@ -296,6 +297,7 @@ SETTINGS = {
     "evidence-shared-p0.3": ({"datastore": "shared"}, {"min_p": 0.3}),
     "oracle-shared": ({"datastore": "shared"}, {"oracle": True}),
     "load-budget": ({}, {"load_budget": True}),
+    "load-budget-prior2": ({"evidence_prior": 2.0}, {"load_budget": True}),
     "load-budget-shared": ({"datastore": "shared"}, {"load_budget": True}),
 }
 # vLLM's own chain drafters: name -> (drafter class, its options).
