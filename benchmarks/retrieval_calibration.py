@@ -13,11 +13,16 @@ Reports, per drafter setting: tau (tokens per step), nodes drafted per step,
 and accepted fraction against predicted ``p`` in buckets; a calibrated
 drafter has the accepted fraction of each bucket inside it.
 
-Two oracle settings bound what any choice among the retrieved continuations
+The oracle settings bound what any choice among the retrieved continuations
 can reach: ``oracle`` drafts, from the whole trie, exactly the path the
 answer takes (its nodes are the accepted ones), ``oracle-last-token`` the
 same from the continuations of every earlier occurrence of the context's
-last token (the widest evidence a suffix match can give).
+last token (the widest evidence a suffix match can give). ``load-budget``
+replays the engine's default configuration (the load budget cuts each tree,
+its step-cost fit fed the replayed steps' costed times); ``ngram`` and
+``suffix`` replay vLLM's own drafters (its n-gram matching function, and
+Arctic Inference's Suffix Decoding, built by ``benchmarks/throughput.py``'s
+script when missing), so all are compared on the same answers and costs.
 
 The speedup each setting can reach at batch 1 follows from the cost of a
 step: ``--step-ms`` without speculation, ``--row-ms`` per verified node (the
@@ -29,9 +34,9 @@ tree path; the load budget's fit at batch 1);
 ``est. b1`` is the answers' tokens over their steps' time so costed, against
 one token per ``--step-ms``.
 
-Reproduce (about 2 minutes on 2 CPU cores, the first run generates the answers)::
+Reproduce (about 3 minutes on 2 CPU cores, the first run generates the answers)::
 
-    .venv/bin/python benchmarks/retrieval_calibration.py
+    .venv/bin/python benchmarks/retrieval_calibration.py --max-tokens 64
 """
 
 from __future__ import annotations
