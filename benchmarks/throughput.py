@@ -50,7 +50,8 @@ Methods: ``none``; vLLM's ``ngram`` (K = ``--ngram-k``) and ``eagle3`` (a chain 
 ``tree-retrieval`` / ``chain-retrieval`` / ``tree-retrieval-fixed`` /
 ``tree-retrieval-shared`` (retrieval drafter, budget ``--budget``; the last with
 the shared datastore of finished outputs, emptied before each timed pass like
-Suffix Decoding's cache), ``chain-eagle3`` / ``tree-eagle3`` (the same head,
+Suffix Decoding's cache), ``tree-retrieval-prior2`` (the drafter's previous
+default ``evidence_prior``, 2.0), ``chain-eagle3`` / ``tree-eagle3`` (the same head,
 chain of ``--chain-k`` or an EAGLE-2 tree of N = ``--tree-budget``, K = 10, D = 8;
 ``c2t-eagle3``: C2T's tree of the same N with the head's shipped classifier;
 ``tree-hybrid``: that EAGLE-2 tree merged with the retrieval trie, Talon's hybrid)
@@ -166,6 +167,8 @@ METHODS = {
     "chain-retrieval": lambda args: _tree(args, "retrieval", "chain"),
     "tree-retrieval-fixed": lambda args: _tree(args, "retrieval", "retrieval", load_budget="fixed"),
     "tree-retrieval-shared": lambda args: _tree(args, "retrieval", "retrieval", datastore="shared"),
+    # The retrieval drafter's default evidence_prior before 4.0, for side-by-side runs.
+    "tree-retrieval-prior2": lambda args: _tree(args, "retrieval", "retrieval", evidence_prior=2.0),
     "eagle3": lambda args: {"method": "eagle3", "model": _head(args), "num_speculative_tokens": args.chain_k},
     "chain-eagle3": lambda args: _tree(args, "eagle3", "chain", args.chain_k, _head(args)),
     "tree-eagle3": lambda args: _tree(args, "eagle3", "eagle2", args.tree_budget, _head(args)),
