@@ -145,6 +145,17 @@ class Tally:
                 "accepted_per_step": sum(accepted_flags) / steps, "buckets": table}
 
 
+def accepted_nodes(tree: DraftTree, answer: list[int], t: int) -> tuple[list[bool], int]:
+    """Greedy verification replayed: whether each node of ``tree``, drafted
+    after the answer's first ``t`` tokens, lies on the answer's path, and the
+    accepted depth."""
+    ok: list[bool] = []
+    for token, parent, depth in zip(tree.tokens, tree.parents, tree.depths()):
+        on_path = parent == ROOT or ok[parent]
+        ok.append(on_path and t + depth - 1 < len(answer) and answer[t + depth - 1] == token)
+    return ok, max((d for d, good in zip(tree.depths(), ok) if good), default=0)
+
+
 def replay(answers: list[dict], drafter_params: dict, policy_params: dict, budget: int, cost: StepCost) -> dict:
     """Replay greedy decoding of every answer with retrieval trees. With
     ``policy_params["load_budget"]`` the trees are cut by the engine's default
@@ -176,11 +187,7 @@ def replay(answers: list[dict], drafter_params: dict, policy_params: dict, budge
                     load_budget.observe_drafting(1, TRIE_MS / 1e3)
                     tree = load_budget.choose([tree], [f"r{k}"])[0]
             p = tree.path_probabilities()
-            ok: list[bool] = []
-            for token, parent, depth in zip(tree.tokens, tree.parents, tree.depths()):
-                on_path = parent == ROOT or ok[parent]
-                ok.append(on_path and t + depth - 1 < len(answer) and answer[t + depth - 1] == token)
-            accepted = max((d for d, good in zip(tree.depths(), ok) if good), default=0)
+            ok, accepted = accepted_nodes(tree, answer, t)
             if oracle:  # only the answer's path is drafted
                 p = [q for q, good in zip(p, ok) if good]
                 ok = [True] * len(p)
@@ -262,10 +269,8 @@ def replay_chains(answers: list[dict], cost: StepCost, drafter) -> dict:
         t = 1
         while t < len(answer):
             tokens, probs = drafter.draft(k, prompt + answer[:t])
-            ok: list[bool] = []
-            for i, token in enumerate(tokens):
-                ok.append((not ok or ok[-1]) and t + i < len(answer) and answer[t + i] == token)
-            commit = min(sum(ok) + 1, len(answer) - t)
+            ok, accepted = accepted_nodes(DraftTree.chain(tokens), answer, t)
+            commit = min(accepted + 1, len(answer) - t)
             tally.step(probs, ok, commit)
             drafter.commit(k, answer[t:t + commit])
             t += commit
