@@ -73,8 +73,6 @@ def method_config(name: str) -> dict | None:
         adaptive = name.startswith("tree-adaptive-")
         budget = int(name.rsplit("-", 1)[1])
         tree = {"drafter": "retrieval", "policy": "retrieval", "load_budget": "adaptive" if adaptive else "fixed"}
-        if "-overlap-" in name:
-            tree["overlap"] = True
         if budget == 0:
             tree.update(l_max=MAX_LEN, l_min=MAX_LEN)
         return {"method": "adaptive_tree", "num_speculative_tokens": max(budget, 1), "tree": tree}
@@ -167,7 +165,7 @@ def worker(job_path: str) -> None:
         after = tree_stats()
         return {"steps": len(step_seconds), "wall_s": sum(step_seconds), "tokens": tokens,
                 "phases": llm.collective_rpc(step_profile.report)[0],
-                "tree": {k: after[k] - before[k] for k in ("trees_verified", "leaf_paths", "overlap_guesses", "overlap_hits") if k in after}}
+                "tree": {k: after[k] - before[k] for k in ("trees_verified", "leaf_paths") if k in after}}
 
     run(2, 2)  # warm-up
     results = []

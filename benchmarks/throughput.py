@@ -169,7 +169,6 @@ METHODS = {
     "tree-retrieval-shared": lambda args: _tree(args, "retrieval", "retrieval", datastore="shared"),
     # The retrieval drafter's default evidence_prior before 4.0, for side-by-side runs.
     "tree-retrieval-prior2": lambda args: _tree(args, "retrieval", "retrieval", evidence_prior=2.0),
-    "tree-retrieval-overlap": lambda args: _tree(args, "retrieval", "retrieval", overlap=True),
     "eagle3": lambda args: {"method": "eagle3", "model": _head(args), "num_speculative_tokens": args.chain_k},
     "chain-eagle3": lambda args: _tree(args, "eagle3", "chain", args.chain_k, _head(args)),
     "tree-eagle3": lambda args: _tree(args, "eagle3", "eagle2", args.tree_budget, _head(args)),

@@ -171,34 +171,3 @@ def test_forget():
     drafter.forget("never seen")
     # Without forget, [7, 2, 7, 7] would be taken as an extension of [7, 1, 7].
     assert draft(drafter, [[7, 2, 7, 7]], ids=["a"]) == draft(RetrievalDrafter(l_max=1), [[7, 2, 7, 7]])
-
-
-def test_overlapped_rounds_draft_what_the_synchronous_loop_drafts():
-    """Streams that repeat themselves, so guesses often come true; every
-    step's trees equal a synchronous drafter's, whether the guess held, failed
-    (the index extension undone) or a request was forgotten meanwhile."""
-    rng = random.Random(2)
-    params = dict(l_max=3, max_matches=4, max_depth=8)
-    motif = [rng.randrange(6) for _ in range(12)]
-    streams = [(motif * 50)[:600] for _ in range(3)]
-    for stream in streams:
-        for i in rng.sample(range(600), 30):
-            stream[i] = rng.randrange(6)
-    overlapped, synchronous = RetrievalDrafter(overlap=True, **params), RetrievalDrafter(**params)
-    lengths, ids = [10, 20, 30], ["a", "b", "c"]
-    for step in range(60):
-        contexts = [s[:n] for s, n in zip(streams, lengths)]
-        trees = draft(overlapped, contexts, 4, ids=ids)
-        assert trees == draft(synchronous, contexts, 4, ids=ids)
-        overlapped.speculate(trees)
-        for b, tree in enumerate(trees):  # the target accepts the drafted main path's prefix that the stream continues
-            accepted = 0
-            for token in tree.main_path().tokens:
-                if streams[b][lengths[b] + accepted] != token:
-                    break
-                accepted += 1
-            lengths[b] += accepted + 1
-        if step == 30:
-            overlapped.forget("b")
-            synchronous.forget("b")
-    assert overlapped.guesses > 100 and 20 < overlapped.hits < overlapped.guesses

@@ -244,8 +244,6 @@ class TreeProposer:
             trees = budget.choose(
                 trees, active_ids, fallback=fallback, plain=plain, fallback_budget=self.paused_budget
             )
-        if drafting and hasattr(drafter, "speculate"):
-            drafter.speculate(trees)
         if not drafting:
             self._from_paused_part.update(active_ids)
             self.stats.paused_trees += sum(1 for tree in trees if len(tree))

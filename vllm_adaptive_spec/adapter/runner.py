@@ -220,10 +220,8 @@ class TreeRunnerMixin:
         )
 
     def adaptive_tree_stats(self) -> dict[str, float]:
-        drafter = self.tree_proposer.drafter
-        shared = getattr(drafter, "shared", None)
-        overlap = {"overlap_guesses": drafter.guesses, "overlap_hits": drafter.hits} if getattr(drafter, "overlap", False) else {}
-        return self.tree_proposer.stats.as_dict() | {"datastore_tokens": 0 if shared is None else shared.num_tokens} | overlap
+        shared = getattr(self.tree_proposer.drafter, "shared", None)
+        return self.tree_proposer.stats.as_dict() | {"datastore_tokens": 0 if shared is None else shared.num_tokens}
 
     def adaptive_tree_clear_datastore(self) -> int:
         """Empty the retrieval drafter's shared datastore (``LLM.collective_rpc``); the tokens dropped."""

@@ -34,17 +34,6 @@ class SuffixIndex:
             for k in range(1, min(self.l_max, len(tokens)) + 1):
                 ends[k][tuple(tokens[-k:])].append(end)
 
-    def truncate(self, length: int) -> None:
-        """Drop the tokens from ``length`` on (undoes ``extend``, last token first)."""
-        tokens, ends = self.tokens, self.ends
-        while len(tokens) > length:
-            for k in range(1, min(self.l_max, len(tokens)) + 1):
-                key = tuple(tokens[-k:])
-                ends[k][key].pop()
-                if not ends[k][key]:
-                    del ends[k][key]
-            tokens.pop()
-
     def match_ends(self, suffix: tuple[int, ...], first: int = 0) -> list[int]:
         """Positions (``>= first``) where ``suffix`` ended, oldest first."""
         ends = self.ends[len(suffix)].get(suffix)

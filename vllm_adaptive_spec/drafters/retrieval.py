@@ -52,7 +52,6 @@ text.
 from __future__ import annotations
 
 import os
-import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -101,7 +100,6 @@ class RetrievalDrafter:
         "datastore": Param(str, "off", "one of 'off', 'shared'", lambda v: v in ("off", "shared")),
         "datastore_tokens": Param(int, 100_000, "an integer >= 1", lambda v: v >= 1),
         "corpus": Param(str, "", "the path of a readable text file, or '' for none", _readable_file),
-        "overlap": Param(bool, False, "true or false", lambda v: isinstance(v, bool)),
     }
 
     def __init__(
@@ -114,7 +112,6 @@ class RetrievalDrafter:
         datastore: str = "off",
         datastore_tokens: int = 100_000,
         corpus: str = "",
-        overlap: bool = False,
     ) -> None:
         if l_min > l_max:
             raise ValueError(f"l_min ({l_min}) must not exceed l_max ({l_max})")
@@ -127,12 +124,6 @@ class RetrievalDrafter:
         self._indexes: dict[str, SuffixIndex] = {}
         self._prompt_lens: dict[str, int] = {}
         self._tries: list[_Trie] = []
-        self._request_ids: list[str] = []
-        self.overlap = overlap
-        self._speculation: dict[str, tuple[int, _Trie]] = {}  # index length before the guess, its trie
-        self._speculating: threading.Thread | None = None
-        self._deferred_forgets: list[tuple[str, bool]] = []
-        self.guesses = self.hits = 0
 
     def load_corpus(self, tokenize: Callable[[str], list[int]]) -> None:
         """Index the ``corpus`` file's paragraphs (blank-line separated), if one is set."""
@@ -146,12 +137,7 @@ class RetrievalDrafter:
             self.corpus.add(document)
 
     def forget(self, request_id: str, finished: bool = False) -> None:
-        """Drop a request's index; a finished request's output joins the shared
-        datastore. While a speculation runs, this waits for the next ``prepare``."""
-        if self._speculating is not None:
-            self._deferred_forgets.append((request_id, finished))
-            return
-        self._speculation.pop(request_id, None)
+        """Drop a request's index; a finished request's output joins the shared datastore."""
         index = self._indexes.pop(request_id, None)
         prompt_len = self._prompt_lens.pop(request_id, 0)
         if finished and index is not None and self.shared is not None:
@@ -159,7 +145,6 @@ class RetrievalDrafter:
 
     def clear_shared(self) -> int:
         """Empty the shared datastore (benchmarks, between timed passes); returns the tokens dropped."""
-        self._settle()
         if self.shared is None:
             return 0
         dropped = self.shared.num_tokens
@@ -170,68 +155,15 @@ class RetrievalDrafter:
         """Update each request's index with its context and build this step's
         tries. ``prompt_lens`` (where known) marks where each request's output
         starts; otherwise it starts at the first context seen."""
-        self._settle()
-        self._tries, self._request_ids = [], list(request_ids)
+        self._tries = []
         for b, (request_id, context) in enumerate(zip(request_ids, contexts)):
             context = context.tolist() if hasattr(context, "tolist") else list(context)
             index = self._indexes.get(request_id)
-            speculation = self._speculation.pop(request_id, None)
-            if speculation is not None:
-                base, trie = speculation
-                if len(context) == len(index.tokens) and _extends(context, index.tokens):
-                    self.hits += 1
-                    self._tries.append(trie)
-                    continue
-                index.truncate(base)
             if index is None or not _extends(context, index.tokens):
                 index = self._indexes[request_id] = SuffixIndex(self.l_max)
                 self._prompt_lens[request_id] = len(context) if prompt_lens is None else int(prompt_lens[b])
             index.extend(context[len(index.tokens):])
             self._tries.append(self._build_trie(index))
-
-    def speculate(self, trees: list[DraftTree]) -> None:
-        """Talon's overlapped rounds (ALGORITHMS.md section 7): given the trees
-        chosen for the requests of the last ``prepare``, build each one's next
-        trie in a thread, on the guess that its tree's main path is accepted
-        and the target's bonus token is the trie's likeliest next one (or,
-        with no tree, that the trie's likeliest first token comes). The thread
-        runs while the target verifies; ``prepare`` takes a trie whose guess
-        came true and undoes the index extension of one that did not."""
-        if not self.overlap:
-            return
-        self._settle()
-        guesses = []
-        for request_id, trie, tree in zip(self._request_ids, self._tries, trees):
-            node, guess = 0, []
-            for token in tree.main_path().tokens if len(tree) else []:
-                child = next((c for tok, _, c in trie.children[node] if tok == token), None)
-                if child is None:
-                    break
-                node = child
-                guess.append(token)
-            if trie.children[node]:
-                guesses.append((request_id, guess + [trie.children[node][0][0]]))
-        if guesses:
-            self.guesses += len(guesses)
-            self._speculating = threading.Thread(target=self._speculate, args=(guesses,), daemon=True)
-            self._speculating.start()
-
-    def _speculate(self, guesses: list[tuple[str, list[int]]]) -> None:
-        for request_id, guess in guesses:
-            index = self._indexes[request_id]
-            base = len(index.tokens)
-            index.extend(guess)
-            self._speculation[request_id] = (base, self._build_trie(index))
-
-    def _settle(self) -> None:
-        """Wait for a running speculation, then do the forgets it deferred."""
-        if self._speculating is None:
-            return
-        self._speculating.join()
-        self._speculating = None
-        deferred, self._deferred_forgets = self._deferred_forgets, []
-        for request_id, finished in deferred:
-            self.forget(request_id, finished)
 
     def _matches(self, index: SuffixIndex) -> tuple[int, list[list[int]]]:
         """The longest matched suffix's length and the continuations that
