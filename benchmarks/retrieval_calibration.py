@@ -150,10 +150,11 @@ def accepted_nodes(tree: DraftTree, answer: list[int], t: int) -> tuple[list[boo
     after the answer's first ``t`` tokens, lies on the answer's path, and the
     accepted depth."""
     ok: list[bool] = []
-    for token, parent, depth in zip(tree.tokens, tree.parents, tree.depths()):
+    depths = tree.depths()
+    for token, parent, depth in zip(tree.tokens, tree.parents, depths):
         on_path = parent == ROOT or ok[parent]
         ok.append(on_path and t + depth - 1 < len(answer) and answer[t + depth - 1] == token)
-    return ok, max((d for d, good in zip(tree.depths(), ok) if good), default=0)
+    return ok, max((d for d, good in zip(depths, ok) if good), default=0)
 
 
 def replay(answers: list[dict], drafter_params: dict, policy_params: dict, budget: int, cost: StepCost) -> dict:
