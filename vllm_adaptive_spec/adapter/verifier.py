@@ -11,7 +11,7 @@ stay untouched. Each request has ``1 + n`` logits rows (root, then its nodes).
   ``apply_top_k_top_p``), then each row draws its target token
   (argmax, or one exponential-race sample with the request's generator when
   seeded) and ``verify.accept`` walks the tree (ALGORITHMS.md section 1).
-  Decision: the argmax is the sampler's own ``greedy_sample`` (on the CPU
+  Decision: the argmax is vLLM's ``Sampler.greedy_sample`` (on the CPU
   vLLM's vectorised kernel, 2-3x faster than ``torch.argmax`` over the
   vocabulary), so a tree row's greedy token is the one vLLM would pick, and
   only the tree requests' own rows are gathered (not a ``[trees, width + 1]``
@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.sampler import Sampler
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
 from vllm_adaptive_spec.adapter import step as tree_step
@@ -34,29 +35,21 @@ from vllm_adaptive_spec.verify import PAD, Acceptance, accept, sample_with_noise
 _GREEDY_BELOW = 1e-5  # vLLM's sampler treats smaller temperatures as greedy
 
 
-def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(dim=-1)
-
-
-def row_target_tokens(
-    logits: torch.Tensor,
-    request_of_row: torch.Tensor,
-    sampling_metadata,
-    argmax: Callable[[torch.Tensor], torch.Tensor] = _torch_argmax,
-) -> torch.Tensor:
+def row_target_tokens(logits: torch.Tensor, request_of_row: torch.Tensor, sampling_metadata) -> torch.Tensor:
     """One target token per logits row ``[R, V]`` (``request_of_row`` [R]: the
-    row's request in the batch): ``argmax`` of the row for greedy requests, a
-    sample from the processed distribution otherwise. A greedy batch is one
-    argmax."""
+    row's request in the batch): vLLM's greedy argmax of the row for greedy
+    requests, a sample from the processed distribution otherwise. A greedy
+    batch is one argmax."""
     mask = sampling_metadata.allowed_token_ids_mask
     if sampling_metadata.all_greedy and mask is None:
-        return argmax(logits.to(torch.float32))  # vLLM's CPU argmax takes float32 only
+        return Sampler.greedy_sample(logits.to(torch.float32))  # vLLM's CPU argmax takes float32 only
     processed = logits.to(torch.float32, copy=True)
     if mask is not None:
         processed.masked_fill_(mask[request_of_row], float("-inf"))
-    greedy = argmax(processed)
     if sampling_metadata.all_greedy:
-        return greedy
+        return Sampler.greedy_sample(processed)
+    # Before temperature and top-k / top-p change the rows; a random batch needs none.
+    greedy = None if sampling_metadata.all_random else Sampler.greedy_sample(processed)
     temperature = sampling_metadata.temperature[request_of_row]
     processed.div_(torch.where(temperature < _GREEDY_BELOW, 1.0, temperature).unsqueeze(1))
     top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
@@ -74,7 +67,7 @@ def row_target_tokens(
                 generator=generator
             )
     sampled = sample_with_noise(probs, noise)
-    if sampling_metadata.all_random:
+    if greedy is None:
         return sampled
     is_greedy = temperature < _GREEDY_BELOW
     return torch.where(is_greedy, greedy, sampled)
@@ -121,10 +114,10 @@ class TreeVerifier(torch.nn.Module):
             request_of_row = indices.repeat_interleave(counts)
             within = torch.arange(int(counts.sum()), device=device) - first.repeat_interleave(counts)
             rows = starts[request_of_row] + within
-            targets = row_target_tokens(logits[rows], request_of_row, sampling_metadata, self.sampler.greedy_sample)
+            targets = row_target_tokens(logits[rows], request_of_row, sampling_metadata)
             # [trees, width + 1] for acceptance; a tree's padding repeats its last row's target.
             offsets = torch.arange(tree_batch.width + 1, device=device)
-            local = torch.minimum(offsets.unsqueeze(0), num_drafts[indices].unsqueeze(1))
+            local = torch.minimum(offsets.unsqueeze(0), (counts - 1).unsqueeze(1))
             acceptance = accept(tree_batch, targets[first.unsqueeze(1) + local], step.ancestors)
             output[indices] = acceptance.output_tokens.to(torch.int32)
             self.on_accept(step, acceptance)
