@@ -2,6 +2,8 @@
 costs and acceptances, the online cost and calibration estimates, and the
 pause of drafting when speculation never pays."""
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -259,3 +261,41 @@ def test_plain_requests_count_as_requests_without_nodes():
         alpha, beta, plain = float(rng.random() * 0.1), float(rng.random() * 0.01), int(rng.integers(0, 60))
         with_empty = allocate(p_hat + [np.zeros(0)] * plain, alpha, beta, 0)
         assert allocate(p_hat, alpha, beta, 0, plain=plain) == with_empty[: len(p_hat)]
+
+
+def _random_tree(rng, size: int) -> DraftTree:
+    parents = [int(rng.integers(-1, i)) for i in range(size)]
+    return DraftTree(list(range(size)), parents, [float(v) for v in rng.uniform(0.2, 1.0, size)])
+
+
+@pytest.mark.parametrize("fitted", [True, False], ids=["fitted", "cold"])
+def test_nodes_below_the_floor_are_never_kept(fitted):
+    """Trees cut at :meth:`LoadBudget.floor` before :meth:`LoadBudget.choose`
+    (as the drafter cuts them) give the same choice as whole trees, with this
+    step's drafting time observed in between, as the engine does."""
+
+    rng = np.random.default_rng(5)
+    cut = 0
+    for _ in range(60):
+        budget = LoadBudget(max_budget=16, half_life=1e9)
+        alpha, beta, eta, xi = rng.uniform(0.02, 0.3), rng.uniform(0.0005, 0.005), rng.uniform(0, 0.01), rng.uniform(0, 0.01)
+        for _ in range(40 if fitted else 0):
+            trees = int(rng.integers(0, 5))
+            branching = int(rng.integers(0, trees + 1))
+            rows = int(rng.integers(4, 64)) + trees * int(rng.integers(1, 9))
+            budget.fit.observe(rows, alpha + beta * rows + eta * trees + xi * branching, 0, trees, branching)
+        budget.observe_drafting(4, float(rng.uniform(0.0, 0.01)))
+        requests, plain = int(rng.integers(1, 40)), int(rng.integers(0, 40))
+        ids = [f"r{r}" for r in range(requests)]
+        record = DraftTree([1, 2], [-1, 0], [0.3, 0.3])  # accepted well above its p: rho up to MAX_RHO
+        for request_id in ids[: requests // 2]:
+            budget.observe_tree(record, [0, 1] if rng.random() < 0.7 else [], request_id)
+        trees = [_random_tree(rng, int(rng.integers(0, 12))) for _ in ids]
+        floor = budget.floor(requests, plain)
+        budget.observe_drafting(requests, float(rng.uniform(0.0, 0.02)) * requests)
+        floored = [t.subset([i for i, p in enumerate(t.path_probabilities()) if p >= floor]) for t in trees]
+        cut += sum(len(t) - len(f) for t, f in zip(trees, floored))
+        whole = copy.deepcopy(budget).choose(trees, ids, plain=plain)
+        assert budget.choose(floored, ids, plain=plain) == whole
+        assert all(p >= floor for tree in whole for p in tree.path_probabilities())
+    assert cut > 100, cut

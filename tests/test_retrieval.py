@@ -150,6 +150,24 @@ def test_choice_from_whole_tree_equals_the_layer_loop(policy):
     assert compared > 100
 
 
+@pytest.mark.parametrize("floor", [0.05, 0.2, 0.5])
+def test_floored_candidate_trees_are_the_whole_trees_above_the_floor(floor):
+    """The trie is built only where a node's ``p`` reaches the floor: the same
+    nodes, order and ``q`` as the whole tree cut at the floor."""
+    rng = random.Random(2)
+    drafter = RetrievalDrafter(l_max=2, max_matches=16, max_depth=6, evidence_prior=1.0)
+    streams = [[rng.randrange(6) for _ in range(150)] for _ in range(3)]
+    cut = 0
+    for length in range(8, 150, 5):
+        drafter.prepare([f"r{b}" for b in range(3)], [s[:length] for s in streams])
+        floored, whole = drafter.candidate_trees(floor), drafter.candidate_trees()
+        for got, tree in zip(floored, whole):
+            p = tree.path_probabilities()
+            assert got == tree.subset([i for i, value in enumerate(p) if value >= floor])
+            cut += len(tree) - len(got)
+    assert cut > 100, cut
+
+
 @pytest.mark.parametrize(
     "new_context",
     [

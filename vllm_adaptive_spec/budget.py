@@ -85,6 +85,9 @@ import numpy as np
 from vllm_adaptive_spec.step_cost import StepCostFit
 from vllm_adaptive_spec.tree import DraftTree
 
+MIN_RHO, MAX_RHO = 0.05, 2.0  # the calibration's range
+FLOOR_MARGIN = 0.8
+
 
 def allocate(
     p_hat: list[np.ndarray], alpha: float, beta: float, fixed_cost: float = 0.0, plain: int = 0
@@ -170,18 +173,36 @@ class LoadBudget:
     def calibration(self, request_id: str | None = None) -> float:
         """``rho``: accepted nodes per unit of predicted acceptance, the
         engine's, or request ``request_id``'s own shrunk toward it."""
-        rho = float(np.clip(self.accepted_nodes / max(self.predicted, 1e-9), 0.05, 2.0))
+        rho = float(np.clip(self.accepted_nodes / max(self.predicted, 1e-9), MIN_RHO, MAX_RHO))
         record = self._requests.get(request_id)
         if record is None:
             return rho
         predicted, accepted = record
-        return float(np.clip((accepted + self.request_prior * rho) / (predicted + self.request_prior), 0.05, 2.0))
+        return float(np.clip((accepted + self.request_prior * rho) / (predicted + self.request_prior), MIN_RHO, MAX_RHO))
 
     def draft_cost(self) -> float:
         """Seconds of drafting per drafting request."""
         return self.draft_seconds / self.drafted_requests if self.drafted_requests > 1e-9 else 0.0
 
     # -- decisions ----------------------------------------------------------
+
+    def floor(self, requests: int, plain: int = 0) -> float:
+        """A path probability below which :meth:`choose` keeps no node of a
+        step with ``requests`` drafting and ``plain`` other decoding
+        requests, whatever the requests' records: a node is kept only if its
+        ``p_hat`` exceeds ``beta`` times the expected rate, which adding
+        nodes only raises above the rate with none, and ``p_hat <= MAX_RHO
+        * p``. Decision: the drafter leaves such nodes out of its trees (at
+        batch 64 most of them), so they are neither built nor ranked; the
+        step's own drafting time enters ``delta`` between this call and
+        :meth:`choose`, which ``FLOOR_MARGIN`` covers."""
+        fit = self.fit.solve()
+        if fit is None:
+            return FLOOR_MARGIN * self.cold_min_p / MAX_RHO
+        alpha, beta = fit[0], fit[1]
+        rows = requests + plain
+        rate = rows / (alpha + self.draft_cost() * requests + beta * rows)
+        return FLOOR_MARGIN * beta * rate / MAX_RHO
 
     def drafts(self) -> bool:
         """Whether this step drafts at all (False while paused)."""

@@ -80,15 +80,18 @@ class Drafter(Protocol):
 
 
 class WholeTreeDrafter(Drafter, Protocol):
-    def candidate_trees(self) -> list[DraftTree]:
+    def candidate_trees(self, floor: float = 0.0) -> list[DraftTree]:
         """Each request's whole candidate tree, breadth-first, a node's
-        children by descending ``q`` (ties: first seen first)."""
+        children by descending ``q`` (ties: first seen first); only the nodes
+        whose path probability is at least ``floor``."""
 
 
 class Policy(Protocol):
     # Whether growth continues once a tree holds ``budget`` nodes (then
     # ``finish`` trims it back, as after a rerank).
     grows_past_budget: bool
+    # No node whose path probability is below it is ever chosen.
+    floor: float
 
     def depth_limit(self, budget: int) -> int:
         """The deepest layer grown for a largest budget of ``budget``."""
@@ -110,13 +113,18 @@ class GrowthStats:
     draft_passes: int = 0
 
 
-def grow(drafter: Drafter, policy: Policy, budget: torch.Tensor, max_depth: int) -> tuple[list[DraftTree], GrowthStats]:
-    """Grow one tree per request (``budget`` [B] nodes at most each)."""
+def grow(
+    drafter: Drafter, policy: Policy, budget: torch.Tensor, max_depth: int, floor: float = 0.0
+) -> tuple[list[DraftTree], GrowthStats]:
+    """Grow one tree per request (``budget`` [B] nodes at most each).
+    ``floor``: a path probability below which the caller keeps no node (the
+    load budget's); a whole-tree drafter leaves such nodes out."""
     batch = budget.shape[0]
     stats = GrowthStats()
     whole, choose = getattr(drafter, "candidate_trees", None), getattr(policy, "choose", None)
     if whole is not None and choose is not None:
-        return [choose(tree, n) if n > 0 else DraftTree() for tree, n in zip(whole(), budget.tolist())], stats
+        trees = whole(max(getattr(policy, "floor", 0.0), floor))
+        return [choose(tree, n) if n > 0 else DraftTree() for tree, n in zip(trees, budget.tolist())], stats
     tokens, parents, q, p, score, entropy = [], [], [], [], [], []  # per layer, [B, L] each
     size = torch.zeros(batch, dtype=torch.long)
     frontier_handles = torch.full((batch, 1), ROOT, dtype=torch.long)

@@ -233,14 +233,15 @@ class TreeProposer:
         active_ids = [request_ids[i] for i in active]
         drafter.prepare(active_ids, contexts, active, lens)
         policy.begin(active_ids)
-        trees, stats = grow(drafter, policy, torch.tensor(budgets), drafter.max_depth)
+        budget = self.load_budget if drafting else self.paused_budget
+        plain = sum(1 for sampled in sampled_token_ids if sampled) - len(active)
+        floor = 0.0 if budget is None else budget.floor(len(active), plain)
+        trees, stats = grow(drafter, policy, torch.tensor(budgets), drafter.max_depth, floor)
         if getattr(drafter, "is_model", False):
             self.stats.draft_passes += stats.draft_passes
-        budget = self.load_budget if drafting else self.paused_budget
         if budget is not None:
             budget.observe_drafting(len(active), first_pass_seconds + time.perf_counter() - started)
             fallback = self._paused_part_trees(active_ids, budgets) if drafting else None
-            plain = sum(1 for sampled in sampled_token_ids if sampled) - len(active)
             trees = budget.choose(
                 trees, active_ids, fallback=fallback, plain=plain, fallback_budget=self.paused_budget
             )

@@ -73,6 +73,9 @@ class TreePolicy:
     fanout = 1
     # The top-M entropy a model drafter computes per node (0: none; C2T's feature).
     entropy_top_m = 0
+    # No node whose path probability is below it is ever chosen (a whole-tree
+    # drafter may leave such nodes out of its candidate trees).
+    floor = 0.0
 
     def depth_limit(self, budget: int) -> int:
         """The deepest layer grown for a largest budget of ``budget``."""
