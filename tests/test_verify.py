@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 from test_tree import random_bfs_tree
 
 from vllm_adaptive_spec.tree import ROOT, DraftTree, TreeBatch
-from vllm_adaptive_spec.verify import accept, sample_with_noise
+from vllm_adaptive_spec.verify import accept, path_moves, sample_with_noise
 
 ALPHA = 1e-3  # false-alarm rate of every chi-square test below
 
@@ -71,6 +71,22 @@ def test_accept_examples():
         [5, 3, -1, -1, -1],
         [8, -1, -1, -1, -1],
     ]
+
+
+def test_path_moves_stay_inside_each_trees_rows():
+    """KV compaction's moves for a step whose last tree is shallower than the
+    batch's widest and ends on the step's last row (12 rows: a decode row,
+    then a 4-node tree's root and nodes at rows 1-5, a prompt chunk, then a
+    2-node tree's root and nodes at rows 9-11)."""
+    deep = DraftTree([5, 6, 7, 8], [-1, -1, 1, 2], [0.6, 0.4, 1.0, 1.0])  # 5 | 6 -> 7 -> 8
+    wide = DraftTree([9, 10], [-1, -1], [0.5, 0.5])
+    rows = torch.tensor([[6, 0, 7, 8, 9], [10, 0, 3, -1, -1]])
+    result = accept(TreeBatch.from_trees([deep, wide]), rows)
+    src, dst = path_moves(result, torch.tensor([2, 10]))
+    assert src.tolist() == [[3, 4, 5, -1], [11, -1, -1, -1]]
+    assert dst.tolist() == [[2, 3, 4, -1], [10, -1, -1, -1]]
+    in_place = accept(TreeBatch.from_trees([deep]), torch.tensor([[5, 1, 0, 0, 0]]))  # node 0 is at depth 0
+    assert path_moves(in_place, torch.tensor([2]))[0].tolist() == [[-1, -1, -1, -1]]
 
 
 def test_full_acceptance_of_a_deep_chain():

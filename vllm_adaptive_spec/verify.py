@@ -71,6 +71,21 @@ def accept(tree: TreeBatch, row_tokens: torch.Tensor, ancestors: torch.Tensor | 
     return Acceptance(num_accepted, path, output)
 
 
+def path_moves(acceptance: Acceptance, first_node: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """KV compaction's moves: the accepted node at depth ``d`` of tree ``k``
+    moves from query row ``first_node[k] + path[k, d]`` to row ``first_node[k]
+    + d``, right after the root. Returns ``(src, dst)`` rows [B, W], ``-1``
+    where nothing moves (no node there, or it is already in place). Decision:
+    a row is formed only for a move, never for the empty depths of a tree
+    shallower than the batch's widest: those would point past the tree's own
+    rows, and past the step's last row when the tree is the step's last."""
+    path = acceptance.path
+    depth = torch.arange(path.shape[1], device=path.device).unsqueeze(0)
+    live = (path >= 0) & (path != depth)
+    first = first_node.unsqueeze(1)
+    return torch.where(live, first + path, PAD), torch.where(live, first + depth, PAD)
+
+
 def sample_with_noise(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """One sample per row of ``probs`` [R, V] from i.i.d. Exp(1) ``noise`` [R, V]:
     ``argmax(p / e)`` (the exponential race; the smallest ``e / p`` wins with

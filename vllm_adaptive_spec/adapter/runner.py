@@ -34,7 +34,7 @@ from vllm_adaptive_spec.adapter.draft_backend import PagedDraftBackend
 from vllm_adaptive_spec.adapter.proposer import TreeProposer, can_draft
 from vllm_adaptive_spec.adapter.verifier import TreeVerifier
 from vllm_adaptive_spec.tree import DraftTree
-from vllm_adaptive_spec.verify import Acceptance
+from vllm_adaptive_spec.verify import Acceptance, path_moves
 
 SUPPORTED_LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
 
@@ -143,19 +143,15 @@ class TreeRunnerMixin:
         proposer.observe(request_ids, step.trees, [row[:count] for row, count in paths])
         if self._draft_backend is not None:
             self._record_chains(step, acceptance)
-        path = acceptance.path
-        width = path.shape[1]
         ends = step.query_start_loc[1:].to(torch.long)
         first_node = step.query_rows[ends - 1] - step.tree_batch.num_nodes + 1
-        depth = torch.arange(width, device=path.device).unsqueeze(0)
-        live = (path >= 0) & (path != depth)
+        src_rows, dst_rows = path_moves(acceptance, first_node)
+        live = src_rows >= 0
         if not bool(live.any()):
             return
         slot_mapping = self.input_batch.block_table[0].slot_mapping.gpu
-        src = slot_mapping[(first_node.unsqueeze(1) + path.clamp(min=0)).flatten()].view_as(path)
-        dst = slot_mapping[(first_node.unsqueeze(1) + depth).flatten()].view_as(path)
-        src = torch.where(live, src, -1).to(torch.int64)
-        dst = torch.where(live, dst, -1).to(torch.int64)
+        src = torch.where(live, slot_mapping[src_rows.clamp(min=0)], -1).to(torch.int64)
+        dst = torch.where(live, slot_mapping[dst_rows.clamp(min=0)], -1).to(torch.int64)
         views = [type(self).kv_views(kv_cache) for kv_cache in self.kv_caches]
         compact_kv([key for key, _ in views], [value for _, value in views], src, dst)
 
