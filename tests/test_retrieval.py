@@ -125,6 +125,16 @@ def test_incremental_equals_fresh_and_naive(evidence_prior):
             assert paths(tree) == pytest.approx(naive_paths(context, **params))
 
 
+def prepared_steps(drafter, seed: int, requests: int, length: int, vocab: int, lengths: range):
+    """Prepare ``drafter`` on growing prefixes (``lengths``) of random token
+    streams, one per request; yields after each step."""
+    rng = random.Random(seed)
+    streams = [[rng.randrange(vocab) for _ in range(length)] for _ in range(requests)]
+    for n in lengths:
+        drafter.prepare([f"r{b}" for b in range(requests)], [s[:n] for s in streams])
+        yield n
+
+
 class LayerByLayer:
     """The drafter without its whole candidate trees: growth runs the layer loop."""
 
@@ -134,12 +144,9 @@ class LayerByLayer:
 
 @pytest.mark.parametrize("policy", [RetrievalPolicy(), RetrievalPolicy(min_p=0.2), ChainPolicy()], ids=["retrieval", "retrieval-min_p-0.2", "chain"])
 def test_choice_from_whole_tree_equals_the_layer_loop(policy):
-    rng = random.Random(1)
     drafter = RetrievalDrafter(l_max=3, max_matches=8, max_depth=6, evidence_prior=2.0)
-    streams = [[rng.randrange(5) for _ in range(120)] for _ in range(4)]
     compared = 0
-    for length in range(10, 120, 7):
-        drafter.prepare([f"r{b}" for b in range(4)], [s[:length] for s in streams])
+    for _ in prepared_steps(drafter, seed=1, requests=4, length=120, vocab=5, lengths=range(10, 120, 7)):
         budget = torch.tensor([0, 1, 5, 40])
         whole, _ = grow(drafter, policy, budget, drafter.max_depth)
         layered, _ = grow(LayerByLayer(drafter), policy, budget, drafter.max_depth)
@@ -154,12 +161,9 @@ def test_choice_from_whole_tree_equals_the_layer_loop(policy):
 def test_floored_candidate_trees_are_the_whole_trees_above_the_floor(floor):
     """The trie is built only where a node's ``p`` reaches the floor: the same
     nodes, order and ``q`` as the whole tree cut at the floor."""
-    rng = random.Random(2)
     drafter = RetrievalDrafter(l_max=2, max_matches=16, max_depth=6, evidence_prior=1.0)
-    streams = [[rng.randrange(6) for _ in range(150)] for _ in range(3)]
     cut = 0
-    for length in range(8, 150, 5):
-        drafter.prepare([f"r{b}" for b in range(3)], [s[:length] for s in streams])
+    for _ in prepared_steps(drafter, seed=2, requests=3, length=150, vocab=6, lengths=range(8, 150, 5)):
         floored, whole = drafter.candidate_trees(floor), drafter.candidate_trees()
         for got, tree in zip(floored, whole):
             p = tree.path_probabilities()
