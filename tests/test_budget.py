@@ -273,17 +273,16 @@ def test_nodes_below_the_floor_are_never_kept(fitted):
     """Trees cut at :meth:`LoadBudget.floor` before :meth:`LoadBudget.choose`
     (as the drafter cuts them) give the same choice as whole trees, with this
     step's drafting time observed in between, as the engine does."""
-
     rng = np.random.default_rng(5)
     cut = 0
     for _ in range(60):
         budget = LoadBudget(max_budget=16, half_life=1e9)
         alpha, beta, eta, xi = rng.uniform(0.02, 0.3), rng.uniform(0.0005, 0.005), rng.uniform(0, 0.01), rng.uniform(0, 0.01)
         for _ in range(40 if fitted else 0):
-            trees = int(rng.integers(0, 5))
-            branching = int(rng.integers(0, trees + 1))
-            rows = int(rng.integers(4, 64)) + trees * int(rng.integers(1, 9))
-            budget.fit.observe(rows, alpha + beta * rows + eta * trees + xi * branching, 0, trees, branching)
+            verified = int(rng.integers(0, 5))
+            branching = int(rng.integers(0, verified + 1))
+            rows = int(rng.integers(4, 64)) + verified * int(rng.integers(1, 9))
+            budget.fit.observe(rows, alpha + beta * rows + eta * verified + xi * branching, 0, verified, branching)
         budget.observe_drafting(4, float(rng.uniform(0.0, 0.01)))
         requests, plain = int(rng.integers(1, 40)), int(rng.integers(0, 40))
         ids = [f"r{r}" for r in range(requests)]

@@ -242,9 +242,10 @@ class RetrievalDrafter:
             tree, queue = DraftTree(), [(0, ROOT, 1.0)]
             for node, index, p in queue:
                 for token, chance, child in trie.children(node):
-                    if p * chance < floor:
+                    child_p = p * chance
+                    if child_p < floor:
                         break  # the rest are less likely still
-                    queue.append((child, len(tree), p * chance))
+                    queue.append((child, len(tree), child_p))
                     tree.tokens.append(token)
                     tree.parents.append(index)
                     tree.q.append(chance)

@@ -25,7 +25,11 @@ class RetrievalPolicy(TreePolicy):
     fanout = 0  # the retrieval drafter's trie decides
 
     def __init__(self, min_p: float = 0.05) -> None:
-        self.min_p = self.floor = min_p
+        self.min_p = min_p
+
+    @property
+    def floor(self) -> float:
+        return self.min_p
 
     def depth_limit(self, budget: int) -> int:
         return 1 << 30  # the drafter's max_depth decides
