@@ -159,12 +159,24 @@ def compact_kv_triton(
     )
 
 
+def _on_gpu(tensor: torch.Tensor) -> bool:
+    return triton is not None and tensor.is_cuda
+
+
 def compact_kv(
     key_caches: Sequence[torch.Tensor],
     value_caches: Sequence[torch.Tensor],
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
 ) -> None:
-    """In place, every layer: the Triton kernel on CUDA, the torch reference elsewhere."""
-    impl = compact_kv_triton if triton is not None and key_caches[0].is_cuda else compact_kv_reference
-    impl(key_caches, value_caches, src_slots, dst_slots)
+    """In place, every layer: the Triton kernel on CUDA (one launch per group
+    of layers that share a shape, dtype and strides, e.g. the target's and a
+    draft model's of another head size), the torch reference elsewhere."""
+    if not _on_gpu(key_caches[0]):
+        compact_kv_reference(key_caches, value_caches, src_slots, dst_slots)
+        return
+    groups: dict[tuple, list[int]] = {}
+    for layer, (key, value) in enumerate(zip(key_caches, value_caches)):
+        groups.setdefault((key.shape, key.stride(), value.stride(), key.dtype), []).append(layer)
+    for layers in groups.values():
+        compact_kv_triton([key_caches[i] for i in layers], [value_caches[i] for i in layers], src_slots, dst_slots)

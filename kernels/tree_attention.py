@@ -441,7 +441,14 @@ def tree_attention(
     query_mask: torch.Tensor,
     scale: float,
     window_lens: torch.Tensor | None = None,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """``[T, Hq, D]`` output: the Triton kernel on CUDA, the torch reference elsewhere."""
-    impl = tree_attention_triton if triton is not None and query.is_cuda else tree_attention_reference
-    return impl(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, query_mask, scale, window_lens)
+    """``[T, Hq, D]`` output: the Triton kernel on CUDA, the torch reference
+    elsewhere. ``max_query_len`` / ``max_seq_len``: host-side bounds the
+    kernel would otherwise read off the device (a synchronisation)."""
+    args = (query, key_cache, value_cache, block_table, query_start_loc, seq_lens, query_mask, scale, window_lens)
+    if triton is not None and query.is_cuda:
+        return tree_attention_triton(*args, max_query_len=max_query_len, max_seq_len=max_seq_len)
+    return tree_attention_reference(*args)

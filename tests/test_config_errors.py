@@ -57,7 +57,7 @@ def test_good_config_reaches_vllm_as_a_stock_config(demo_model):
     args, config = build_config(demo_model, spec)
     assert config.speculative_config.method == "custom_class"
     assert config.speculative_config.num_speculative_tokens == 8
-    assert config.parallel_config.worker_cls == "vllm_adaptive_spec.adapter.worker.TreeCPUWorker"
+    assert config.parallel_config.worker_cls == "vllm_adaptive_spec.adapter.worker_cpu.TreeCPUWorker"
     assert config.additional_config["adaptive_tree"]["drafter"] == "retrieval"
     assert config.additional_config["adaptive_tree"]["drafter_params"]["l_max"] == 8
     assert args.speculative_config == spec, "the user's dict was changed"
@@ -75,3 +75,49 @@ def test_llm_startup_fails_with_the_message(demo_model):
     assert proc.returncode != 0
     assert "speculative_config['tree']['policy'] must be one of 'chain', 'retrieval'" in proc.stderr
     assert "EngineCore" not in proc.stderr, "the engine started before the config was checked"
+
+
+def test_async_scheduling_is_refused(demo_model):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=demo_model, max_model_len=1024, async_scheduling=True,
+                      speculative_config={"method": "adaptive_tree", "num_speculative_tokens": 8, "tree": GOOD_TREE})
+    with pytest.raises(TreeConfigError, match=r"does not support async_scheduling=True"):
+        args.create_engine_config()
+
+
+@pytest.fixture
+def on_cuda(monkeypatch):
+    """The config hook as it runs on vLLM's CUDA platform (the rest of the
+    config is still built for this machine's CPU platform)."""
+    from vllm_adaptive_spec.adapter import config_hook
+
+    monkeypatch.setattr(config_hook, "_platform", lambda: "cuda")
+
+
+def test_cuda_selects_the_gpu_worker(demo_model, on_cuda):
+    _, config = build_config(demo_model, {"method": "adaptive_tree", "num_speculative_tokens": 8, "tree": GOOD_TREE})
+    assert config.parallel_config.worker_cls == "vllm_adaptive_spec.adapter.worker_cuda.TreeGPUWorker"
+    assert config.scheduler_config.async_scheduling is False
+
+
+@pytest.mark.parametrize("where", ["attention_backend", "speculative_config"])
+def test_cuda_refuses_a_backend_without_a_tree_path(demo_model, on_cuda, where):
+    from vllm.engine.arg_utils import EngineArgs
+
+    spec = {"method": "adaptive_tree", "num_speculative_tokens": 8, "tree": GOOD_TREE}
+    if where == "speculative_config":
+        spec["attention_backend"] = "FLEX_ATTENTION"
+        args = EngineArgs(model=demo_model, max_model_len=1024, speculative_config=spec)
+    else:
+        args = EngineArgs(model=demo_model, max_model_len=1024, speculative_config=spec, attention_backend="FLASHINFER")
+    with pytest.raises(TreeConfigError, match=r"must be one of 'FLASH_ATTN', 'TRITON_ATTN', got '(FLASHINFER|FLEX_ATTENTION)'"):
+        args.create_engine_config()
+
+
+def test_another_platform_is_refused(demo_model, monkeypatch):
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    with pytest.raises(TreeConfigError, match=r"runs on vLLM's CPU and CUDA platforms"):
+        build_config(demo_model, {"method": "adaptive_tree", "num_speculative_tokens": 8, "tree": GOOD_TREE})

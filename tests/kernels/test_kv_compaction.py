@@ -152,3 +152,26 @@ def test_layers_of_different_layouts_are_refused():
     key = torch.zeros(2, 4, 2, 16, device=DEVICE)
     with pytest.raises(ValueError, match="one shape, stride, dtype and device"):
         compact_kv_triton([key, key.double()], [key, key], SRC.to(DEVICE), DST.to(DEVICE))
+
+
+def test_dispatch_launches_once_per_layout(monkeypatch):
+    """The dispatcher compacts layers of two layouts (a target's and a draft
+    model's of another head size) as the reference does, one launch per layout."""
+    from kernels import kv_compaction
+
+    gen = torch.Generator().manual_seed(3)
+    src, dst, num_blocks, _ = make_rows(gen, num_requests=4, tree_size=6, block_size=4)
+    layers = [make_caches(gen, num_blocks, 4, 2, 16), make_caches(gen, num_blocks, 4, 2, 32),
+              make_caches(gen, num_blocks, 4, 2, 16)]
+    expected = [[c.clone() for c in layer] for layer in layers]
+    for key, value in expected:
+        compact_kv_reference([key], [value], src, dst)
+    launches = []
+    launch = kv_compaction.compact_kv_triton
+    monkeypatch.setattr(kv_compaction, "_on_gpu", lambda tensor: True)
+    monkeypatch.setattr(kv_compaction, "compact_kv_triton", lambda k, *a: launches.append(len(k)) or launch(k, *a))
+    on_device = [[c.to(DEVICE) for c in layer] for layer in layers]
+    compact_kv([k for k, _ in on_device], [v for _, v in on_device], src.to(DEVICE), dst.to(DEVICE))
+    assert sorted(launches) == [1, 2]
+    for (key, value), (want_key, want_value) in zip(on_device, expected):
+        assert torch.equal(key.cpu(), want_key) and torch.equal(value.cpu(), want_value)

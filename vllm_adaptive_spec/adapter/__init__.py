@@ -13,10 +13,13 @@ import importlib
 from packaging.version import InvalidVersion, Version
 
 SUPPORTED_VLLM = "0.32.0"
+# vLLM's CUDA attention backends with a tree path (``attention_cuda``).
+CUDA_TREE_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
 
 # "module:attribute.path" of the vLLM internals the adapter relies on. The
 # config hooks are checked when the plugin loads, in every vLLM process; the
-# engine hooks (heavier modules) when adaptive_tree is selected.
+# engine hooks (heavier modules) when adaptive_tree is selected: those every
+# platform shares, then the platform's own (its worker, runner and attention).
 CONFIG_HOOKS: tuple[str, ...] = (
     "vllm.engine.arg_utils:EngineArgs.create_speculative_config",
     "vllm.config.speculative:SpeculativeConfig",
@@ -24,15 +27,34 @@ CONFIG_HOOKS: tuple[str, ...] = (
 )
 ENGINE_HOOKS: tuple[str, ...] = (
     "vllm.v1.attention.backends.registry:register_backend",
-    "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend.get_impl_cls",
-    "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder._set_isa_to_layers",
-    "vllm.v1.worker.cpu_worker:CPUWorker.init_device",
-    "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids",
+    "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.dispatch",
     "vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p",
 )
+PLATFORM_HOOKS: dict[str, tuple[str, ...]] = {
+    "cpu": (
+        "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend.get_impl_cls",
+        "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder._set_isa_to_layers",
+        "vllm.v1.worker.cpu_worker:CPUWorker.init_device",
+        "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
+    ),
+    "cuda": (
+        "vllm.v1.attention.backends.flash_attn:FlashAttentionBackend.get_impl_cls",
+        "vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward",
+        "vllm.v1.attention.backends.triton_attn:TritonAttentionBackend.get_impl_cls",
+        "vllm.v1.attention.backends.triton_attn:TritonAttentionImpl.forward",
+        "vllm.v1.worker.gpu_worker:Worker._make_model_runner",
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner",
+    ),
+}
+
+
+def engine_hooks(platform: str) -> tuple[str, ...]:
+    """Every engine hook the adapter needs on ``platform`` ("cpu" or "cuda")."""
+    return ENGINE_HOOKS + PLATFORM_HOOKS[platform]
 
 
 def installed_vllm_version() -> str:

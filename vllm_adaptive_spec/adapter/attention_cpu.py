@@ -3,13 +3,10 @@
 The CPU platform always picks ``CPU_ATTN``; the worker re-registers that name
 to :class:`TreeCPUAttentionBackend` when adaptive_tree is selected, so target
 (and draft) layers get :class:`TreeCPUAttentionImpl`. Its C++ kernel takes no
-mask: in a batch that mixes tree and other rows it runs as usual, then the
-rows of requests that carry a tree are recomputed by :func:`paged_tree_attention`
-(``kernels.tree_attention``'s reference semantics, reading whole cache pages),
-and overwritten. Only requests whose tree
-branches take that path: a chain (most trees under the load budget) is exact
-under the C++ kernel; when every row of a pass belongs to such a tree, only
-the tree path runs.
+mask: the rows of requests whose tree branches are recomputed
+(:class:`~vllm_adaptive_spec.adapter.tree_impl.TreeImplMixin`) by
+:func:`paged_tree_attention` (``kernels.tree_attention``'s reference
+semantics, reading whole cache pages).
 
 Decision: the builder pins the ``vec``/``vec16`` cache layout (K stored
 transposed per block page, V row-major), the one the reader understands; on
@@ -21,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -29,7 +25,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from kernels.tree_attention import key_visibility
-from vllm_adaptive_spec.adapter import step as tree_step
+from vllm_adaptive_spec.adapter.tree_impl import TreeImplMixin
 
 PINNED_LAYOUTS = ("vec", "vec16")
 
@@ -146,35 +142,8 @@ class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             self._set_isa_to_layers(layer_names)
 
 
-class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        unsupported = {
-            "sliding window": self.sliding_window != -1,
-            "ALiBi": self.alibi_slopes is not None,
-            "logits soft-cap": bool(self.logits_soft_cap),
-            "attention sinks": self.sinks is not None,
-            "quantized KV cache": self.is_fp8_kv_cache,
-        }
-        found = [name for name, present in unsupported.items() if present]
-        if found and self.attn_type == AttentionType.DECODER:
-            raise ValueError(f"adaptive_tree tree attention does not support {', '.join(found)} yet")
-
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None):
-        step = tree_step.current()
-        rows = step if isinstance(step, tree_step.DraftStep) else getattr(step, "attention", None)
-        tree_rows_only = (
-            rows is not None
-            and attn_metadata is not None
-            and rows.query_rows.shape[0] == attn_metadata.num_actual_tokens
-            and output_scale is None
-        )
-        if not tree_rows_only:
-            output = super().forward(
-                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
-            )
-        if rows is None or attn_metadata is None or self.attn_type != AttentionType.DECODER:
-            return output
+class TreeCPUAttentionImpl(TreeImplMixin, CPUAttentionBackendImpl):
+    def tree_forward(self, query, kv_cache, attn_metadata, rows):
         if rows.page_plan is None:  # the pass's first layer builds it, the others reuse it
             rows.page_plan = plan_pages(
                 attn_metadata.block_table[rows.batch_indices],
@@ -184,9 +153,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
                 kv_cache.shape[2],
                 rows.window_lens,
             )
-        result = paged_tree_attention(query[rows.query_rows], kv_cache, rows.page_plan, self.scale)
-        output.view(query.shape[0], self.num_heads, -1)[rows.query_rows] = result.to(output.dtype)
-        return output
+        return paged_tree_attention(query, kv_cache, rows.page_plan, self.scale)
 
 
 class TreeCPUAttentionBackend(CPUAttentionBackend):

@@ -17,12 +17,15 @@ from __future__ import annotations
 import functools
 import os
 
-from vllm_adaptive_spec.adapter import ENGINE_HOOKS, missing_hooks
+from vllm_adaptive_spec.adapter import CUDA_TREE_BACKENDS, engine_hooks, missing_hooks
 from vllm_adaptive_spec.config import METHOD, TreeConfig, TreeConfigError, parse_tree_config
 
 ADDITIONAL_CONFIG_KEY = "adaptive_tree"
 PROPOSER_CLASS = "vllm_adaptive_spec.adapter.proposer.TreeProposer"
-CPU_WORKER = "vllm_adaptive_spec.adapter.worker.TreeCPUWorker"
+WORKERS = {
+    "cpu": "vllm_adaptive_spec.adapter.worker_cpu.TreeCPUWorker",
+    "cuda": "vllm_adaptive_spec.adapter.worker_cuda.TreeGPUWorker",
+}
 NATIVE_METHOD = {None: "custom_class", "eagle3": "eagle3", "draft_model": "draft_model"}
 
 
@@ -51,8 +54,9 @@ def install() -> None:
             return original(self, target_model_config, target_parallel_config)
 
         tree = parse_tree_config(spec)
-        _check_engine_args(self)
-        missing = missing_hooks(ENGINE_HOOKS)
+        platform = _platform()
+        _check_engine_args(self, spec, platform)
+        missing = missing_hooks(engine_hooks(platform))
         if missing:
             raise TreeConfigError(
                 f"method={METHOD!r} cannot run on this vLLM: missing internals {', '.join(missing)}"
@@ -71,7 +75,9 @@ def install() -> None:
         finally:
             self.speculative_config = spec
         self.additional_config = {**(self.additional_config or {}), ADDITIONAL_CONFIG_KEY: tree.to_dict()}
-        target_parallel_config.worker_cls = _worker_class()
+        target_parallel_config.worker_cls = WORKERS[platform]
+        # The runner drafts after each step's bookkeeping (vLLM's synchronous order).
+        self.async_scheduling = False
         # The tree hooks live in the V1 model runner; every process must agree.
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         return result
@@ -80,22 +86,45 @@ def install() -> None:
     EngineArgs.create_speculative_config = create_speculative_config
 
 
-def _worker_class() -> str:
+def _platform() -> str:
+    """"cpu" or "cuda": the platforms with a tree worker; any other is refused."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        raise TreeConfigError(
-            f"method={METHOD!r} runs on vLLM's CPU platform in this release; "
-            f"the CUDA attention backend for trees is not wired in yet (platform: {current_platform.device_name})"
-        )
-    return CPU_WORKER
+    if current_platform.is_cpu():
+        return "cpu"
+    if current_platform.is_cuda():
+        return "cuda"
+    raise TreeConfigError(
+        f"method={METHOD!r} runs on vLLM's CPU and CUDA platforms, not on {current_platform.device_name!r}"
+    )
 
 
-def _check_engine_args(args) -> None:
-    """Refuse engine settings the tree path does not support yet."""
+def _backend_name(backend) -> str | None:
+    return getattr(backend, "name", backend)
+
+
+def _check_engine_args(args, spec: dict, platform: str) -> None:
+    """Refuse engine settings the tree path does not support."""
     if args.pipeline_parallel_size > 1:
         raise TreeConfigError(f"method={METHOD!r} does not support pipeline parallelism (pipeline_parallel_size > 1)")
     if args.kv_transfer_config is not None:
         raise TreeConfigError(f"method={METHOD!r} does not support KV connectors (kv_transfer_config)")
-    if args.worker_cls not in ("auto", CPU_WORKER):
+    if args.worker_cls not in ("auto", *WORKERS.values()):
         raise TreeConfigError(f"method={METHOD!r} needs its own worker; remove worker_cls={args.worker_cls!r}")
+    if args.async_scheduling:
+        raise TreeConfigError(
+            f"method={METHOD!r} does not support async_scheduling=True (it drafts after each step's bookkeeping); "
+            "leave async_scheduling unset or False"
+        )
+    if platform == "cuda":
+        requested = {
+            "attention_backend": _backend_name(args.attention_backend),
+            "attention_config.backend": _backend_name(getattr(args.attention_config, "backend", None)),
+            "speculative_config['attention_backend']": _backend_name(spec.get("attention_backend")),
+        }
+        for key, name in requested.items():
+            if name is not None and str(name).upper() not in (*CUDA_TREE_BACKENDS, "AUTO"):
+                raise TreeConfigError(
+                    f"method={METHOD!r} on CUDA needs an attention backend with a tree path: {key} must be one of "
+                    f"{', '.join(repr(b) for b in CUDA_TREE_BACKENDS)}, got {name!r}"
+                )

@@ -356,11 +356,12 @@ class PagedDraftBackend:
         if self.is_eagle3 and self._root_hidden:
             width = next(iter(self._root_hidden.values())).shape[-1]
             dtype = next(iter(self._root_hidden.values())).dtype
-            self.root_hidden = torch.zeros(batch, width, dtype=dtype)
+            device = self.runner.device
+            self.root_hidden = torch.zeros(batch, width, dtype=dtype, device=device)
             for b, i in enumerate(rows):
                 if i in self._root_hidden:
                     self.root_hidden[b] = self._root_hidden[i]
-            self.hidden = torch.zeros(batch, self.max_nodes, width, dtype=dtype)
+            self.hidden = torch.zeros(batch, self.max_nodes, width, dtype=dtype, device=device)
         return roots
 
     def feed(self, live: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor):
@@ -395,20 +396,23 @@ class PagedDraftBackend:
         seq_lens = (self.context[requests] + window).to(torch.int32)
         hidden = None
         if self.is_eagle3:
-            hidden = torch.where(has_parent.unsqueeze(1), self.hidden[b_idx, safe_parent], self.root_hidden[b_idx])
+            on_device = has_parent.unsqueeze(1).to(self.hidden.device)
+            hidden = torch.where(on_device, self.hidden[b_idx, safe_parent], self.root_hidden[b_idx])
         mask = self.ancestors[b_idx, node, : int(window.max())]
         # A layer of one node per request that sees its whole tree (a chain) is
         # plain causal decoding: vLLM's own kernel serves it.
         request_of_row = torch.repeat_interleave(torch.arange(requests.shape[0]), per_request.long())
         causal = bool((per_request == 1).all()) and bool((mask.sum(1) == window[request_of_row]).all())
         if not causal:
+            device = self.runner.device
             tree_step.publish(
                 tree_step.DraftStep(
-                    batch_indices=torch.arange(requests.shape[0]),
-                    query_rows=torch.arange(node.shape[0]),
-                    query_start_loc=starts,
-                    query_mask=mask,
-                    window_lens=window.to(torch.int32),
+                    batch_indices=torch.arange(requests.shape[0], device=device),
+                    query_rows=torch.arange(node.shape[0], device=device),
+                    query_start_loc=starts.to(device),
+                    query_mask=mask.to(device),
+                    window_lens=window.to(device, torch.int32),
+                    max_query_len=int(per_request.max()),
                 )
             )
         try:
@@ -426,6 +430,7 @@ class PagedDraftBackend:
     # -- one forward of the draft model ----------------------------------------------
     def _slots(self, block_table: torch.Tensor, batch_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         block_size = self.runner.input_batch.block_table[0].block_size
+        batch_rows, positions = batch_rows.to(block_table.device), positions.to(block_table.device)
         blocks = block_table[batch_rows, positions // block_size].to(torch.long)
         return blocks * block_size + positions % block_size
 
@@ -435,15 +440,20 @@ class PagedDraftBackend:
         over the head's own vocabulary where it has one."""
         native = self.native
         num_tokens = int(tokens.shape[0])
+        # The pass's layout is built on the host; the model reads it on its device.
+        device = self.runner.device
+        tokens, positions, slots = tokens.to(device), positions.to(device), slots.to(device)
+        hidden = None if hidden is None else hidden.to(device)
         metadata = CommonAttentionMetadata(
-            query_start_loc=starts,
+            query_start_loc=starts.to(device),
             query_start_loc_cpu=starts,
-            seq_lens=seq_lens,
+            seq_lens=seq_lens.to(device),
+            seq_lens_cpu_upper_bound=seq_lens,
             num_reqs=int(seq_lens.shape[0]),
             num_actual_tokens=num_tokens,
             max_query_len=int(starts.diff().max()),
             max_seq_len=int(seq_lens.max()),
-            block_table_tensor=block_table,
+            block_table_tensor=block_table.to(device),
             slot_mapping=slots,
             positions=positions,
         )
@@ -456,7 +466,7 @@ class PagedDraftBackend:
             else:
                 normed, prenorm = native.model(input_ids=tokens, positions=positions), None
         if logit_rows is not None:
-            normed = normed[logit_rows]
+            normed = normed[logit_rows.to(device)]
         if self._target_ids() is not None:
             return native.model.logits_processor(native.model.lm_head, normed), prenorm
         return native.model.compute_logits(normed), prenorm

@@ -30,8 +30,10 @@ import torch
 
 from kernels.kv_compaction import compact_kv
 from vllm_adaptive_spec.adapter import step as tree_step
+from vllm_adaptive_spec.adapter.cudagraphs import TreeCudagraphDispatcher
 from vllm_adaptive_spec.adapter.draft_backend import PagedDraftBackend
 from vllm_adaptive_spec.adapter.proposer import TreeProposer, can_draft
+from vllm_adaptive_spec.adapter.tree_impl import check_tree_backends
 from vllm_adaptive_spec.adapter.verifier import TreeVerifier
 from vllm_adaptive_spec.tree import DraftTree
 from vllm_adaptive_spec.verify import Acceptance, path_moves
@@ -41,12 +43,15 @@ SUPPORTED_LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
 
 class TreeRunnerMixin:
     """Mixed in before ``GPUModelRunner`` or ``CPUModelRunner``; ``kv_views``
-    maps one layer's KV cache to ``[num_blocks, block_size, H, D]`` K and V views."""
+    maps one layer's KV cache to ``[num_blocks, block_size, H, D]`` K and V
+    views; ``tree_backends``: the platform's attention backends with a tree path."""
 
     kv_views = None
+    tree_backends: tuple[str, ...] = ()
 
     def __init__(self, vllm_config, device) -> None:
         super().__init__(vllm_config, device)
+        self.cudagraph_dispatcher = TreeCudagraphDispatcher(vllm_config)
         mode = vllm_config.model_config.logprobs_mode
         if mode not in SUPPORTED_LOGPROBS_MODES:
             raise ValueError(
@@ -67,6 +72,10 @@ class TreeRunnerMixin:
             self._draft_backend = PagedDraftBackend(self, self.drafter, config.draft_slots())
             policy = self._tree_proposer.policy
             self._tree_proposer.drafter.bind(self._draft_backend, policy.fanout, policy.entropy_top_m)
+
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        check_tree_backends(self.vllm_config, self.tree_backends)
 
     @property
     def tree_proposer(self) -> TreeProposer:

@@ -22,12 +22,15 @@ class AttentionRows:
     """Query rows the tree path of the attention computes: rows
     ``query_rows`` of requests ``batch_indices``, each request's rows at
     ``query_start_loc``, seeing its context and, of its last ``window_lens``
-    keys (default: its query rows), those ``query_mask`` [T, W] marks."""
+    keys (default: its query rows), those ``query_mask`` [T, W] marks.
+    ``max_query_len``: the most rows of one request, on the host (the CUDA
+    kernel would otherwise read it off the device)."""
 
     batch_indices: torch.Tensor
     query_rows: torch.Tensor
     query_start_loc: torch.Tensor
     query_mask: torch.Tensor
+    max_query_len: int
     window_lens: torch.Tensor | None = None
     page_plan: object = None  # the attention's plan, built by the pass's first layer
 
@@ -44,6 +47,7 @@ class DraftStep:
     query_start_loc: torch.Tensor
     query_mask: torch.Tensor
     window_lens: torch.Tensor
+    max_query_len: int  # the most rows of one request, on the host
     page_plan: object = None  # the attention's plan, built by the pass's first layer
 
 
@@ -101,6 +105,7 @@ def build_step(
     tree_batch = TreeBatch.from_trees(trees)
     ancestors = tree_batch.ancestor_mask()
     row_masks = tree_batch.row_mask(ancestors)
+    tree_batch = TreeBatch(*(t.to(device) for t in (tree_batch.tokens, tree_batch.parents, tree_batch.num_nodes)))
     width = max(query_lens)
     masks, rows, starts = [], [], [0]
     for b, (start, length, tree) in enumerate(zip(query_starts, query_lens, trees)):
@@ -120,6 +125,7 @@ def build_step(
             query_rows=torch.cat([rows[k] for k in branching]).to(device),
             query_start_loc=torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device),
             query_mask=torch.cat([masks[k][:, : max(lengths)] for k in branching]).to(device),
+            max_query_len=max(lengths),
         )
     return TreeStep(
         batch_indices=torch.tensor(batch_indices, dtype=torch.long, device=device),

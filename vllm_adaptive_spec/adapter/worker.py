@@ -1,39 +1,10 @@
-"""The worker that hosts the tree model runner (selected through
-``ParallelConfig.worker_cls`` by the config hook).
-
-The CPU worker builds its model runner inline in ``init_device``; the
-override lets it build, then swaps in the tree runner (weights load later, so
-only buffers are built twice). The ``CPU_ATTN`` name is re-registered to the
-tree-aware backend before any attention layer exists in this process.
-"""
+"""What the plugin's workers of every platform share: the RPCs that read and
+reset the tree runner's state (``LLM.collective_rpc``)."""
 
 from __future__ import annotations
 
-import torch
-from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_adaptive_spec.adapter.attention_cpu import cache_views
-from vllm_adaptive_spec.adapter.runner import TreeRunnerMixin
-
-
-class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
-    kv_views = staticmethod(cache_views)
-
-
-class TreeCPUWorker(CPUWorker):
-    def __init__(self, *args, **kwargs) -> None:
-        register_backend(
-            AttentionBackendEnum.CPU_ATTN,
-            "vllm_adaptive_spec.adapter.attention_cpu.TreeCPUAttentionBackend",
-        )
-        super().__init__(*args, **kwargs)
-
-    def init_device(self) -> None:
-        super().init_device()
-        self.model_runner = TreeCPUModelRunner(self.vllm_config, torch.device("cpu"))
-
+class TreeWorkerMixin:
     def adaptive_tree_stats(self) -> dict[str, float]:
         return self.model_runner.adaptive_tree_stats()
 

@@ -1,0 +1,79 @@
+"""What the tree-aware attention impls of every platform share.
+
+:class:`TreeImplMixin` goes before a vLLM attention impl (``CPU_ATTN``,
+``FLASH_ATTN``, ``TRITON_ATTN``). vLLM's kernels take no per-request mask, so
+in a pass that carries branching trees (:mod:`~vllm_adaptive_spec.adapter.step`)
+the stock kernel computes every row as usual, then the rows of those
+requests are recomputed by the platform's tree path (:meth:`tree_forward`)
+and overwritten. When every row of the pass belongs to such a tree, only the
+tree path runs. Rows without a tree, causal rows and chains (exact under a
+causal kernel, since a chain's depth positions are sequential) never leave
+the stock kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.utils.torch_utils import is_quantized_kv_cache
+from vllm.v1.attention.backend import AttentionType
+
+from vllm_adaptive_spec.adapter import step as tree_step
+
+NO_WINDOW = (None, -1, (-1, -1))
+
+
+class TreeImplMixin:
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        unsupported = {
+            "sliding window": self.sliding_window not in NO_WINDOW,
+            "ALiBi": self.alibi_slopes is not None,
+            "logits soft-cap": bool(self.logits_soft_cap),
+            "attention sinks": getattr(self, "sinks", None) is not None,
+            "quantized KV cache": is_quantized_kv_cache(self.kv_cache_dtype),
+        }
+        found = [name for name, present in unsupported.items() if present]
+        if found and self.attn_type == AttentionType.DECODER:
+            raise ValueError(f"adaptive_tree tree attention does not support {', '.join(found)} yet")
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None):
+        step = tree_step.current()
+        rows = step if isinstance(step, tree_step.DraftStep) else getattr(step, "attention", None)
+        if attn_metadata is None or self.attn_type != AttentionType.DECODER:
+            rows = None
+        rows_only = (
+            rows is not None
+            and rows.query_rows.shape[0] == attn_metadata.num_actual_tokens
+            and output_scale is None
+        )
+        if not rows_only:
+            output = super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+            )
+        if rows is None:
+            return output
+        result = self.tree_forward(query[rows.query_rows], kv_cache, attn_metadata, rows)
+        output.view(query.shape[0], self.num_heads, -1)[rows.query_rows] = result.to(output.dtype)
+        return output
+
+    def tree_forward(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata, rows) -> torch.Tensor:
+        """``[T, Hq, D]`` attention of the tree rows ``query`` (rows
+        :class:`~vllm_adaptive_spec.adapter.step.AttentionRows` or a
+        :class:`~vllm_adaptive_spec.adapter.step.DraftStep`) over the layer's cache."""
+        raise NotImplementedError
+
+
+def check_tree_backends(vllm_config, supported: tuple[str, ...]) -> None:
+    """Refuse a model any of whose attention layers (target or draft) vLLM
+    gave a backend without a tree path, naming the backends that have one."""
+    others = set()
+    for name, layer in vllm_config.compilation_config.static_forward_context.items():
+        impl = getattr(layer, "impl", None)
+        if impl is not None and not isinstance(impl, TreeImplMixin):
+            backend = getattr(layer, "attn_backend", None)
+            others.add(backend.get_name() if backend is not None else type(impl).__name__)
+    if others:
+        raise ValueError(
+            f"adaptive_tree: vLLM chose the attention backend(s) {', '.join(sorted(others))}, which have no tree "
+            f"path; supported here: {', '.join(supported)} (set attention_backend to one of them)"
+        )
