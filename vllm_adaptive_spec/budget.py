@@ -115,6 +115,14 @@ def allocate(
     return kept.tolist()
 
 
+def _at_least(tree: DraftTree, floor: float) -> DraftTree:
+    """The nodes of ``tree`` whose path probability is at least ``floor``
+    (closed under ancestors, as ``p`` never rises along a path); the tree
+    itself when that is all of them."""
+    kept = [i for i, p in enumerate(tree.path_probabilities()) if p >= floor]
+    return tree if len(kept) == len(tree) else tree.subset(kept)
+
+
 class LoadBudget:
     def __init__(
         self,
@@ -148,6 +156,7 @@ class LoadBudget:
         self._paused = 0
         self._next_pause = pause_steps
         self._probing = False  # the step after a pause
+        self._step_floor = 0.0  # what floor() told this step's drafter; choose() applies and clears it
 
     # -- measurements -------------------------------------------------------
 
@@ -187,22 +196,36 @@ class LoadBudget:
     # -- decisions ----------------------------------------------------------
 
     def floor(self, requests: int, plain: int = 0) -> float:
-        """A path probability below which :meth:`choose` keeps no node of a
-        step with ``requests`` drafting and ``plain`` other decoding
-        requests, whatever the requests' records: a node is kept only if its
-        ``p_hat`` exceeds ``beta`` times the expected rate, which adding
-        nodes only raises above the rate with none, and ``p_hat <= MAX_RHO
-        * p``. Decision: the drafter leaves such nodes out of its trees (at
-        batch 64 most of them), so they are neither built nor ranked; the
-        step's own drafting time enters ``delta`` between this call and
-        :meth:`choose`, which ``FLOOR_MARGIN`` covers."""
+        """A path probability below which the next :meth:`choose` keeps no
+        node, for a step with ``requests`` drafting and ``plain`` other
+        decoding requests. Decision: the drafter leaves such nodes out of its
+        trees (at batch 64 most of them), so they are neither built nor
+        ranked.
+
+        The value is ``FLOOR_MARGIN`` times a bound on what :meth:`choose`
+        keeps at the current costs, whatever the requests' records: a node
+        is kept only if its ``p_hat`` exceeds ``beta`` times the expected
+        rate, which adding nodes only raises above the rate with none, and
+        ``p_hat <= MAX_RHO * p``. The step's own drafting time enters
+        ``delta`` between this call and :meth:`choose` and lowers that rate;
+        the margin covers a rise of up to 25% in the step time the rate is
+        computed from (``alpha + delta * requests + beta * rows``).
+        Decision: the guarantee does not rest on the margin. The value is
+        kept for the step and :meth:`choose` drops the nodes below it before
+        cutting, so a step whose drafting took far longer than the recent
+        ones is chosen from the same nodes whether the drafter left them out
+        or not; within the margin the re-check removes only nodes
+        :meth:`choose` would not keep, so it changes no choice."""
         fit = self.fit.solve()
         if fit is None:
-            return FLOOR_MARGIN * self.cold_min_p / MAX_RHO
-        alpha, beta = fit[0], fit[1]
-        rows = requests + plain
-        rate = rows / (alpha + self.draft_cost() * requests + beta * rows)
-        return FLOOR_MARGIN * beta * rate / MAX_RHO
+            floor = FLOOR_MARGIN * self.cold_min_p / MAX_RHO
+        else:
+            alpha, beta = fit[0], fit[1]
+            rows = requests + plain
+            rate = rows / (alpha + self.draft_cost() * requests + beta * rows)
+            floor = FLOOR_MARGIN * beta * rate / MAX_RHO
+        self._step_floor = floor
+        return floor
 
     def drafts(self) -> bool:
         """Whether this step drafts at all (False while paused)."""
@@ -230,7 +253,13 @@ class LoadBudget:
         drafter is paused (the hybrid's retrieval trie), which drafting is
         judged against (the hybrid's model pays only if it beats retrieval alone),
         calibrated by that part's own budget ``fallback_budget`` (default: this one).
-        ``plain``: the step's other decoding requests (one row, one token each)."""
+        ``plain``: the step's other decoding requests (one row, one token each).
+        The nodes of ``trees`` below the :meth:`floor` handed out for this
+        step are dropped first (the floor then expires), so no node below it
+        is kept whatever this step's drafting time turned out to be."""
+        step_floor, self._step_floor = self._step_floor, 0.0
+        if step_floor > 0.0:
+            trees = [_at_least(tree, step_floor) for tree in trees]
         ids = request_ids or [None] * len(trees)
         for request_id in ids:  # a request's record fades a step at a time, verified or not
             record = self._requests.get(request_id)
