@@ -337,6 +337,14 @@ def _import_suffix_decoding() -> str | None:
     return None
 
 
+def costs_from_row_cost(report: dict) -> tuple[float, float]:
+    """(step ms, ms per verified node) from ``row_cost.py``'s report: its
+    one-row step, and the slopes of the step and of the rows' logits."""
+    step = report["best_ms"]["step"]
+    one_row = step["1"] if "1" in step else step[1]
+    return float(one_row), float(report["ms_per_row"]["step"] + report["ms_per_row"]["logits"])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=int, default=16)
@@ -351,8 +359,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="the plugin's own work in a step with a tree (step_profile)")
     parser.add_argument("--branch-ms", type=float, default=7.8,
                         help="a branching tree beyond a chain of its nodes (the load budget's fit, batch 1)")
+    parser.add_argument("--row-cost", type=Path,
+                        help="row_cost.py's JSON (e.g. an 8B-shaped model on a GPU): its one-row step and its "
+                             "ms per added row (forward and logits) replace --step-ms and --row-ms")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args(argv)
+    if args.row_cost is not None:
+        args.step_ms, args.row_ms = costs_from_row_cost(json.loads(args.row_cost.read_text(encoding="utf-8")))
     cost = StepCost(args.step_ms, args.row_ms, args.tree_ms, args.branch_ms)
 
     out = Path(args.out)

@@ -15,11 +15,18 @@ the prefix cache, followed by ``T`` new tokens, one step for ``max_tokens=1``
 The table gives the fastest of ``--repeats`` runs per ``T`` (each step's
 ``T`` tokens differ, so nothing beyond the context is cached) and the fitted
 slopes, the milliseconds per added row. The engine runs in-process
-(the throughput benchmark's ``--engine-layout in-process``), float32.
+(the throughput benchmark's ``--engine-layout in-process``), float32 by default.
+
+``--shape llama3-8b`` times a model of Llama-3-8B's shape instead of the demo
+model (random weights: vLLM's ``load_format="dummy"``, no tokenizer; use
+``--dtype bfloat16`` on a GPU), the cost a GPU user's target would have.
+``benchmarks/retrieval_calibration.py --row-cost row_cost.json`` replays the
+retrieval trees at the measured costs.
 
 Reproduce (about 2 minutes on 2 CPU cores; writes ``row_cost.{json,md}``)::
 
     .venv/bin/python benchmarks/row_cost.py
+    # on a GPU: python3 benchmarks/row_cost.py --shape llama3-8b --dtype bfloat16 --rows 1,2,4,8,16,32,48,64,96,128
 """
 
 from __future__ import annotations
@@ -37,6 +44,13 @@ if str(REPO) not in sys.path:
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 BLOCK = 128
+# Llama-3-8B's shape (random weights): what a GPU user's target costs.
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+    "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
+}
 
 
 def slope(points: list[tuple[int, float]]) -> float:
@@ -55,33 +69,50 @@ def logits_ms(worker, rows: tuple[int, ...], repeats: int) -> dict[int, float]:
     model = worker.model_runner.model
     hidden_size = model.config.hidden_size
     best = {}
+    weight = model.lm_head.weight
+    sync = torch.cuda.synchronize if weight.is_cuda else (lambda: None)
     for count in rows:
-        hidden = torch.randn(count, hidden_size, dtype=model.lm_head.weight.dtype)
+        hidden = torch.randn(count, hidden_size, dtype=weight.dtype, device=weight.device)
         model.compute_logits(hidden)
         timings = []
         for _ in range(repeats):
+            sync()
             started = time.perf_counter()
             model.compute_logits(hidden)
+            sync()
             timings.append((time.perf_counter() - started) * 1e3)
         best[count] = min(timings)
     return best
 
 
-def measure(context: int, rows: tuple[int, ...], repeats: int, dtype: str) -> dict:
+def model_path(shape: str, workdir: Path) -> tuple[str, dict]:
+    """The model directory to time and the engine settings its shape needs."""
+    if shape == "demo":
+        from vllm_adaptive_spec.demo_model import ensure_demo_model
+
+        return str(ensure_demo_model()), {}
+    directory = workdir / "llama3-8b-shape"
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(LLAMA3_8B), encoding="utf-8")
+    return str(directory), {"load_format": "dummy", "skip_tokenizer_init": True}
+
+
+def measure(context: int, rows: tuple[int, ...], repeats: int, dtype: str, shape: str = "demo",
+            workdir: Path = REPO / "benchmarks" / "results") -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # logits_ms is sent to the worker, which vLLM only pickles with this set.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_adaptive_spec.demo_model import ensure_demo_model
     from vllm_adaptive_spec.kv_cache_size import engine_kwargs
 
+    model, settings = model_path(shape, workdir)
     max_len = -(-(context + max(rows) + 1) // BLOCK) * BLOCK
-    llm = LLM(**engine_kwargs(str(ensure_demo_model()), dtype, max_len, 1, None, block_size=BLOCK),
-              distributed_executor_backend="uni", enable_prefix_caching=True)
+    llm = LLM(**engine_kwargs(model, dtype, max_len, 1, None, block_size=BLOCK),
+              distributed_executor_backend="uni", enable_prefix_caching=True, **settings)
     base = [100 + (i * 7919) % 40000 for i in range(context)]
-    params = SamplingParams(max_tokens=1, temperature=0.0)
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=shape == "demo")
     llm.generate([TokensPrompt(prompt_token_ids=base)], params, use_tqdm=False)
     steps: dict[int, list[float]] = {}
     for repeat in range(repeats):
@@ -92,12 +123,13 @@ def measure(context: int, rows: tuple[int, ...], repeats: int, dtype: str) -> di
             steps.setdefault(count, []).append((time.perf_counter() - started) * 1e3)
     best = {"step": {count: min(values) for count, values in steps.items()},
             "logits": llm.collective_rpc(logits_ms, args=(rows, 3 * repeats))[0]}
-    return {"context": context, "repeats": repeats, "dtype": dtype, "best_ms": best,
+    return {"shape": shape, "context": context, "repeats": repeats, "dtype": dtype, "best_ms": best,
             "ms_per_row": {name: slope(sorted(by_rows.items())) for name, by_rows in best.items()}}
 
 
 def markdown(report: dict) -> str:
-    lines = [f"Batch 1, context {report['context']} tokens (prefix-cached), {report['dtype']}, "
+    lines = [f"{report.get('shape', 'demo')} model, batch 1, context {report['context']} tokens (prefix-cached), "
+             f"{report['dtype']}, "
              f"fastest of {report['repeats']} steps", "",
              "| rows | step (last row's logits), ms | logits of every row, ms |", "|---:|---:|---:|"]
     step, logits = report["best_ms"]["step"], report["best_ms"]["logits"]
@@ -113,13 +145,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--shape", choices=("demo", "llama3-8b"), default="demo",
+                        help="the demo model, or Llama-3-8B's shape with random weights")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     if args.context % BLOCK:
         parser.error(f"--context must be a multiple of {BLOCK} (whole cache blocks, so all of it is cached)")
-    report = measure(args.context, tuple(int(r) for r in args.rows.split(",")), args.repeats, args.dtype)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    report = measure(args.context, tuple(int(r) for r in args.rows.split(",")), args.repeats, args.dtype,
+                     args.shape, out)
     (out / "row_cost.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     text = markdown(report)
     (out / "row_cost.md").write_text(text, encoding="utf-8")

@@ -434,7 +434,14 @@ def _machine() -> dict:
     except OSError:
         pass
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        import torch
+
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    except ImportError:
+        gpu = ""
     return {
+        "gpu": gpu,
         "processor": platform.processor(),
         "cpu_model": model_name,
         "nproc": cpus,
@@ -618,7 +625,9 @@ def markdown(report: dict) -> str:
         f"max_tokens={s['max_tokens']}, dtype={s['dtype']}, retrieval budget={s['budget']}, ngram K={s['ngram_k']}, "
         f"chain K={s['chain_k']}, eagle2 N={s['tree_budget']}, engine per {s['engine_per']}, "
         f"engine layout {s.get('engine_layout', 'processes')}; "
-        f"vLLM {report['vllm_version']}, {report['machine']['cpu_model'] or report['machine']['processor']} "
+        f"vLLM {report['vllm_version']}, "
+        + (f"{report['machine']['gpu']}, " if report["machine"].get("gpu") else "")
+        + f"{report['machine']['cpu_model'] or report['machine']['processor']} "
         f"x{report['machine']['nproc']}; {report['timestamp']}",
         "",
         "vs none: tok/s over none's at that batch size (interleaved runs: the median over rounds of the ratio "

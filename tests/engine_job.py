@@ -4,7 +4,7 @@ Usage: python tests/engine_job.py JOB.json OUT.json
 
 JOB keys: model, prompt_token_ids (list of lists), max_tokens; optional:
 dtype, speculative_config, temperature, top_p, top_k, seeds (one per prompt),
-stop, ignore_eos, max_model_len, max_num_seqs, max_num_batched_tokens,
+stop, ignore_eos, max_model_len, max_num_seqs, max_num_batched_tokens, attention_backend,
 num_gpu_blocks_override, block_size, abort_after_steps ({prompt index: engine steps}),
 pause_pattern ([d, p] or [d, p, k]: the plugin drafts d steps, then pauses p steps, as
 the load budget does when drafting does not pay; repeated; with k, the first drafting
@@ -151,6 +151,7 @@ def main(job_path: str, out_path: str) -> None:
             max_num_seqs=job.get("max_num_seqs", 16),
             speculative_config=job.get("speculative_config"),
             block_size=job.get("block_size"),
+            attention_backend=job.get("attention_backend"),
         ),
         **extra,
         **({"distributed_executor_backend": "uni"} if in_process else {}),

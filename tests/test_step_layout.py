@@ -6,6 +6,14 @@ from vllm_adaptive_spec.adapter.step import build_step
 from vllm_adaptive_spec.tree import DraftTree
 
 
+def rows_repositioned(step, num_rows: int) -> list[int]:
+    """Sequential positions of ``num_rows`` batch rows, moved as the runner
+    moves them (``_set_depth_positions``)."""
+    positions = torch.arange(num_rows)
+    positions[step.node_rows] += step.node_offsets
+    return positions.tolist()
+
+
 def test_layout_of_two_trees_after_a_prefill_chunk():
     # Batch rows: request 0 = a 3-token prefill chunk (no tree, rows 0-2);
     # request 1 = root + tree of 3 (rows 3-6); request 2 = root + chain of 2 (rows 7-9).
@@ -17,6 +25,12 @@ def test_layout_of_two_trees_after_a_prefill_chunk():
     assert step.query_rows.tolist() == [3, 4, 5, 6, 7, 8, 9]
     assert step.query_start_loc.tolist() == [0, 4, 7]
     assert step.ancestors.sum(-1).tolist() == [[1, 1, 2], [1, 2, 0]]
+    # On the host: node rows and their offsets to position p0 + depth
+    # (request 1's nodes sit at depths 1, 1, 2 in rows 4-6; request 2's at 1, 2 in rows 8-9).
+    assert step.node_rows.tolist() == [4, 5, 6, 8, 9]
+    assert step.node_offsets.tolist() == [0, -1, -1, 0, 0]
+    assert (step.host_batch_indices, step.host_query_start_loc, step.host_first_rows) == ([1, 2], [0, 4, 7], [3, 7])
+    assert rows_repositioned(step, 10) == [0, 1, 2, 3, 4, 4, 5, 7, 8, 9]
     expected = torch.tensor(
         [
             [1, 0, 0, 0],  # root of request 1

@@ -114,9 +114,15 @@ def engine_kwargs(
     max_num_seqs: int,
     speculative_config: dict | None = None,
     block_size: int | None = None,
+    attention_backend: str | None = None,
 ) -> dict:
     """``LLM(...)`` settings for a small offline engine of this project, with
-    the KV cache sized explicitly."""
+    the KV cache sized explicitly. On the CPU the engine runs eagerly (vLLM's
+    compilation costs more than it saves there); with CUDA vLLM's default
+    compilation and CUDA graphs stay on. ``attention_backend``: vLLM's choice
+    when None (CUDA only; the CPU platform always uses ``CPU_ATTN``)."""
+    import torch
+
     size = kv_cache_bytes(
         model,
         max_model_len=max_model_len,
@@ -130,7 +136,7 @@ def engine_kwargs(
         dtype=dtype,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
-        enforce_eager=True,
+        enforce_eager=not torch.cuda.is_available(),
         kv_cache_memory_bytes=size,
         seed=0,
         disable_log_stats=False,
@@ -138,4 +144,6 @@ def engine_kwargs(
     )
     if block_size is not None:
         kwargs["block_size"] = block_size
+    if attention_backend is not None:
+        kwargs["attention_backend"] = attention_backend
     return kwargs

@@ -131,27 +131,19 @@ class TreeRunnerMixin:
 
     def _set_depth_positions(self, step: tree_step.TreeStep) -> None:
         """Node rows get position ``p0 + depth`` (the root row keeps ``p0``)."""
-        depths = step.ancestors.sum(-1).cpu()
-        rows, offsets = [], []
-        for k, tree in enumerate(step.trees):
-            end = int(step.query_start_loc[k + 1])
-            n = len(tree)
-            rows.append(step.query_rows[end - n:end])
-            offsets.append(depths[k, :n] - torch.arange(1, n + 1))
-        rows_t = torch.cat(rows)
-        self.positions[rows_t] += torch.cat(offsets).to(self.positions.device, self.positions.dtype)
+        device = self.positions.device
+        self.positions[step.node_rows.to(device)] += step.node_offsets.to(device, self.positions.dtype)
 
     def _after_acceptance(self, step: tree_step.TreeStep, acceptance: Acceptance) -> None:
         """Move each accepted path's KV into consecutive slots after the root."""
         proposer = self.tree_proposer
-        proposer.stats.record_step(
-            len(step.trees), int(step.tree_batch.num_nodes.sum()), int(acceptance.num_accepted.sum())
-        )
-        paths = zip(acceptance.path.tolist(), acceptance.num_accepted.tolist())
-        request_ids = [self.input_batch.req_ids[i] for i in step.batch_indices.tolist()]
-        proposer.observe(request_ids, step.trees, [row[:count] for row, count in paths])
+        # The step's one wait for the device: the proposer reads the accepted paths on the host.
+        paths, counts = acceptance.path.tolist(), acceptance.num_accepted.tolist()
+        proposer.stats.record_step(len(step.trees), sum(len(tree) for tree in step.trees), sum(counts))
+        request_ids = [self.input_batch.req_ids[i] for i in step.host_batch_indices]
+        proposer.observe(request_ids, step.trees, [row[:count] for row, count in zip(paths, counts)])
         if self._draft_backend is not None:
-            self._record_chains(step, acceptance)
+            self._record_chains(step, paths, counts)
         ends = step.query_start_loc[1:].to(torch.long)
         first_node = step.query_rows[ends - 1] - step.tree_batch.num_nodes + 1
         src_rows, dst_rows = path_moves(acceptance, first_node)
@@ -164,18 +156,16 @@ class TreeRunnerMixin:
         views = [type(self).kv_views(kv_cache) for kv_cache in self.kv_caches]
         compact_kv([key for key, _ in views], [value for _, value in views], src, dst)
 
-    def _record_chains(self, step: tree_step.TreeStep, acceptance: Acceptance) -> None:
+    def _record_chains(self, step: tree_step.TreeStep, paths: list[list[int]], counts: list[int]) -> None:
         """Each tree request's committed query rows in chain order: rows
-        before the root, the root, then the accepted path's nodes."""
-        ends = step.query_start_loc[1:].tolist()
-        starts = step.query_start_loc[:-1].tolist()
-        paths, counts = acceptance.path.tolist(), acceptance.num_accepted.tolist()
-        rows = step.query_rows.tolist()
-        for k, index in enumerate(step.batch_indices.tolist()):
-            local_root = ends[k] - starts[k] - 1 - len(step.trees[k])
-            request_rows = rows[starts[k]:ends[k]]
-            chain = request_rows[: local_root + 1]
-            chain += [request_rows[local_root + 1 + node] for node in paths[k][: counts[k]]]
+        before the root, the root, then the accepted path's nodes (``paths``,
+        ``counts``: the acceptance, on the host)."""
+        starts, ends = step.host_query_start_loc[:-1], step.host_query_start_loc[1:]
+        for k, index in enumerate(step.host_batch_indices):
+            first = step.host_first_rows[k]
+            root = first + ends[k] - starts[k] - 1 - len(step.trees[k])
+            chain = list(range(first, root + 1))
+            chain += [root + 1 + node for node in paths[k][: counts[k]]]
             self._accepted_rows[index] = chain
 
     def propose_draft_token_ids(

@@ -61,6 +61,12 @@ class TreeStep:
     ``query_start_loc`` [Bt + 1]: offsets into ``query_rows``;
     ``query_mask`` [Tt, W]: which of its request's query rows each row sees;
     ``ancestors`` [Bt, N, N]: the trees' ancestor-or-self masks.
+    On the host, so that laying out the step and reading its acceptance need
+    nothing back from the device: ``host_batch_indices``,
+    ``host_query_start_loc`` and ``host_first_rows`` (each request's first
+    query row in the batch) as lists, and ``node_rows`` / ``node_offsets``,
+    each node's query row and its depth position's offset from the row's
+    sequential one (``depth - 1 - node index``).
     """
 
     batch_indices: torch.Tensor
@@ -70,6 +76,11 @@ class TreeStep:
     query_rows: torch.Tensor
     query_start_loc: torch.Tensor
     query_mask: torch.Tensor
+    host_batch_indices: list[int]
+    host_query_start_loc: list[int]
+    host_first_rows: list[int]
+    node_rows: torch.Tensor
+    node_offsets: torch.Tensor
     # The rows of requests whose tree branches; a chain's rows are exact
     # under vLLM's causal kernel (None: every tree is a chain).
     attention: AttentionRows | None = None
@@ -106,8 +117,9 @@ def build_step(
     ancestors = tree_batch.ancestor_mask()
     row_masks = tree_batch.row_mask(ancestors)
     tree_batch = TreeBatch(*(t.to(device) for t in (tree_batch.tokens, tree_batch.parents, tree_batch.num_nodes)))
+    depths = ancestors.sum(-1)
     width = max(query_lens)
-    masks, rows, starts = [], [], [0]
+    masks, rows, starts, node_rows, node_offsets = [], [], [0], [], []
     for b, (start, length, tree) in enumerate(zip(query_starts, query_lens, trees)):
         offset = length - 1 - len(tree)
         mask = torch.ones(length, width, dtype=torch.bool).tril()
@@ -116,6 +128,8 @@ def build_step(
         masks.append(mask)
         rows.append(torch.arange(start, start + length))
         starts.append(starts[-1] + length)
+        node_rows.append(rows[-1][length - len(tree):])
+        node_offsets.append(depths[b, : len(tree)] - torch.arange(1, len(tree) + 1))
     branching = [k for k, tree in enumerate(trees) if tree.branches()]
     attention = None
     if branching:
@@ -135,5 +149,10 @@ def build_step(
         query_rows=torch.cat(rows).to(device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         query_mask=torch.cat(masks).to(device),
+        host_batch_indices=list(batch_indices),
+        host_query_start_loc=starts,
+        host_first_rows=list(query_starts),
+        node_rows=torch.cat(node_rows),
+        node_offsets=torch.cat(node_offsets),
         attention=attention,
     )

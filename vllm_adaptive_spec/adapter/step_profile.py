@@ -9,11 +9,16 @@ attention of the target forward and of a draft pass are told apart.
 
 Phases: ``execute_model`` (``prepare``: vLLM's input layout plus the tree
 layout; ``forward``: the target model, within it ``attention`` for vLLM's
-C++ kernel and ``tree_attention`` for tree rows), ``sample_tokens``
+stock kernel and ``tree_attention`` for tree rows), ``sample_tokens``
 (``verify``: vLLM's sampler or the tree verifier, within it ``compaction``:
 moving accepted KV and the budget's observations; ``draft``: the drafter,
 within it ``draft_first_pass`` / ``draft_pass`` for model drafters and
 ``grow`` for the tree proposer). Installing costs nothing when not used.
+
+On CUDA the timers read the host's clock while kernels run asynchronously:
+a phase's time is its Python and launch cost, plus the GPU's time only where
+the host waits for the device (a ``.tolist()``, an ``.item()``). That is the
+host time per step the plugin adds beside vLLM's own.
 """
 
 from __future__ import annotations
@@ -59,7 +64,21 @@ def install(worker) -> bool:
     global _timer
     if _timer is None:
         _timer = _Timer()
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+        from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+        from vllm_adaptive_spec.adapter import attention_cuda as tree_module
+
+        stock_impls, tree_function = (FlashAttentionImpl, TritonAttentionImpl), "tree_attention"
+    else:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+        from vllm_adaptive_spec.adapter import attention_cpu as tree_module
+
+        stock_impls, tree_function = (CPUAttentionBackendImpl,), "paged_tree_attention"
 
     runner = worker.model_runner
     for attribute, name in (
@@ -72,13 +91,12 @@ def install(worker) -> bool:
         ("propose_draft_token_ids", "draft"),
     ):
         _wrap_method(runner, attribute, name)
-    _wrap_method(CPUAttentionBackendImpl, "forward", "attention")
+    for impl in stock_impls:
+        _wrap_method(impl, "forward", "attention")
     proposer = getattr(runner, "_tree_proposer", None)
     if proposer is not None:
         _wrap_method(proposer, "propose_trees", "grow")
-        from vllm_adaptive_spec.adapter import attention_cpu
-
-        _wrap_method(attention_cpu, "paged_tree_attention", "tree_attention")
+        _wrap_method(tree_module, tree_function, "tree_attention")
     backend = getattr(runner, "_draft_backend", None)
     if backend is not None:
         _wrap_method(backend, "first_pass", "draft_first_pass")
