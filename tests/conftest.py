@@ -41,7 +41,8 @@ class EngineRun:
     finish_reasons: list[str | None]
     logprobs: list[list[dict[str, float]] | None]  # per request and position: token id -> logprob
     metrics: dict
-    tree_stats: dict | None
+    tree_stats: dict | None  # tensor-parallel rank 0's
+    tree_stats_per_rank: list[dict] | None
     num_gpu_blocks: int | None
     roots: list | None
     stash_flushes: int | None

@@ -5,7 +5,7 @@ Usage: python tests/engine_job.py JOB.json OUT.json
 JOB keys: model, prompt_token_ids (list of lists), max_tokens; optional:
 dtype, speculative_config, temperature, top_p, top_k, seeds (one per prompt),
 stop, ignore_eos, max_model_len, max_num_seqs, max_num_batched_tokens, attention_backend,
-num_gpu_blocks_override, block_size, abort_after_steps ({prompt index: engine steps}),
+num_gpu_blocks_override, tensor_parallel_size (needs processes), block_size, abort_after_steps ({prompt index: engine steps}),
 pause_pattern ([d, p] or [d, p, k]: the plugin drafts d steps, then pauses p steps, as
 the load budget does when drafting does not pay; repeated; with k, the first drafting
 step of each cycle is a probe that drafts for k requests), record_roots (a model drafter's
@@ -22,7 +22,7 @@ cache is sized by ``vllm_adaptive_spec.kv_cache_size`` for max_num_seqs
 requests of max_model_len tokens.
 OUT: token_ids, texts, finish_reasons (per prompt; aborted prompts get None),
 metrics (vLLM's spec-decode, preemption and prefix-cache counters),
-tree_stats (the plugin's, when active), num_gpu_blocks (the engine's KV blocks),
+tree_stats (the plugin's, when active; tree_stats_per_rank: every tensor-parallel rank's), num_gpu_blocks (the engine's KV blocks),
 roots (with record_roots), stash_flushes (with stash_bytes), split_passes (with
 max_pass_rows: first passes fed in several), probes (with a pause_pattern's k: probes
 that drafted for fewer requests than the batch held).
@@ -142,7 +142,7 @@ def main(job_path: str, out_path: str) -> None:
 
     prompts = job["prompt_token_ids"]
     longest = max(len(ids) for ids in prompts) + job["max_tokens"] + 128
-    extra = {k: job[k] for k in ("max_num_batched_tokens", "num_gpu_blocks_override") if k in job}
+    extra = {k: job[k] for k in ("max_num_batched_tokens", "num_gpu_blocks_override", "tensor_parallel_size") if k in job}
     llm = LLM(
         **engine_kwargs(
             job["model"],
@@ -203,6 +203,9 @@ def main(job_path: str, out_path: str) -> None:
     for index in range(serial, len(prompts)):
         submit(index)
     drain()
+    # The workers learn which requests finished with the next step's schedule;
+    # vLLM's server loop runs that step on its own, an offline loop must ask.
+    engine.step()
 
     def result(index):
         out = finished.get(str(index))
@@ -221,7 +224,7 @@ def main(job_path: str, out_path: str) -> None:
     }
     tree_stats = None
     if (job.get("speculative_config") or {}).get("method") == "adaptive_tree":
-        tree_stats = llm.collective_rpc("adaptive_tree_stats")[0]
+        tree_stats = llm.collective_rpc("adaptive_tree_stats")
     with open(out_path, "w", encoding="utf-8") as handle:
         json.dump(
             {
@@ -230,7 +233,8 @@ def main(job_path: str, out_path: str) -> None:
                 "finish_reasons": [r[2] for r in rows],
                 "logprobs": [r[3] for r in rows],
                 "metrics": metrics,
-                "tree_stats": tree_stats,
+                "tree_stats": None if tree_stats is None else tree_stats[0],
+                "tree_stats_per_rank": tree_stats,
                 "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
                 "roots": llm.collective_rpc(recorded_roots)[0] if job.get("record_roots") else None,
                 **{key: llm.collective_rpc(functools.partial(counter, name=key))[0] if setting in job else None

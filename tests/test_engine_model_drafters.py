@@ -70,6 +70,7 @@ def _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec, pause
     assert run.token_ids[len(serial):] == baseline.token_ids
     assert run.tree_stats["draft_passes"] > 0
     assert run.tau > 1.5, run.tree_stats  # the trained head really drafts (an untrained one gives about 1.0)
+    assert set(run.tree_stats["requests_held"].values()) == {0}, run.tree_stats["requests_held"]
     return run
 
 

@@ -158,6 +158,8 @@ def test_edge_cases_keep_greedy_output(demo_model, prompts, prompt_ids, baseline
     )
     assert run.metrics["vllm:num_preemptions"] > 0
     assert run.metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+    # Finished, aborted and preempted requests leave no state behind.
+    assert set(run.tree_stats["requests_held"].values()) == {0}, run.tree_stats["requests_held"]
     checked = 0
     for i, (want_ids, want_text) in enumerate(zip(expected, expected_texts)):
         if i in aborted:
@@ -238,3 +240,18 @@ def test_sampling_distribution_unchanged_by_a_tree(tree, sampling_job, sampled_w
     for position in (1, 2):
         pvalue = _homogeneity_pvalue([t[position] for t in plain.token_ids], [t[position] for t in run.token_ids])
         assert pvalue > 1e-3, f"token {position}: p = {pvalue:.2g}"
+
+
+def test_seeded_request_with_a_chunked_prompt(demo_model, prompts, prompt_ids, tmp_path):
+    """A seeded sampled request whose prompt is prefilled in chunks of 64
+    tokens (vLLM 0.32 alone raises "CPU Generator does not use offset" on
+    it) samples exactly what it samples with the prompt in one chunk: the
+    discarded samples of the partial prefills draw nothing."""
+    long_prompt = max(prompt_ids, key=len)
+    assert len(long_prompt) > 3 * 64
+    job = {"model": demo_model, "prompt_token_ids": [long_prompt, prompt_ids[0]], "seeds": [7, 8],
+           "temperature": 1.0, "max_tokens": 24, "max_num_seqs": 2, "speculative_config": TREE}
+    chunked = run_engine_job(tmp_path / "chunked", {**job, "max_num_batched_tokens": 64})
+    whole = run_engine_job(tmp_path / "whole", {**job, "max_num_batched_tokens": 4096})
+    assert chunked.token_ids == whole.token_ids
+    assert chunked.tree_stats["trees_verified"] > 0

@@ -174,6 +174,9 @@ class LoadBudget:
         """The request finished or was preempted."""
         self._requests.pop(request_id, None)
 
+    def requests_held(self) -> int:
+        return len(self._requests)
+
     def observe_drafting(self, requests: int, seconds: float) -> None:
         """The drafter grew ``requests`` trees in ``seconds``."""
         self.draft_seconds = self.draft_seconds * self.decay + seconds

@@ -101,6 +101,11 @@ class PagedDraftBackend:
             if stash is not None:
                 self._stash_rows -= stash.rows
 
+    def requests_held(self) -> int:
+        """Requests with draft state between steps: where a paused draft LM's
+        KV stops, or an EAGLE-3 head's kept rows."""
+        return len(self._behind) + len(self._stash)
+
     def _head_rows(self, request_id: str, p0: int, tokens: torch.Tensor, aux: torch.Tensor, drafting: bool):
         """EAGLE-3: a request's rows of this step (input tokens and the
         target's auxiliary hidden states from position ``p0``). Kept while

@@ -9,6 +9,7 @@ so the runner can lay out the draft tokens vLLM schedules as that tree.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -101,6 +102,9 @@ class TreeProposer:
         self.stats = TreeStats()
         self.load_budget = LoadBudget(self.config.budget) if self.config.load_budget == "adaptive" else None
         self.recorder = None  # called with each verified tree and its accepted nodes (c2t-collect)
+        # The clock reading the load budget acts on (the engine's runner makes
+        # it rank 0's under tensor parallelism, see ``runner.rank0_reading``).
+        self.agree: Callable[[float], float] = lambda seconds: seconds
         # What drafts while the load budget pauses the drafter: a part of it that
         # runs no model pass, with its own policy (the hybrid's retrieval trie), or nothing.
         paused_part = getattr(self.drafter, "paused_part", None)
@@ -128,10 +132,21 @@ class TreeProposer:
         may leave their output to the drafter's shared datastore."""
         for request_id in request_ids:
             self.trees.pop(request_id, None)
+            self._from_paused_part.discard(request_id)
             self.drafter.forget(request_id, finished=request_id in finished)
             self.policy.forget(request_id)
             for budget in self._budgets():
                 budget.forget(request_id)
+
+    def requests_held(self) -> dict[str, int]:
+        """How many requests each part keeps state for: all zero once every
+        request has finished, been aborted or been preempted."""
+        return {
+            "trees": len(self.trees) + len(self._from_paused_part - self.trees.keys()),
+            "drafter": self.drafter.requests_held(),
+            "policy": self.policy.requests_held(),
+            "budget": sum(budget.requests_held() for budget in self._budgets()),
+        }
 
     def _budgets(self) -> list[LoadBudget]:
         return [b for b in (self.load_budget, self.paused_budget) if b is not None]
@@ -240,7 +255,7 @@ class TreeProposer:
         if getattr(drafter, "is_model", False):
             self.stats.draft_passes += stats.draft_passes
         if budget is not None:
-            budget.observe_drafting(len(active), first_pass_seconds + time.perf_counter() - started)
+            budget.observe_drafting(len(active), self.agree(first_pass_seconds + time.perf_counter() - started))
             fallback = self._paused_part_trees(active_ids, budgets) if drafting else None
             trees = budget.choose(
                 trees, active_ids, fallback=fallback, plain=plain, fallback_budget=self.paused_budget

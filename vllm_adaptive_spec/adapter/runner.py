@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from kernels.kv_compaction import compact_kv
@@ -39,6 +40,17 @@ from vllm_adaptive_spec.tree import DraftTree
 from vllm_adaptive_spec.verify import Acceptance, path_moves
 
 SUPPORTED_LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
+
+
+def rank0_reading(seconds: float) -> float:
+    """Tensor-parallel rank 0's clock reading, on every rank. Decision: the
+    load budget's pauses, probes and tree sizes follow measured times; ranks
+    that measured differently would verify different trees (wrong tokens)
+    and run different draft passes (whose collectives would then hang), so
+    every rank acts on one reading."""
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group().broadcast_object(seconds, src=0)
 
 
 class TreeRunnerMixin:
@@ -61,6 +73,7 @@ class TreeRunnerMixin:
             raise ValueError("adaptive_tree does not support M-RoPE models yet")
         self.rejection_sampler = TreeVerifier(self.sampler, mode, self._after_acceptance)
         self._step_started = time.perf_counter()
+        self._discarded_generators: dict[int, torch.Tensor] = {}
         self._branching_trees = 0  # this step's requests whose tree branches
         self._accepted_rows: dict[int, list[int]] = {}
         self._draft_backend = None
@@ -72,6 +85,8 @@ class TreeRunnerMixin:
             self._draft_backend = PagedDraftBackend(self, self.drafter, config.draft_slots())
             policy = self._tree_proposer.policy
             self._tree_proposer.drafter.bind(self._draft_backend, policy.fanout, policy.entropy_top_m)
+        if vllm_config.parallel_config.tensor_parallel_size > 1:
+            self._tree_proposer.agree = rank0_reading
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -93,10 +108,39 @@ class TreeRunnerMixin:
         self._step_started = time.perf_counter()
         self._accepted_rows = {}
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        self._discarded_generators = self._discarded_cpu_generators()
         step = self._layout_trees(scheduler_output, num_scheduled_tokens)
         self._branching_trees = 0 if step is None or step.attention is None else len(step.attention.batch_indices)
         tree_step.publish(step)
         return result
+
+    def _discarded_cpu_generators(self) -> dict[int, torch.Tensor]:
+        """The state, before sampling, of each seeded CPU generator whose
+        request's sample this step is discarded (a partial prefill)."""
+        generators = self.input_batch.generators
+        if not generators:
+            return {}
+        discarded = np.nonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])[0].tolist()
+        return {i: generators[i].get_state() for i in discarded
+                if i in generators and generators[i].device.type == "cpu"}
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        """vLLM undoes a discarded sample's draws with ``Generator.set_offset``,
+        which CPU generators lack (vLLM 0.32 on the CPU raises "CPU Generator
+        does not use offset" for a seeded request whose prompt is chunked).
+        Decision: restore those generators' states from before sampling and
+        keep them out of vLLM's rewind; the effect is the one vLLM intends
+        (the discarded sample draws nothing), and speculation, whose drafts
+        take scheduler budget and so chunk prompts more often, never fails
+        on it."""
+        generators = self.input_batch.generators
+        restored = {i: generators.pop(i) for i in self._discarded_generators if i in generators}
+        for i, generator in restored.items():
+            generator.set_state(self._discarded_generators[i])
+        try:
+            return super()._bookkeeping_sync(*args, **kwargs)
+        finally:
+            generators.update(restored)
 
     def _layout_trees(self, scheduler_output, num_scheduled_tokens) -> tree_step.TreeStep | None:
         scheduled = scheduler_output.scheduled_spec_decode_tokens
@@ -190,7 +234,8 @@ class TreeRunnerMixin:
         drafts = scheduler_output.scheduled_spec_decode_tokens.values()
         spec_tokens = sum(len(d) for d in drafts)
         other_tokens = max(step_tokens - len(scheduler_output.num_scheduled_tokens) - spec_tokens, 0)
-        self.tree_proposer.observe_step(step_tokens, time.perf_counter() - self._step_started, other_tokens,
+        self.tree_proposer.observe_step(step_tokens, self.tree_proposer.agree(time.perf_counter() - self._step_started),
+                                        other_tokens,
                                         sum(1 for d in drafts if d), self._branching_trees)
         drafting = self.tree_proposer.drafting_this_step()
         first_pass_seconds = 0.0
@@ -215,8 +260,16 @@ class TreeRunnerMixin:
         )
 
     def adaptive_tree_stats(self) -> dict[str, float]:
+        """The proposer's counters, the shared datastore's size, and
+        ``requests_held``: per part, the requests it keeps state for (all
+        zero when the engine is idle; anything else is a leak)."""
         shared = getattr(self.tree_proposer.drafter, "shared", None)
-        return self.tree_proposer.stats.as_dict() | {"datastore_tokens": 0 if shared is None else shared.num_tokens}
+        held = self.tree_proposer.requests_held()
+        held["draft_kv"] = 0 if self._draft_backend is None else self._draft_backend.requests_held()
+        return self.tree_proposer.stats.as_dict() | {
+            "datastore_tokens": 0 if shared is None else shared.num_tokens,
+            "requests_held": held,
+        }
 
     def adaptive_tree_clear_datastore(self) -> int:
         """Empty the retrieval drafter's shared datastore (``LLM.collective_rpc``); the tokens dropped."""

@@ -94,6 +94,9 @@ class HybridDrafter:
         self.model.forget(request_id, finished)
         self.retrieval.forget(request_id, finished)
 
+    def requests_held(self) -> int:
+        return self.model.requests_held() + self.retrieval.requests_held()
+
     def expand(self, handles: torch.Tensor, live: torch.Tensor) -> Candidates:
         batch, width = handles.shape
         model_nodes, dist, live = self.model.frontier(handles, live, self._tokens, self._model_parents)

@@ -76,6 +76,9 @@ class ModelDrafter:
     def forget(self, request_id: str, finished: bool = False) -> None:
         """Model drafters keep nothing per request between steps (the KV is the engine's)."""
 
+    def requests_held(self) -> int:
+        return 0
+
     def frontier(
         self, handles: torch.Tensor, live: torch.Tensor, tokens: torch.Tensor | None, parents: torch.Tensor | None
     ) -> tuple[torch.Tensor, DraftDistribution, torch.Tensor]:

@@ -181,6 +181,10 @@ class RetrievalDrafter:
         if finished and index is not None and self.shared is not None:
             self.shared.add(index.tokens[prompt_len:])
 
+    def requests_held(self) -> int:
+        """How many requests have an index (the shared datastore is not per request)."""
+        return len(self._indexes.keys() | self._prompt_lens.keys())
+
     def clear_shared(self) -> int:
         """Empty the shared datastore (benchmarks, between timed passes); returns the tokens dropped."""
         if self.shared is None:

@@ -135,3 +135,6 @@ class DynaTreePolicy(TreePolicy):
 
     def forget(self, request_id: str) -> None:
         self._history.pop(request_id, None)
+
+    def requests_held(self) -> int:
+        return len(self._history)

