@@ -7,13 +7,9 @@ reference."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import serve_load  # noqa: E402
+from benchmarks import serve_load
 
 pytestmark = pytest.mark.engine
 
