@@ -50,8 +50,8 @@ Methods: ``none``; vLLM's ``ngram`` (K = ``--ngram-k``) and ``eagle3`` (a chain 
 ``tree-retrieval`` / ``chain-retrieval`` / ``tree-retrieval-fixed`` /
 ``tree-retrieval-shared`` (retrieval drafter, budget ``--budget``; the last with
 the shared datastore of finished outputs, emptied before each timed pass like
-Suffix Decoding's cache), ``tree-retrieval-prior2`` (the drafter's previous
-default ``evidence_prior``, 2.0), ``chain-eagle3`` / ``tree-eagle3`` (the same head,
+Suffix Decoding's cache), ``tree-retrieval-prior2`` (``evidence_prior`` 2.0,
+which fits all nodes' acceptance best, against the default 4.0), ``chain-eagle3`` / ``tree-eagle3`` (the same head,
 chain of ``--chain-k`` or an EAGLE-2 tree of N = ``--tree-budget``, K = 10, D = 8;
 ``c2t-eagle3``: C2T's tree of the same N with the head's shipped classifier;
 ``tree-hybrid``: that EAGLE-2 tree merged with the retrieval trie, Talon's hybrid)

@@ -54,13 +54,13 @@ does not pay pauses again at once, for twice as long (up to ``max_pause``).
 A probe drafts for at most ``probe_requests`` requests (the engine picks
 those whose draft state needs the least catch-up; the others count as plain
 rows of the step): a paused EAGLE-3 head must first feed every row it kept,
-which at batch 64 cost 6% of the step time when probes drafted for the
-whole batch. Decision: one probe, not ``pause_after`` steps, since a model drafter's
+which for a probe over the whole batch at batch 64 costs 6% of the step
+time. Decision: one probe, not ``pause_after`` steps, since a model drafter's
 tree costs several draft passes however few of its nodes are kept; and a
 step whose expected rate with drafting is below ``clear_loss`` times the
 rate without pauses at once: at batch 16 an EAGLE-2 tree of a draft LM
 costs about ten plain steps (measured: 76 ms per request), so waiting for
-``pause_after`` such steps cost more than a fifth of the run.
+``pause_after`` such steps would cost more than a fifth of the run.
 
 Shape: a branching tree may cost more than a chain of the same size (on
 vLLM's CPU platform a chain runs in vLLM's own attention kernel and a

@@ -110,10 +110,11 @@ class TreeProposer:
         paused_part = getattr(self.drafter, "paused_part", None)
         self._paused_part = (None, None) if paused_part is None else paused_part()
         self._from_paused_part: set[str] = set()  # requests whose last tree came from it
-        # That part's own load budget. Decision: its drafting is not free (the
-        # trie's index and growth took 4% of the step time at batch 64, where its
-        # trees rarely pay), so it pauses on its own measured cost, and its trees
-        # calibrate its own rho rather than the model's; the step-cost fit is shared.
+        # That part's own load budget. Decision: its drafting is not free (drafting
+        # every step, the trie's index and growth take 4% of the step time at batch
+        # 64, where its trees rarely pay), so it pauses on its own measured cost, and
+        # its trees calibrate its own rho rather than the model's; the step-cost fit
+        # is shared.
         self.paused_budget = (
             LoadBudget(self.config.budget, self.load_budget.fit)
             if self.load_budget is not None and self._paused_part[0] is not None

@@ -13,9 +13,9 @@ stay untouched. Each request has ``1 + n`` logits rows (root, then its nodes).
   seeded) and ``verify.accept`` walks the tree (ALGORITHMS.md section 1).
   Decision: the argmax is vLLM's ``Sampler.greedy_sample`` (on the CPU
   vLLM's vectorised kernel, 2-3x faster than ``torch.argmax`` over the
-  vocabulary), so a tree row's greedy token is the one vLLM would pick, and
-  only the tree requests' own rows are gathered (not a ``[trees, width + 1]``
-  block padded with copies of each tree's last row).
+  vocabulary), so a tree row's greedy token is the one vLLM would pick; and
+  only the tree requests' own rows are gathered, since padding every tree to
+  the widest would take the argmax of copied rows too.
 * Logprobs of a committed token come from its parent's row.
 """
 

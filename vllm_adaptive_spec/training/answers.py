@@ -57,9 +57,9 @@ def answer_engine(model: str):
 
 def close_engine(llm) -> None:
     """Stop an offline engine's processes now. Left to the garbage collector,
-    its worker outlived the answers: in ``train-eagle3`` it stayed up through
-    the features with its KV cache resident (13 GiB of this machine's 23), and
-    a run stopped there left it running without a parent."""
+    its worker outlives the answers: in ``train-eagle3`` it would stay up
+    through the features with its KV cache resident (13 GiB of a 23 GiB
+    machine), and a run stopped there would leave it running without a parent."""
     llm.llm_engine.engine_core.shutdown()
 
 

@@ -2,8 +2,9 @@
 
 The draft keeps the target's embedding (tied with its LM head), its first
 ``layers`` decoder layers and its final norm; then, for ``minutes`` of CPU
-time, those layers and the norm are trained to match the target's next-token
-distribution (KL divergence, full vocabulary) on the training corpus's prompts
+time, those layers and the norm are trained to match the target's final
+(normed) hidden states, which the shared LM head turns into next-token logits
+(mean squared error, see :func:`_distill`), on the training corpus's prompts
 (``corpus.first_stage``, chat template applied; teacher forcing, so no
 generation is needed and the command stands alone).
 ``minutes=0`` gives the plain truncated model (what the tests use: exactness
