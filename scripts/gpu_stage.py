@@ -1,5 +1,7 @@
-"""Stage on a lent GPU machine what it lacks to run this project's engine
-tests and benchmarks beside the vLLM kit (``../shared/gpu/vllm-kit``).
+"""Stage on an offline GPU machine what it lacks to run this project's engine
+tests and benchmarks, beside a vLLM 0.32.0 carried there as a kit (vLLM's
+CUDA wheel cut to what dense models need, with the packages the machine
+lacks; its ``env.sh`` is sourced first).
 
 The machine has no network and takes at most 64 MiB a call, the checkout
 included (about 21 MiB). It lacks three things: the demo model's weights (the
