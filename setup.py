@@ -17,6 +17,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_adaptive_spec*", "kernels*"]),
+    package_data={"vllm_adaptive_spec": ["data/*.jsonl"]},
     install_requires=[
         "torch",
         "transformers",

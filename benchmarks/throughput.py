@@ -17,7 +17,7 @@ For every batch size and every method this measures, on the same workload:
   bfloat16 on the CPU that happens for vLLM's own ngram too, so use
   ``--dtype float32`` for an exact-output check).
 
-Workload: chat prompts from the project's prompt set (``benchmarks/prompts.jsonl``,
+Workload: chat prompts from the project's prompt set (``vllm_adaptive_spec/data/prompts.jsonl``,
 70 prompts, 10 per category), greedy, ``--max-tokens`` each (EOS ends a request
 early), taken round-robin over the 7 categories (the file is stored category by
 category, so its first 8 prompts are all "chat"; ``--prompt-order file`` keeps
@@ -704,7 +704,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved: timed passes per method and batch size")
     parser.add_argument("--warmup-prompts", type=int, default=2, help="prompts in each engine's warm-up pass")
     parser.add_argument("--model", help="model directory (default: the demo model)")
-    parser.add_argument("--prompts", help="prompt set JSONL (default: benchmarks/prompts.jsonl)")
+    parser.add_argument("--prompts", help="prompt set JSONL (default: vllm_adaptive_spec/data/prompts.jsonl)")
     parser.add_argument("--dtype", default="float32",
                         help="float32 (default): on CPUs without native bf16 (AVX2 only), bf16 matmuls cost "
                              "the same per row whatever the batch, so no speculation can pay there")

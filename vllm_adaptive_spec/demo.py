@@ -48,7 +48,7 @@ def run(model: str, dtype: str, messages: list, max_tokens: int, spec: dict | No
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", help="model directory (default: the demo model, converted if needed)")
-    parser.add_argument("--prompts", help="prompt set JSONL (default: benchmarks/prompts.jsonl)")
+    parser.add_argument("--prompts", help="prompt set JSONL (default: vllm_adaptive_spec/data/prompts.jsonl)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument(
         "--dtype", default="float32", help="float32 (default) makes greedy answers comparable token for token"

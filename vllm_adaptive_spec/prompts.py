@@ -1,4 +1,5 @@
-"""The project's prompt set (``benchmarks/prompts.jsonl``).
+"""The project's prompt set (``vllm_adaptive_spec/data/prompts.jsonl``,
+shipped as package data so an installed package's demo has it).
 
 One JSON object per line: ``id``, ``category``, ``messages`` (OpenAI chat
 format, ending with a user turn) and ``repeats_input`` (a good answer copies
@@ -11,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "prompts.jsonl"
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "prompts.jsonl"
 
 
 @dataclass(frozen=True)

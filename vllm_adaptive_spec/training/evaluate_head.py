@@ -66,7 +66,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", nargs="+", required=True, help="EAGLE-3 head directories to score")
     p.add_argument("--work-dir", required=True, help="the benchmark answers and their features live here")
     p.add_argument("--model", default=None, help="target model directory (default: the demo model)")
-    p.add_argument("--prompts", default=None, help="prompt set (default: benchmarks/prompts.jsonl)")
+    p.add_argument("--prompts", default=None, help="prompt set (default: vllm_adaptive_spec/data/prompts.jsonl)")
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--steps", type=int, default=4, help="unrolled steps to score")
     p.add_argument("--token-budget", type=int, default=4096)
