@@ -38,7 +38,8 @@ share bounds what overlapping drafting with verification could save;
 ``eagle3-adaptive-N`` / ``draft-lm-adaptive-N``: the same under the default
 load budget (what a model drafter costs while the budget pauses it);
 ``hybrid-N`` / ``hybrid-adaptive-N``: the EAGLE-3 head's EAGLE-2 tree merged
-with the retrieval trie (Talon's hybrid), likewise.
+with the retrieval trie (Talon's hybrid), likewise. ``@POLICY`` after a model
+drafter's name picks its policy (``eagle3-adaptive-32@talon``).
 
 Reproduce (about 12 minutes on 2 CPU cores; writes ``step_profile.{json,md}``)::
 
@@ -65,6 +66,9 @@ MAX_LEN = 64  # l_max = l_min = 64: the suffix never matches, no tree is drafted
 
 
 def method_config(name: str) -> dict | None:
+    """The speculative config of a method name; ``NAME@POLICY`` picks a
+    model drafter's policy (default ``eagle2``; e.g. ``eagle3-adaptive-32@talon``)."""
+    name, _, policy = name.partition("@")
     if name == "none":
         return None
     if name == "ngram":
@@ -80,7 +84,8 @@ def method_config(name: str) -> dict | None:
         if name.startswith(prefix):
             adaptive = name.startswith(prefix + "adaptive-")
             return {"method": "adaptive_tree", "num_speculative_tokens": int(name.rsplit("-", 1)[1]),
-                    "tree": {"drafter": drafter, "policy": "eagle2", "load_budget": "adaptive" if adaptive else "fixed"}}
+                    "tree": {"drafter": drafter, "policy": policy or "eagle2",
+                             "load_budget": "adaptive" if adaptive else "fixed"}}
     raise ValueError(f"unknown method {name!r}: none, ngram, tree-N, tree-adaptive-N, eagle3-N, eagle3-adaptive-N, "
                      "draft-lm-N, draft-lm-adaptive-N, hybrid-N, hybrid-adaptive-N")
 
