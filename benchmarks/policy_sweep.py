@@ -20,7 +20,7 @@ speculation at the same batch size and temperature; at batch 1 each prompt
 category is a pass of its own, so tau, delta and gamma are also reported per
 category.
 
-Engines run through ``benchmarks/throughput.py``'s worker (a fresh process per
+Engines run through ``benchmarks/engines.py`` (a fresh process per
 engine, vLLM's in-process layout by default). Outputs in ``--out``:
 ``policy_sweep.json`` (every number and setting), ``policy_sweep.md`` (tables)
 and, with matplotlib installed (``pip install -e .[bench]``),
@@ -43,13 +43,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
-for path in (REPO, BENCH):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
-import throughput  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engines  # noqa: E402
+from engines import REPO, fmt  # noqa: E402
 
 TREE_BUDGET = 60
 
@@ -96,10 +92,6 @@ def summarize(spec: dict, tree: dict | None, tokens: int, wall_s: float) -> dict
     return row
 
 
-def _fmt(value, spec: str = ".2f") -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
 def markdown(report: dict) -> str:
     lines = []
     for temperature in report["settings"]["temperatures"]:
@@ -112,8 +104,8 @@ def markdown(report: dict) -> str:
                 if "error" in row:
                     lines.append(f"| {row['method']} | {row['error']} |")
                     continue
-                lines.append(f"| {row['method']} | {_fmt(row['tau'])} | {_fmt(row['delta'])} | {_fmt(row['gamma'], '.1f')} "
-                             f"| {_fmt(row['tok_per_s'], '.1f')} | {_fmt(row.get('ratio_vs_none'))} |")
+                lines.append(f"| {row['method']} | {fmt(row['tau'])} | {fmt(row['delta'])} | {fmt(row['gamma'], '.1f')} "
+                             f"| {fmt(row['tok_per_s'], '.1f')} | {fmt(row.get('ratio_vs_none'))} |")
             lines.append("")
     categories = sorted({c for row in report["rows"] for c in row.get("by_category", {})})
     if categories:
@@ -122,7 +114,7 @@ def markdown(report: dict) -> str:
                       "| method | " + " | ".join(categories) + " |", "|---|" + "---:|" * len(categories)]
             for row in report["rows"]:
                 if row["temperature"] == temperature and row["batch_size"] == 1 and row.get("by_category"):
-                    cells = [_fmt(row["by_category"].get(c, {}).get("tau")) for c in categories]
+                    cells = [fmt(row["by_category"].get(c, {}).get("tau")) for c in categories]
                     lines.append(f"| {row['method']} | " + " | ".join(cells) + " |")
             lines.append("")
     return "\n".join(lines)
@@ -174,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts-at-batch", type=int, default=32, help="prompts of the other passes")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--chain-k", type=int, default=4)
-    parser.add_argument("--head", default=str(REPO / "heads" / "smollm2-135m-eagle3"))
+    parser.add_argument("--head", default=str(engines.HEAD))
     parser.add_argument("--engine-layout", choices=("processes", "in-process"), default="in-process")
     parser.add_argument("--worker-timeout", type=float, default=1800)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
@@ -198,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     model = str(ensure_demo_model())
-    prompts = throughput.interleave_categories(load_prompts())
+    prompts = engines.interleave_categories(load_prompts())
     sizes = [args.prompts_at_batch_1 if b == 1 else args.prompts_at_batch for b in batch_sizes]
     prompts = prompts[: max(sizes + [2])]
     out = Path(args.out)
@@ -207,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     base_job = {
         "model": model,
         "dtype": "float32",
-        "max_model_len": throughput._needed_model_len(model, [p.messages for p in prompts], args.max_tokens),
+        "max_model_len": engines.needed_model_len(model, [p.messages for p in prompts], args.max_tokens),
         "max_tokens": args.max_tokens,
         "warmup_prompts": 2,
         "conversations": [p.messages for p in prompts],
@@ -224,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[{time.perf_counter() - t0:6.0f} s] engine {index}/{len(plan)}: {method}, temperature {temperature}", flush=True)
         job = {**base_job, "temperature": temperature, "speculative_config": methods[method]}
         label = f"sweep-{method}-T{temperature:g}"
-        result = throughput._run_engine(job, work, label, args.worker_timeout)
+        result = engines.run_engine(job, work, label, args.worker_timeout)
         done = {run["batch_size"]: run for run in result["runs"]}
         for batch in batch_sizes:
             row = {"method": method, "temperature": temperature, "batch_size": batch}
@@ -242,17 +234,17 @@ def main(argv: list[str] | None = None) -> None:
                 base[(temperature, batch)] = row["tok_per_s"]
             elif base.get((temperature, batch)):
                 row["ratio_vs_none"] = row["tok_per_s"] / base[(temperature, batch)]
-            print(f"  b={batch}: tau {_fmt(row['tau'])} delta {_fmt(row['delta'])} gamma {_fmt(row['gamma'], '.1f')} "
-                  f"{_fmt(row['tok_per_s'], '.1f')} tok/s ({_fmt(row.get('ratio_vs_none'))}x)", flush=True)
+            print(f"  b={batch}: tau {fmt(row['tau'])} delta {fmt(row['delta'])} gamma {fmt(row['gamma'], '.1f')} "
+                  f"{fmt(row['tok_per_s'], '.1f')} tok/s ({fmt(row.get('ratio_vs_none'))}x)", flush=True)
             rows.append(row)
         if "error" in result:
             print(f"  FAILED: {result['error']}; log: {result.get('log')}", flush=True)
 
     report = {
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "vllm_version": throughput._installed_vllm_version(),
-        "machine": throughput._machine(),
-        "settings": throughput.portable_paths(
+        "vllm_version": engines.installed_vllm_version(),
+        "machine": engines.machine(),
+        "settings": engines.portable_paths(
             {"methods": methods, "batch_sizes": batch_sizes, "temperatures": temperatures, "prompts": sizes,
              "max_tokens": args.max_tokens, "engine_layout": args.engine_layout,
              "prompt_ids": [p.id for p in prompts]}),

@@ -50,9 +50,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engines  # noqa: E402
+from engines import REPO  # noqa: E402
 
 from vllm_adaptive_spec.budget import LoadBudget  # noqa: E402
 from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter  # noqa: E402
@@ -70,14 +70,14 @@ def greedy_answers(max_tokens: int, path: Path) -> list[dict]:
     (the demo model's answers to the prompt set) and kept at ``path``."""
     if path.is_file():
         return json.loads(path.read_text(encoding="utf-8"))
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from vllm_adaptive_spec.demo_model import ensure_demo_model
-    from vllm_adaptive_spec.kv_cache_size import engine_kwargs
     from vllm_adaptive_spec.prompts import load_prompts
 
     prompts = load_prompts()
-    llm = LLM(**engine_kwargs(str(ensure_demo_model()), "float32", max_model_len=1024, max_num_seqs=16))
+    llm = engines.open_engine({"model": str(ensure_demo_model()), "dtype": "float32", "max_model_len": 1024,
+                               "max_num_seqs": 16})
     outputs = llm.chat([p.messages for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_tokens),
                        use_tqdm=False)
     answers = [{"id": p.id, "category": p.category, "prompt": list(o.prompt_token_ids),
@@ -321,16 +321,13 @@ CHAIN_SETTINGS = {
 
 def _import_suffix_decoding() -> str | None:
     """Make ``arctic_inference.suffix_decoding`` importable (built by
-    ``benchmarks/throughput.py``'s script if needed); returns why not, or None."""
+    ``scripts/build_suffix_decoding.sh`` if needed); returns why not, or None."""
     try:
         import arctic_inference.suffix_decoding  # noqa: F401
         return None
     except ImportError:
         pass
-    sys.path.append(str(REPO / "benchmarks"))
-    from throughput import _suffix_decoding_dir
-
-    directory, why = _suffix_decoding_dir()
+    directory, why = engines.suffix_decoding_dir()
     if directory is None:
         return why
     sys.path.append(directory)

@@ -38,9 +38,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engines  # noqa: E402
+from engines import REPO  # noqa: E402
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 BLOCK = 128
@@ -99,18 +99,16 @@ def model_path(shape: str, workdir: Path) -> tuple[str, dict]:
 
 def measure(context: int, rows: tuple[int, ...], repeats: int, dtype: str, shape: str = "demo",
             workdir: Path = REPO / "benchmarks" / "results") -> dict:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # logits_ms is sent to the worker, which vLLM only pickles with this set.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-
-    from vllm_adaptive_spec.kv_cache_size import engine_kwargs
 
     model, settings = model_path(shape, workdir)
     max_len = -(-(context + max(rows) + 1) // BLOCK) * BLOCK
-    llm = LLM(**engine_kwargs(model, dtype, max_len, 1, None, block_size=BLOCK),
-              distributed_executor_backend="uni", enable_prefix_caching=True, **settings)
+    job = {"model": model, "dtype": dtype, "max_model_len": max_len, "max_num_seqs": 1, "block_size": BLOCK,
+           "engine_layout": "in-process"}
+    llm = engines.open_engine(job, enable_prefix_caching=True, **settings)
     base = [100 + (i * 7919) % 40000 for i in range(context)]
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=shape == "demo")
     llm.generate([TokensPrompt(prompt_token_ids=base)], params, use_tqdm=False)

@@ -41,6 +41,11 @@ load budget (what a model drafter costs while the budget pauses it);
 with the retrieval trie (Talon's hybrid), likewise. ``@POLICY`` after a model
 drafter's name picks its policy (``eagle3-adaptive-32@talon``).
 
+For ``adaptive_tree`` methods, rows marked ``[drafting]``, ``[probe]``,
+``[paused]`` and ``[no proposal]`` split the steps by what the step's
+proposal did (the plugin's counters read after every step, outside its
+timing): what a paused drafter costs per step, and what a probe costs.
+
 Reproduce (about 12 minutes on 2 CPU cores; writes ``step_profile.{json,md}``)::
 
     .venv/bin/python benchmarks/step_profile.py
@@ -52,15 +57,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engines  # noqa: E402
+from engines import REPO  # noqa: E402
 
 MAX_LEN = 64  # l_max = l_min = 64: the suffix never matches, no tree is drafted
 
@@ -127,32 +130,32 @@ def worker(job_path: str) -> None:
     # The timers are installed by sending a function to the worker process
     # (collective_rpc), which vLLM only pickles with this set.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    in_process = job.get("engine_layout") == "in-process"
-    if in_process:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from vllm_adaptive_spec.adapter import step_profile
-    from vllm_adaptive_spec.kv_cache_size import engine_kwargs
 
-    llm = LLM(**engine_kwargs(job["model"], job["dtype"], job["max_model_len"], max(job["batch_sizes"]),
-                              job["speculative_config"]),
-              **({"distributed_executor_backend": "uni"} if in_process else {}))
+    llm = engines.open_engine(job, max(job["batch_sizes"]))
     engine = llm.llm_engine
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in job["conversations"]]
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
     llm.collective_rpc(step_profile.install)
 
-    tree_method = (job["speculative_config"] or {}).get("method") == "adaptive_tree"
+    tree_method = engines.is_tree_method(job)
 
-    def tree_stats() -> dict:
-        return llm.collective_rpc("adaptive_tree_stats")[0] if tree_method else {}
+    def kind_of_step(before: dict, after: dict) -> str:
+        """What the step's proposal did: drafted, a probe, paused, or none asked."""
+        for kind in ("probes", "paused"):
+            if after[kind] > before[kind]:
+                return kind.removesuffix("s")
+        return "drafting" if after["drafting_steps"] > before["drafting_steps"] else "no proposal"
 
     def run(count: int, in_flight: int) -> dict:
         llm.reset_prefix_cache()
         llm.collective_rpc(step_profile.reset)
-        before = tree_stats()
+        before = counters = engines.tree_counters(llm, tree_method)
+        phases: dict = {}
+        by_kind: dict[str, dict] = {}
         waiting = list(range(count))
         step_seconds, tokens, running = [], 0, 0
         while waiting or engine.has_unfinished_requests():
@@ -167,10 +170,21 @@ def worker(job_path: str) -> None:
                 if output.finished:
                     running -= 1
                     tokens += len(output.outputs[0].token_ids)
-        after = tree_stats()
+            if tree_method:  # each step's phases, by what its proposal did (read outside the timed step)
+                now, now_phases = engines.tree_counters(llm, True), llm.collective_rpc(step_profile.report)[0]
+                kind = by_kind.setdefault(kind_of_step(counters, now), {"steps": 0, "wall_s": 0.0, "phases": {}})
+                kind["steps"] += 1
+                kind["wall_s"] += step_seconds[-1]
+                for key, (seconds, calls) in now_phases.items():
+                    old = phases.get(key, (0.0, 0))
+                    total = kind["phases"].setdefault(key, [0.0, 0])
+                    total[0] += seconds - old[0]
+                    total[1] += calls - old[1]
+                counters, phases = now, now_phases
+        after = engines.tree_counters(llm, tree_method)
         return {"steps": len(step_seconds), "wall_s": sum(step_seconds), "tokens": tokens,
                 "phases": llm.collective_rpc(step_profile.report)[0],
-                "tree": {k: after[k] - before[k] for k in ("trees_verified", "leaf_paths") if k in after}}
+                "tree": {k: after[k] - before[k] for k in after}, "by_kind": by_kind}
 
     run(2, 2)  # warm-up
     results = []
@@ -179,7 +193,7 @@ def worker(job_path: str) -> None:
         result["batch_size"] = batch_size
         results.append(result)
         print(f"[worker] b={batch_size}: {result['steps']} steps, {result['tokens']} tokens", flush=True)
-    Path(job["result_path"]).write_text(json.dumps(results), encoding="utf-8")
+    Path(job["result_path"]).write_text(json.dumps({"runs": results}), encoding="utf-8")
 
 
 def table(report: dict) -> str:
@@ -204,6 +218,13 @@ def table(report: dict) -> str:
         else:
             cells += ["", ""]
         lines.append("| " + " | ".join(cells) + " |")
+        for kind, part in (row.get("by_kind") or {}).items():
+            cols = self_times(part["phases"])
+            cells = [f"{row['method']} [{kind}]", str(row["batch_size"]), "", f"{part['steps']} steps",
+                     f"{1000 * part['wall_s'] / part['steps']:.1f}"]
+            cells += [f"{1000 * cols[c] / part['steps']:.2f}" for c in COLUMNS]
+            cells += [f"{1000 * (part['wall_s'] - sum(cols.values())) / part['steps']:.2f}", "", ""]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -218,7 +239,9 @@ def main(argv: list[str] | None = None) -> None:
                              "the same per row whatever the batch, so no speculation can pay there")
     parser.add_argument("--engine-layout", choices=("processes", "in-process"), default="processes",
                         help="as in benchmarks/throughput.py: vLLM's processes, or engine and worker in one process")
-    parser.add_argument("--head", default=str(REPO / "heads" / "smollm2-135m-eagle3"), help="EAGLE-3 head (eagle3-N)")
+    parser.add_argument("--head", default=str(engines.HEAD), help="EAGLE-3 head (eagle3-N)")
+    parser.add_argument("--prompts", help="prompt set JSONL (default: the project's)")
+    parser.add_argument("--worker-timeout", type=float, default=1800, help="seconds per engine process")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -226,15 +249,12 @@ def main(argv: list[str] | None = None) -> None:
         worker(args.worker)
         return
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from throughput import _needed_model_len, interleave_categories, portable_paths
-
     from vllm_adaptive_spec.demo_model import ensure_demo_model
     from vllm_adaptive_spec.prompts import load_prompts
 
     model = str(ensure_demo_model())
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    conversations = [p.messages for p in interleave_categories(load_prompts())]
+    conversations = [p.messages for p in engines.interleave_categories(load_prompts(args.prompts))]
     conversations = conversations[: max(max(batch_sizes), args.min_prompts)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -244,32 +264,19 @@ def main(argv: list[str] | None = None) -> None:
         if spec is not None and spec.get("tree", {}).get("drafter") in ("eagle3", "hybrid"):
             spec["model"] = args.head
         elif spec is not None and spec.get("tree", {}).get("drafter") == "draft_model":
-            from vllm_adaptive_spec.training.draft_lm import ensure_draft_lm
-
-            spec["model"] = str(ensure_draft_lm(layers=4, minutes=6.0))
+            spec["model"] = engines.draft_lm_path()
         job = {"model": model, "dtype": args.dtype, "speculative_config": spec,
                "batch_sizes": batch_sizes, "max_tokens": args.max_tokens, "min_prompts": args.min_prompts,
-               "max_model_len": _needed_model_len(model, conversations, args.max_tokens),
-               "conversations": conversations, "result_path": str(out / f"profile-{method}.result.json"),
-               "engine_layout": args.engine_layout}
-        job_path = out / f"profile-{method}.job.json"
-        job_path.write_text(json.dumps(job), encoding="utf-8")
+               "max_model_len": engines.needed_model_len(model, conversations, args.max_tokens),
+               "conversations": conversations, "engine_layout": args.engine_layout}
         print(f"{method} ...", flush=True)
-        log = out / f"profile-{method}.log"
-        with log.open("w") as handle:
-            # Its own session, so an interrupted run also ends the engine processes it spawned.
-            proc = subprocess.Popen([sys.executable, __file__, "--worker", str(job_path)], stdout=handle,
-                                    stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
-            try:
-                code = proc.wait()
-            finally:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-        if code != 0:
-            rows += [{"method": method, "batch_size": b, "error": f"worker exited {code}, see {log}"} for b in batch_sizes]
+        result = engines.run_engine(job, out, f"profile-{method}", args.worker_timeout, script=Path(__file__).resolve())
+        if "error" in result:
+            rows += [{"method": method, "batch_size": b, "error": f"{result['error']}, see {result['log']}"}
+                     for b in batch_sizes]
             continue
-        rows += [{"method": method, **r} for r in json.loads(Path(job["result_path"]).read_text())]
-    report = {"settings": portable_paths(vars(args)), "rows": rows}
+        rows += [{"method": method, **r} for r in result["runs"]]
+    report = {"settings": engines.portable_paths(vars(args)), "rows": rows}
     (out / "step_profile.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     text = table(report)
     (out / "step_profile.md").write_text(text + "\n", encoding="utf-8")

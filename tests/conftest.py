@@ -48,6 +48,8 @@ class EngineRun:
     stash_flushes: int | None
     split_passes: int | None
     probes: int | None
+    probe_trees: int | None
+    paused_passes: int | None
     log: str
 
     @property

@@ -25,7 +25,9 @@ metrics (vLLM's spec-decode, preemption and prefix-cache counters),
 tree_stats (the plugin's, when active; tree_stats_per_rank: every tensor-parallel rank's), num_gpu_blocks (the engine's KV blocks),
 roots (with record_roots), stash_flushes (with stash_bytes), split_passes (with
 max_pass_rows: first passes fed in several), probes (with a pause_pattern's k: probes
-that drafted for fewer requests than the batch held).
+that drafted for fewer requests than the batch held), probe_trees (with k: the most
+trees a probe step drafted), paused_passes (with a pause_pattern and a model
+drafter: draft-model forwards run on paused steps).
 
 Requests go through ``LLMEngine.add_request``/``step`` so a job can abort some
 of them mid-generation. Each job runs in a fresh process, so engines never
@@ -58,11 +60,23 @@ def pause_drafting(worker, drafting: int, paused: int, probe_requests: int | Non
         return phase[0] < drafting
 
     proposer.drafting_this_step = drafting_this_step
+    runner = worker.model_runner
+    if runner._draft_backend is not None:
+        _count_calls(worker, "paused_passes", runner._draft_backend, "_run", lambda *args, **kwargs: phase[0] >= drafting)
     if probe_requests is not None:
         proposer.probe_requests = lambda: probe_requests if phase[0] == 0 else None
-        runner = worker.model_runner
         _count_calls(worker, "probes", runner._draft_backend, "least_behind",
                      lambda count: count < runner.input_batch.num_reqs)
+        worker.probe_trees = 0
+        propose_trees = proposer.propose_trees
+
+        def counting_probe_trees(*args, **kwargs):
+            drafts = propose_trees(*args, **kwargs)
+            if phase[0] == 0:
+                worker.probe_trees = max(worker.probe_trees, sum(1 for tree in drafts if tree))
+            return drafts
+
+        proposer.propose_trees = counting_probe_trees
 
 
 def record_roots(worker) -> None:
@@ -239,7 +253,8 @@ def main(job_path: str, out_path: str) -> None:
                 "roots": llm.collective_rpc(recorded_roots)[0] if job.get("record_roots") else None,
                 **{key: llm.collective_rpc(functools.partial(counter, name=key))[0] if setting in job else None
                    for key, setting in (("stash_flushes", "stash_bytes"), ("split_passes", "max_pass_rows"),
-                                        ("probes", "pause_pattern"))},
+                                        ("probes", "pause_pattern"), ("probe_trees", "pause_pattern"),
+                                        ("paused_passes", "pause_pattern"))},
             },
             handle,
         )

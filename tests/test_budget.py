@@ -145,6 +145,42 @@ def test_speculation_that_never_pays_settles_on_no_drafting():
     assert max(len(run) for run in runs) == 1, runs
 
 
+def test_drafting_that_never_yields_a_node_pauses_before_the_cost_fit_is_known():
+    """Every step decodes the same rows (no tree was ever verified, so the
+    step-cost fit cannot tell the fixed cost from a row's), and the drafter's
+    trees hold no node worth verifying: its drafting is pure loss, measured
+    against the step time alone, so drafting pauses (and is not probed
+    again every step)."""
+    budget = LoadBudget(max_budget=32, pause_after=4, pause_steps=4, max_pause=64, half_life=1e9)
+    weak = DraftTree.chain([1, 2, 3])
+    weak.q = [0.1, 0.1, 0.1]
+    drafted = []
+    for _ in range(200):
+        budget.fit.observe(8, 0.03)
+        if not budget.drafts():
+            drafted.append(False)
+            continue
+        drafted.append(True)
+        budget.observe_drafting(8, 0.02)
+        assert budget.choose([weak] * 8) == [DraftTree()] * 8
+    assert budget.fit.solve() is None
+    assert sum(drafted[-100:]) <= 3, "drafting should be paused almost always"
+
+
+def test_a_cold_start_that_keeps_nodes_is_not_judged_before_the_fit_is_known():
+    """Nodes kept before the fit is known are a trial (their verification
+    makes the fit solvable), so those steps neither pause nor leave a probe open."""
+    budget = LoadBudget(max_budget=8, pause_after=1, half_life=1e9)
+    likely = DraftTree.chain([1, 2])
+    likely.q = [0.9, 0.9]
+    for _ in range(20):
+        budget.fit.observe(8, 0.03)
+        assert budget.drafts()
+        budget.observe_drafting(8, 0.05)
+        assert budget.choose([likely] * 8) == [likely] * 8
+        assert not budget.probing
+
+
 def test_drafting_that_costs_far_more_than_a_step_pauses_at_once():
     """A draft model whose trees cost ten plain steps: the first drafting step
     pauses (not ``pause_after`` of them); a step that loses a little does not."""

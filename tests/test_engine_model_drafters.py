@@ -91,6 +91,7 @@ def test_eagle3_eagle2_tree_greedy_equals_no_speculation(demo_model, prompt_ids,
     run = _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec, pause_pattern=[3, 2, 3],
                                record_roots=True, stash_bytes=8 * row_bytes, max_pass_rows=12)
     assert run.stash_flushes > 0 and run.split_passes > 0 and run.probes > 0
+    assert 0 < run.probe_trees <= 3  # a probe drafts for the requests it was given, no more
     roots = defaultdict(list)
     for key, tokens, probs, caught_up in run.roots:
         roots[key].append((tokens, probs, caught_up))
@@ -164,6 +165,7 @@ def test_target_drafting_for_itself_is_accepted_in_full(demo_model, prompt_ids, 
                pause_pattern=[1, 2], max_pass_rows=12)
     assert run.token_ids == baseline.token_ids
     assert run.split_passes > 0
+    assert run.paused_passes == 0  # a paused draft LM runs no pass; it catches up when drafting resumes
     stats = run.tree_stats
     assert 0.2 < stats["drafting_share"] < 0.5, stats
     assert stats["tokens_accepted"] >= 0.97 * stats["nodes_verified"], stats

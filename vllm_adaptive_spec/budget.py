@@ -75,7 +75,14 @@ as a chain; until branching trees have been seen ``xi`` is 0, so they are
 tried and then measured.
 
 Decision: before ``StepCostFit.MIN_STEPS`` measured steps, or when the fit is degenerate,
-nodes with ``p_hat >= cold_min_p`` are kept (a cautious default).
+nodes with ``p_hat >= cold_min_p`` are kept (a cautious default). Such a step
+is a trial, not judged: verifying its nodes gives the fit the varied steps it
+needs. A step that keeps no node is judged all the same: its rate with
+drafting is ``B / (T + delta * B_drafting)`` against ``B / T`` without, ``T``
+the mean step time, which needs no split of ``T`` into ``alpha`` and
+``beta``. Without that, a drafter that is never confident enough for a trial
+would keep every step at one shape, the fit degenerate and its drafting
+unpaused forever.
 """
 
 from __future__ import annotations
@@ -278,7 +285,14 @@ class LoadBudget:
         p_hat = expected(trees, rhos)
         fit = self.fit.solve()
         if fit is None:
-            return [t.keep_best(int((v >= self.cold_min_p).sum())) for t, v in zip(trees, p_hat)]
+            chosen = [t.keep_best(int((v >= self.cold_min_p).sum())) for t, v in zip(trees, p_hat)]
+            step, delta = self.fit.mean_step(), self.draft_cost()
+            if trees and not any(len(t) for t in chosen) and step and delta > 0.0:
+                rows = len(trees) + plain
+                self._account(rows / (step + delta * len(trees)), rows / step)
+            else:
+                self._account(None, 0.0)
+            return chosen
         alpha, beta, _, eta, xi = fit
 
         def plan(p_hat: list[np.ndarray], delta: float) -> tuple[list[int], float, float]:

@@ -71,6 +71,12 @@ class StepCostFit:
         alpha, beta = max(values[0], 0.0), max(values[1], 0.0)
         return [alpha, beta, max(values.get(2, beta), 0.0), *(max(values.get(c, 0.0), 0.0) for c in (3, 4))]
 
+    def mean_step(self) -> float | None:
+        """The (decayed) mean step time: known from the first step on, even
+        while the fit cannot split it into its terms (every step the same
+        shape); None before any step."""
+        return self.moment[0] / self.gram[0, 0] if self.steps_seen else None
+
     def cost(self) -> tuple[float, float, float] | None:
         """``(alpha, beta, gamma)``, or None while unknown."""
         solution = self.solve()

@@ -33,6 +33,7 @@ class TreeStats:
     draft_passes: int = 0
     proposals: int = 0  # steps that asked for trees
     paused: int = 0  # of them, steps the load budget did not draft
+    probes: int = 0  # of the others, steps that drafted to look after a pause (for a few requests)
     leaf_paths: int = 0  # verified trees whose accepted path reached a leaf
     paused_trees: int = 0  # trees drafted while paused (by a drafter's paused part)
     last_step: dict[str, int] = field(default_factory=dict)
@@ -54,6 +55,7 @@ class TreeStats:
             "draft_passes": self.draft_passes,
             "proposals": self.proposals,
             "paused": self.paused,
+            "probes": self.probes,
             "leaf_paths": self.leaf_paths,
             "paused_trees": self.paused_trees,
             "drafting_share": 1.0 - self.paused / max(self.proposals, 1),
@@ -224,6 +226,7 @@ class TreeProposer:
         budgets, active, contexts = [], [], []
         self.stats.proposals += 1
         self.stats.paused += not drafting
+        self.stats.probes += drafting and self.load_budget is not None and self.load_budget.probing
         drafter, policy = (self.drafter, self.policy) if drafting else self._paused_part
         if not drafting and self.paused_budget is not None and not self.paused_budget.drafts():
             drafter = None

@@ -1,4 +1,4 @@
-"""The throughput benchmark's report of interleaved rounds: the ratio to no
+"""The benchmarks' report of interleaved rounds (benchmarks/engines.py): the ratio to no
 speculation is the median of per-round ratios (each against none's pass in
 the same round), counters add up, and every round's greedy tokens are
 compared with none's."""
@@ -12,7 +12,7 @@ import pytest
 
 # Appended, not prepended: benchmarks/kernels.py would shadow the kernels package.
 sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import throughput  # noqa: E402
+import engines  # noqa: E402
 
 
 def _pass(round_index: int, tok_per_s: float, token_ids, accepted: int = 0) -> dict:
@@ -26,7 +26,7 @@ def test_interleaved_rounds_report_the_median_of_paired_ratios():
     same, other = [[1, 2], [3, 4]], [[1, 2], [3, 5]]
     base = [_pass(0, 10.0, same), _pass(2, 20.0, same), _pass(1, 40.0, same)]
     passes = [_pass(1, 60.0, same, 5), _pass(0, 11.0, same, 5), _pass(2, 40.0, other, 5)]
-    row = throughput._row("m", True, passes, base, None, ["p0", "p1"])
+    row = engines.compare("m", True, passes, base, None, ["p0", "p1"])
     assert row["ratio_per_round"] == pytest.approx([1.1, 1.5, 2.0])  # rounds paired by index, not by order given
     assert row["ratio_vs_none"] == pytest.approx(1.5)
     assert row["tok_per_s"] == pytest.approx(40.0)
@@ -36,6 +36,6 @@ def test_interleaved_rounds_report_the_median_of_paired_ratios():
 
 def test_a_single_pass_is_reported_as_is():
     base, run = [_pass(0, 10.0, [[1]])], [_pass(0, 12.0, [[1]], 3)]
-    row = throughput._row("m", True, run, base, None, ["p0"])
+    row = engines.compare("m", True, run, base, None, ["p0"])
     assert row["ratio_vs_none"] == pytest.approx(1.2) and row["same_as_none"] == [1, 1]
     assert "rounds" not in row

@@ -1,0 +1,249 @@
+"""The load budget's floor, for every configuration a user can write: each
+drafter with each policy it offers, at several node budgets N and depth
+settings, under the default load budget (``load_budget: adaptive``), against
+no speculation in the same run.
+
+Cells: ``retrieval`` with ``retrieval`` and ``chain``; ``eagle3``,
+``draft_model`` and ``hybrid`` with ``chain``, ``eagle2`` (depth 8, the
+default, and 18), ``talon`` (``max_depth`` 32, its default), ``deagle``
+(``depth`` 18, its default), ``dynatree`` and ``c2t`` (``max_depth`` 10, its
+default); every one at N = ``--budgets``. The depths are each policy's default
+and the largest the project documents. The floors: a model drafter or the
+hybrid at least ``0.95`` of no speculation's tok/s, the retrieval drafter at
+least ``0.97``, with greedy text equal to no speculation's.
+
+Workload: the held-out prompt set (``benchmarks/data/heldout_prompts.jsonl``,
+never used to tune anything), greedy, answers of natural length (``--max-tokens``
+256), at batch 1, 8 and 64 (``--batch-sizes``; ``--prompts-per-batch`` each).
+Cells run in groups of ``--group-size`` engines plus a ``none`` engine,
+interleaved in ``--rounds`` rounds (``benchmarks/engines.py``), so each cell's
+ratio is against no speculation measured minutes apart at most.
+
+Per cell and batch size: the ratio (median of the rounds'), the share of
+drafting steps that verified a tree ("verified": trees / drafting request
+steps), the probe steps and draft passes, and greedy equality. Outputs in
+``--out``: ``floor_sweep.json``, ``floor_sweep.md`` and, with matplotlib
+(``pip install -e .[bench]``), ``floor_sweep.png`` (every cell's ratio per
+batch size, the floors drawn).
+
+Reproduce (the whole grid is about 4 hours on 2 CPU cores; a group of 3 cells
+at three batch sizes about 10 minutes)::
+
+    .venv/bin/python benchmarks/floor_sweep.py
+    .venv/bin/python benchmarks/floor_sweep.py --drafters eagle3 --policies talon,eagle2-D18 --budgets 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engines  # noqa: E402
+from engines import REPO, fmt  # noqa: E402
+
+HELDOUT = REPO / "benchmarks" / "data" / "heldout_prompts.jsonl"
+FLOORS = {"retrieval": 0.97, "eagle3": 0.95, "draft_model": 0.95, "hybrid": 0.95}
+# Policy settings per cell: each policy at its defaults, eagle2 also at depth 18.
+MODEL_POLICIES = {
+    "chain": ("chain", {}),
+    "eagle2": ("eagle2", {}),
+    "eagle2-D18": ("eagle2", {"depth": 18}),
+    "talon": ("talon", {"max_depth": 32}),
+    "deagle": ("deagle", {"depth": 18}),
+    "dynatree": ("dynatree", {}),
+    "c2t": ("c2t", {"max_depth": 10}),
+}
+RETRIEVAL_POLICIES = {"retrieval": ("retrieval", {}), "chain": ("chain", {})}
+
+
+def cells(drafters: list[str], policies: list[str] | None, budgets: list[int], head: str,
+          draft_lm: str | None) -> dict[str, dict]:
+    """Cell name (``drafter/policy/N``) -> speculative config."""
+    out = {}
+    for drafter in drafters:
+        table = RETRIEVAL_POLICIES if drafter == "retrieval" else MODEL_POLICIES
+        for name, (policy, params) in table.items():
+            if policies and name not in policies:
+                continue
+            for budget in budgets:
+                spec = {"method": "adaptive_tree", "num_speculative_tokens": budget,
+                        "tree": {"drafter": drafter, "policy": policy, **params}}
+                if drafter in ("eagle3", "hybrid"):
+                    spec["model"] = head
+                elif drafter == "draft_model":
+                    spec["model"] = draft_lm or engines.draft_lm_path()
+                out[f"{drafter}/{name}/N{budget}"] = spec
+    return out
+
+
+def summarize(cell: str, row: dict) -> dict:
+    """A table row: the comparison with none, and the plugin's counters."""
+    tree = row.get("tree") or {}
+    return {
+        "cell": cell, "batch_size": row["batch_size"], "ratio": row.get("ratio_vs_none"),
+        "rounds": row.get("ratio_per_round"), "same": row.get("same_as_none"), "error": row.get("error"),
+        "floor": FLOORS[cell.split("/")[0]], "tok_per_s": row.get("tok_per_s"),
+        "verified": row.get("drafting_share") or 0.0,
+        "drafting_steps": tree.get("drafting_steps", 0), "paused_steps": tree.get("paused", 0), "probes": tree.get("probes", 0),
+        "draft_passes": tree.get("draft_passes", 0),
+    }
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    lines = [
+        "# Floor sweep", "",
+        f"held-out prompts, greedy, max_tokens={s['max_tokens']}, dtype={s['dtype']}, rounds={s['rounds']}, "
+        f"prompts per batch size {s['prompts_per_batch']}; vLLM {report['vllm_version']}, "
+        f"{engines.machine_line(report['machine'])}; {report['timestamp']}", "",
+        "ratio: tok/s over no speculation's (median of the rounds, each against none's pass in the same round); "
+        "verified: share of request steps that verified a tree; probes, paused: engine steps; passes: draft "
+        "passes; same: prompts whose greedy tokens equal none's; ok: ratio at or above the floor and same "
+        "text.", "",
+        "| cell | b | ratio | floor | ok | verified | probes | paused | passes | same |",
+        "|---|---:|---:|---:|:-:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["rows"]:
+        if r["error"]:
+            lines.append(f"| {r['cell']} | {r['batch_size']} | error | {r['floor']} | no | | | | | |")
+            continue
+        same = r["same"] or [0, 0]
+        ok = r["ratio"] is not None and r["ratio"] >= r["floor"] and same[0] == same[1]
+        lines.append(f"| {r['cell']} | {r['batch_size']} | {fmt(r['ratio'])} | {r['floor']:.2f} | "
+                     f"{'yes' if ok else '**no**'} | {r['verified']:.0%} | {r['probes']} | {r['paused_steps']} | "
+                     f"{r['draft_passes']} | {same[0]}/{same[1]} |")
+    errors = [r for r in report["rows"] if r["error"]]
+    if errors:
+        lines += ["", "Errors:"] + [f"- {r['cell']} b={r['batch_size']}: {r['error']}" for r in errors]
+    lines += ["", f"Total elapsed: {report['elapsed_s']:.0f} s"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [r for r in report["rows"] if r["ratio"] is not None]
+    names = list(dict.fromkeys(r["cell"] for r in rows))
+    batch_sizes = sorted({r["batch_size"] for r in rows})
+    fig, ax = plt.subplots(figsize=(max(8, 0.35 * len(names) + 2), 4.5))
+    width = 0.8 / max(len(batch_sizes), 1)
+    for k, b in enumerate(batch_sizes):
+        values = {r["cell"]: r["ratio"] for r in rows if r["batch_size"] == b}
+        ax.bar([i + k * width for i in range(len(names))], [values.get(n, 0.0) for n in names], width, label=f"b={b}")
+    for floor, style in ((0.95, "--"), (0.97, ":")):
+        ax.axhline(floor, color="black", linestyle=style, linewidth=0.8, label=f"floor {floor}")
+    ax.set_xticks([i + width * (len(batch_sizes) - 1) / 2 for i in range(len(names))], names, rotation=70,
+                  ha="right", fontsize=7)
+    ax.set_ylabel("tok/s over no speculation")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drafters", default="retrieval,eagle3,draft_model,hybrid")
+    parser.add_argument("--policies", help="comma list of policy cells (default all): "
+                                           f"{', '.join(MODEL_POLICIES)} (retrieval: retrieval, chain)")
+    parser.add_argument("--budgets", default="8,32,60")
+    parser.add_argument("--batch-sizes", default="1,8,64")
+    parser.add_argument("--prompts-per-batch", default="2,16,64", help="prompts of a pass at each batch size")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--group-size", type=int, default=3, help="cells interleaved with one none engine")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--head", default=str(engines.HEAD))
+    parser.add_argument("--draft-lm", help="draft LM directory (default: `vllm-adaptive-spec draft-lm`'s)")
+    parser.add_argument("--prompts", default=str(HELDOUT))
+    parser.add_argument("--worker-timeout", type=float, default=3600)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "floor_sweep"))
+    args = parser.parse_args(argv)
+
+    from vllm_adaptive_spec.demo_model import ensure_demo_model
+    from vllm_adaptive_spec.prompts import load_prompts
+
+    t0 = time.perf_counter()
+
+    def log(message: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.0f} s] {message}", flush=True)
+
+    drafters = [d for d in args.drafters.split(",") if d]
+    unknown = [d for d in drafters if d not in FLOORS]
+    if unknown:
+        parser.error(f"unknown drafter(s) {unknown}; choose from {', '.join(FLOORS)}")
+    policies = [p for p in args.policies.split(",") if p] if args.policies else None
+    budgets = [int(n) for n in args.budgets.split(",")]
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    counts = [int(n) for n in args.prompts_per_batch.split(",")]
+    if len(counts) != len(batch_sizes):
+        parser.error("--prompts-per-batch needs one count per batch size")
+    grid = cells(drafters, policies, budgets, args.head, args.draft_lm)
+    if not grid:
+        parser.error("no cell matches --drafters and --policies")
+    model = str(ensure_demo_model())
+    prompts = engines.interleave_categories(load_prompts(args.prompts))
+    warmup = 2
+    prompts = prompts[: max(counts + [warmup])]
+    conversations = [p.messages for p in prompts]
+    base_job = {
+        "model": model, "dtype": args.dtype, "max_tokens": args.max_tokens, "warmup_prompts": warmup,
+        "max_model_len": engines.needed_model_len(model, conversations, args.max_tokens),
+        "conversations": conversations, "categories": [p.category for p in prompts], "temperature": 0.0,
+        "engine_layout": "in-process", "batch_sizes": batch_sizes, "num_prompts": counts,
+        "max_num_seqs": max(batch_sizes),
+    }
+    out = Path(args.out)
+    rows = []
+    names = list(grid)
+    groups = [names[i: i + args.group_size] for i in range(0, len(names), args.group_size)]
+    for index, group in enumerate(groups, 1):
+        log(f"group {index}/{len(groups)}: {', '.join(group)}")
+        labels = {"none": None, **{name: grid[name] for name in group}}
+        jobs = {label.replace("/", "_"): {**base_job, "speculative_config": spec} for label, spec in labels.items()}
+        work = out / "logs" / f"group{index}"
+        work.mkdir(parents=True, exist_ok=True)
+        results = engines.run_interleaved(jobs, work, args.rounds, args.worker_timeout, log=log)
+        base_runs = results["none"]["runs"]
+        for name in group:
+            result = results[name.replace("/", "_")]
+            for b in batch_sizes:
+                passes = [run for run in result["runs"] if run["batch_size"] == b]
+                base = [run for run in base_runs if run["batch_size"] == b]
+                row = engines.compare(name, True, passes, base, result.get("error"), [p.id for p in prompts])
+                row["batch_size"] = b
+                rows.append(summarize(name, row))
+                r = rows[-1]
+                log(f"  {name} b={b}: {fmt(r['ratio'])}x (floor {r['floor']}), verified {r['verified']:.0%}, "
+                    f"probes {r['probes']}, passes {r['draft_passes']}, same {r['same']}"
+                    + (f", error {r['error']}" if r["error"] else ""))
+        report = {
+            "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "vllm_version": engines.installed_vllm_version(), "machine": engines.machine(),
+            "settings": engines.portable_paths({
+                "cells": grid, "batch_sizes": batch_sizes, "prompts_per_batch": counts, "rounds": args.rounds,
+                "max_tokens": args.max_tokens, "dtype": args.dtype, "prompts": args.prompts,
+                "prompt_ids": [p.id for p in prompts]}),
+            "rows": rows, "elapsed_s": time.perf_counter() - t0,
+        }
+        # Written after every group, so an interrupted sweep keeps what it measured.
+        (out / "floor_sweep.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        (out / "floor_sweep.md").write_text(markdown(report), encoding="utf-8")
+    print(markdown(report))
+    if plot(report, out / "floor_sweep.png"):
+        print(f"plot: {out / 'floor_sweep.png'}")
+
+
+if __name__ == "__main__":
+    main()
