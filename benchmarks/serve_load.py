@@ -1,13 +1,13 @@
-"""`vllm serve` under load and faults, without speculation and with a
-speculative config, on the same workload: what a production server must
-survive, and whether speculation changes any answer.
+"""`vllm serve` under load and faults, without speculation and with one
+or more speculative configs, on the same workload: what a production server
+must survive, and whether speculation changes any answer.
 
-The driver starts the server twice on one port layout (first without
-speculation, then with ``--spec``), and sends both the same requests
+The driver starts one server without speculation and one per ``--spec``
+(each on its own port, all up at once), and sends each the same requests
 (``--requests``, 1,000 by default, ``--concurrency`` 32 at a time), drawn
 with ``--seed`` from the project's prompts, long prompts (several prompts in
-one message: chunked prefill) and prompts behind one shared system prompt
-(prefix-cache hits), through the chat and completions APIs, streamed and not:
+one message) and prompts behind one shared system prompt (prefix-cache
+hits), through the chat and completions APIs, streamed and not:
 
 * greedy; temperature / top-p / top-k with and without a seed; ``n = 2``;
   ``logprobs = 5``; stop strings; presence / frequency / repetition
@@ -19,30 +19,40 @@ one message: chunked prefill) and prompts behind one shared system prompt
 * a KV cache of ``--kv-sequences`` full-length sequences, fewer than the
   requests in flight, so vLLM preempts.
 
+Interleaved: the workload is cut into ``--blocks`` consecutive blocks, and
+the servers take turns on each block (the order rotating), one server busy
+at a time; a server's tok/s is its tokens over its own blocks' time, and the
+ratio to no speculation is also given as the median of the per-block ratios.
+This machine's speed drifts by 10-20% over minutes, which a server measured
+after the other would take for its own.
+
 It reports per request (status, tokens, finish reasons, TTFT, inter-token
-and end-to-end latency), the greedy requests' token ids compared between the
-two servers, latency percentiles and tok/s for both, the spec-decode and
-preemption counters from ``/metrics``, the server's memory (the resident set
-of its process tree) over time, and, with speculation, the plugin's
-per-request state once the server is idle (``adaptive_tree_stats`` through
-vLLM's development RPC endpoint): every count must be zero. A plot shows
-latency and throughput over each run (``--out``/``serve_load.png``).
+and end-to-end latency), each speculative server's greedy token ids against
+the server without speculation, latency percentiles and tok/s, the
+spec-decode and preemption counters from ``/metrics``, every server's memory
+(the resident set of its process tree) over the run, and, with speculation,
+the plugin's per-request state once the server is idle
+(``adaptive_tree_stats`` through vLLM's development RPC endpoint): every
+count must be zero. A plot shows latency, throughput and memory over the run
+(``--out``/``serve_load.png``).
 
 Decision: vLLM's ``vllm bench serve`` measures throughput and latency of one
 server, but cannot send this mix of options, disconnect mid-stream, or
 compare two servers' token ids, so the client is written here (aiohttp).
 
-On the CPU platform vLLM 0.32 itself crashes on a seeded request whose
-prompt is chunked ("CPU Generator does not use offset"); the plugin's runner
-handles it, vLLM alone does not. So there, the server without speculation
-runs without chunked prefill (``--max-num-batched-tokens`` = the model's
-length), and the report says so.
+Chunked prefill on the CPU: vLLM 0.32 alone crashes there on a seeded
+request whose prompt is chunked ("CPU Generator does not use offset"); the
+plugin's runner handles it. So on the CPU every server runs without chunked
+prefill by default (like for like), and ``--chunked-spec`` turns it on for
+the speculative servers (the plugin then serves chunked seeded prompts; the
+tok/s ratio then compares unlike settings). On CUDA every server chunks.
 
-Reproduce (CPU, the default retrieval tree; about 40 minutes on 2 cores)::
+Reproduce (CPU; the default retrieval tree and the hybrid, about 40 minutes on 2 cores)::
 
-    .venv/bin/python benchmarks/serve_load.py --out benchmarks/results/serve_load
-    .venv/bin/python benchmarks/serve_load.py --spec '{"method": "adaptive_tree", "num_speculative_tokens": 24,
-        "model": "heads/smollm2-135m-eagle3", "tree": {"drafter": "hybrid"}}' --out /tmp/serve_hybrid
+    .venv/bin/python benchmarks/serve_load.py --spec retrieval='{"method": "adaptive_tree",
+        "num_speculative_tokens": 16, "tree": {"drafter": "retrieval"}}' --spec hybrid='{"method":
+        "adaptive_tree", "num_speculative_tokens": 24, "model": "heads/smollm2-135m-eagle3",
+        "tree": {"drafter": "hybrid"}}' --out benchmarks/results/serve_load
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ import math
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -67,6 +78,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 DEFAULT_SPEC = {"method": "adaptive_tree", "num_speculative_tokens": 16, "tree": {"drafter": "retrieval"}}
+PLAIN = "none"  # the server without speculation
 SHARED_SYSTEM = (
     "You are a careful assistant for a software team. Answer in plain language, keep answers short, "
     "show code when it helps, and say when you are unsure. The team works in Python and C, ships a "
@@ -318,37 +330,65 @@ def counters(metrics_text: str) -> dict[str, float]:
     return out
 
 
-def run_server(label: str, model: str, spec: dict | None, server_args: list[str], jobs: list[Job],
-               concurrency: int, out: Path, port: int) -> dict:
-    """Start a server, drive the workload, sample its memory, read its
-    counters (and the plugin's state once idle), stop it."""
-    server = Server(model, port, spec, server_args, out / f"server_{label}.log")
+def run_servers(specs: dict[str, dict | None], args_of: dict[str, list[str]], model: str, jobs: list[Job],
+                concurrency: int, blocks: int, out: Path) -> dict[str, dict]:
+    """Start every server, then drive the workload block by block, the
+    servers taking turns (the order rotating), sampling every server's
+    memory each second; then read each one's counters (and the plugin's
+    state once idle) and stop them all."""
+    servers: dict[str, Server] = {}
     try:
-        server.wait_healthy()
-        memory: list[tuple[float, int]] = []
+        for label, spec in specs.items():  # one at a time: startups would compete for the cores
+            servers[label] = Server(model, free_port(), spec, args_of[label], out / f"server_{label}.log")
+            servers[label].wait_healthy()
+        memory: dict[str, list[tuple[float, int]]] = {label: [] for label in servers}
         done = threading.Event()
 
         def sample() -> None:
             while not done.is_set():
-                memory.append((time.monotonic(), server.memory_bytes()))
+                for label, server in servers.items():
+                    memory[label].append((time.monotonic(), server.memory_bytes()))
                 done.wait(1.0)
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         started = time.monotonic()
-        outcomes = asyncio.run(drive(server.base, jobs, concurrency))
-        wall = time.monotonic() - started
+        outcomes: dict[str, list[Outcome]] = {label: [] for label in servers}
+        block_walls: dict[str, list[float]] = {label: [] for label in servers}
+        block_tokens: dict[str, list[int]] = {label: [] for label in servers}
+        size = -(-len(jobs) // blocks)
+        labels = list(servers)
+        for index in range(blocks):
+            part = jobs[index * size: (index + 1) * size]
+            if not part:
+                break
+            shift = index % len(labels)
+            for label in labels[shift:] + labels[:shift]:
+                began = time.monotonic()
+                answered = asyncio.run(drive(servers[label].base, part, concurrency))
+                block_walls[label].append(time.monotonic() - began)
+                block_tokens[label].append(sum(len(ids) for o in answered for ids in o.token_ids))
+                outcomes[label] += answered
+            print(f"[serve_load] block {index + 1}/{blocks}: " + ", ".join(
+                f"{label} {block_tokens[label][-1] / block_walls[label][-1]:.1f} tok/s" for label in labels), flush=True)
         time.sleep(2)  # the engine's last step tells the workers what finished
         done.set()
         sampler.join()
-        report = {"label": label, "spec": spec, "server_args": server_args, "alive": server.alive(), "wall_s": wall,
-                  "started": started, "outcomes": [asdict(o) for o in outcomes], "counters": counters(server.get("/metrics")),
-                  "memory": [(t - started, m) for t, m in memory]}
-        if spec is not None and spec.get("method") == "adaptive_tree":
-            report["tree_stats"] = server.rpc("adaptive_tree_stats")
-        return report
+        runs = {}
+        for label, server in servers.items():
+            spec = specs[label]
+            runs[label] = {"label": label, "spec": spec, "server_args": args_of[label], "alive": server.alive(),
+                           "wall_s": sum(block_walls[label]), "block_wall_s": block_walls[label],
+                           "block_tokens": block_tokens[label], "started": started,
+                           "outcomes": [asdict(o) for o in outcomes[label]],
+                           "counters": counters(server.get("/metrics")),
+                           "memory": [(t - started, m) for t, m in memory[label]]}
+            if spec is not None and spec.get("method") == "adaptive_tree":
+                runs[label]["tree_stats"] = server.rpc("adaptive_tree_stats")
+        return runs
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
 
 
 # -- the report -----------------------------------------------------------------------
@@ -375,7 +415,7 @@ def summarize(run: dict, jobs: list[Job]) -> dict:
     itl = [b - a for o in outcomes for a, b in zip(o.token_times, o.token_times[1:])]
     memory = [m for _, m in run["memory"] if m]
     first_100 = sorted(o.finished for o in outcomes)[min(99, len(outcomes) - 1)] - run["started"]
-    after_100 = [m for t, m in run["memory"] if t >= first_100 and m]
+    after_100 = [m for t, m in run["memory"] if t >= first_100 and m]  # the server's own 100th answer
     return {
         "requests": len(outcomes), "lost": lost, "server_errors": server_errors, "bad_requests_refused":
             len(bad) - len(wrongly_accepted), "bad_requests_accepted": wrongly_accepted, "incomplete": incomplete,
@@ -405,33 +445,39 @@ def greedy_comparison(plain: dict, spec: dict, jobs: list[Job]) -> dict:
 
 
 def markdown(report: dict) -> str:
-    plain, spec, greedy = report["plain"], report["spec"], report["greedy"]
-    lines = [f"# Server under load: {report['requests']} requests, concurrency {report['concurrency']}",
-             "", f"speculative config: `{json.dumps(report['spec_config'])}`; {report['note']}", "",
-             "| | no speculation | with speculation |", "|---|---:|---:|"]
+    servers = report["servers"]
+    labels = list(servers)
+    lines = [f"# Server under load: {report['requests']} requests, concurrency {report['concurrency']}, "
+             f"{report['blocks']} interleaved blocks", "", report["note"], ""]
+    lines += [f"- `{label}`: `{json.dumps(report['spec_configs'][label])}`" for label in labels if label != PLAIN]
+    lines += ["", "| | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
 
     def row(name, fn):
-        lines.append(f"| {name} | {fn(plain)} | {fn(spec)} |")
+        lines.append(f"| {name} | " + " | ".join(str(fn(servers[label])) for label in labels) + " |")
 
     row("lost (no complete answer, not a disconnect)", lambda s: len(s["lost"]))
     row("server errors (5xx)", lambda s: len(s["server_errors"]))
     row("bad requests refused with 4xx", lambda s: s["bad_requests_refused"])
+    row("bad requests accepted", lambda s: len(s["bad_requests_accepted"]))
     row("incomplete answers", lambda s: len(s["incomplete"]))
     row("client disconnects", lambda s: s["disconnected"])
     row("server alive at the end", lambda s: s["alive"])
-    row("tok/s", lambda s: f"{s['tok_per_s']:.1f}")
+    row("tok/s (own blocks)", lambda s: f"{s['tok_per_s']:.1f}")
     for metric in ("ttft_s", "itl_s", "e2e_s"):
         row(f"{metric[:-2]} p50 / p90 / p99, s",
             lambda s, m=metric: " / ".join(f"{s[m].get(q, float('nan')):.3f}" for q in ("p50", "p90", "p99")))
-    row("memory after 100 requests / at the end, GiB",
+    row("memory after its 100th answer / at the end, GiB",
         lambda s: f"{s['memory_gib_after_100'] or 0:.2f} / {s['memory_gib_end'] or 0:.2f}")
     row("preemptions", lambda s: int(s["counters"].get("vllm:num_preemptions_total", 0)))
     row("draft tokens / accepted", lambda s: f"{int(s['counters'].get('vllm:spec_decode_num_draft_tokens_total', 0))} / "
         f"{int(s['counters'].get('vllm:spec_decode_num_accepted_tokens_total', 0))}")
-    lines += ["", f"tok/s with speculation over without: **{spec['tok_per_s'] / plain['tok_per_s']:.2f}x**; greedy "
-              f"requests compared: {greedy['compared']}, differing: {len(greedy['differ'])}"]
-    if spec.get("tree_stats"):
-        lines.append(f"plugin state once idle (per rank): {[s.get('requests_held') for s in spec['tree_stats']]}")
+    lines.append("")
+    for label in labels[1:]:
+        ratio, greedy = report["ratios"][label], report["greedy"][label]
+        lines.append(f"- `{label}`: tok/s over no speculation **{ratio['total']:.2f}x** (per-block median "
+                     f"{ratio['median']:.2f}x, range {min(ratio['blocks']):.2f}-{max(ratio['blocks']):.2f}); greedy "
+                     f"requests compared: {greedy['compared']}, differing: {len(greedy['differ'])}; plugin state once "
+                     f"idle (per rank): {[r.get('requests_held') for r in servers[label].get('tree_stats') or []]}")
     return "\n".join(lines) + "\n"
 
 
@@ -442,22 +488,25 @@ def plot(report: dict, runs: dict, path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        print("matplotlib is not installed: no plot (pip install -e .[bench])")
         return
-    fig, (latency, throughput) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    fig, (latency, throughput, memory) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
     for label, run in runs.items():
         outcomes = [o for o in run["outcomes"] if o["status"] == 200]
         ends = [o["finished"] - run["started"] for o in outcomes]
         latency.scatter(ends, [o["finished"] - o["started"] for o in outcomes], s=4, label=label)
         window = 10.0
-        bins = int(run["wall_s"] // window) + 1
+        bins = int(max(ends, default=0.0) // window) + 1
         tokens = [0.0] * bins
         for o, end in zip(outcomes, ends):
             tokens[min(int(end // window), bins - 1)] += sum(len(ids) for ids in o["token_ids"])
         throughput.plot([window * (i + 0.5) for i in range(bins)], [t / window for t in tokens], label=label)
+        samples = [(t, m / 2**30) for t, m in run["memory"] if m]
+        memory.plot([t for t, _ in samples], [m for _, m in samples], label=label)
     latency.set_ylabel("end-to-end latency, s")
     throughput.set_ylabel("tok/s (10 s windows)")
-    throughput.set_xlabel("seconds into the run")
+    memory.set_ylabel("resident memory, GiB")
+    memory.set_xlabel("seconds into the run (the servers take turns, block by block)")
     latency.legend()
     fig.suptitle(f"{report['requests']} requests, concurrency {report['concurrency']}")
     fig.tight_layout()
@@ -484,9 +533,13 @@ def server_args(model: str, max_model_len: int, kv_sequences: int, dtype: str, s
     return args
 
 
-def compare(model: str, spec: dict, requests: int, concurrency: int, seed: int, max_model_len: int,
-            kv_sequences: int, dtype: str, out: Path, max_tokens_cap: int = 512) -> dict:
-    """Both servers on one workload; the whole report."""
+def compare(model: str, specs: dict[str, dict], requests: int, concurrency: int, seed: int, max_model_len: int,
+            kv_sequences: int, dtype: str, out: Path, max_tokens_cap: int = 512, blocks: int = 10,
+            chunked_spec: bool = False) -> dict:
+    """Every server on one workload, interleaved; the whole report. ``specs``:
+    label -> speculative config, each served beside no speculation. Each
+    server's KV cache holds ``kv_sequences`` full-length sequences of its own
+    config (lookahead slots and draft layers included)."""
     out.mkdir(parents=True, exist_ok=True)
     jobs = workload(requests, seed, max_model_len, model, max_tokens_cap)
     try:
@@ -495,19 +548,31 @@ def compare(model: str, spec: dict, requests: int, concurrency: int, seed: int, 
         cpu = not torch.cuda.is_available()
     except ImportError:
         cpu = True
-    port = free_port()
-    runs = {
-        "no speculation": run_server("plain", model, None, server_args(model, max_model_len, kv_sequences, dtype, spec,
-                                                                       chunked=not cpu), jobs, concurrency, out, port),
-        "speculation": run_server("spec", model, spec, server_args(model, max_model_len, kv_sequences, dtype, spec,
-                                                                   chunked=True), jobs, concurrency, out, port),
-    }
+    all_specs = {PLAIN: None, **specs}
+    args_of = {label: server_args(model, max_model_len, kv_sequences, dtype, spec,
+                                  chunked=not cpu or (spec is not None and chunked_spec))
+               for label, spec in all_specs.items()}
+    runs = run_servers(all_specs, args_of, model, jobs, concurrency, blocks, out)
+    plain = runs[PLAIN]
+    ratios = {}
+    for label in specs:
+        per_block = [(t / w) / (pt / pw) for t, w, pt, pw in zip(runs[label]["block_tokens"], runs[label]["block_wall_s"],
+                                                                 plain["block_tokens"], plain["block_wall_s"])]
+        ratios[label] = {"blocks": per_block, "median": statistics.median(per_block)}
+    summaries = {label: summarize(run, jobs) for label, run in runs.items()}
+    for label in specs:
+        ratios[label]["total"] = summaries[label]["tok_per_s"] / summaries[PLAIN]["tok_per_s"]
+    if not cpu:
+        note = "every server with chunked prefill"
+    elif chunked_spec:
+        note = ("CPU: the speculative servers with chunked prefill, the server without speculation without it (vLLM "
+                "0.32 alone crashes on a seeded request whose prompt is chunked): tok/s compares unlike settings")
+    else:
+        note = "CPU: every server without chunked prefill (vLLM 0.32 alone crashes on a chunked seeded prompt)"
     report = {
-        "requests": requests, "concurrency": concurrency, "seed": seed, "spec_config": spec,
-        "note": ("CPU: the server without speculation runs without chunked prefill (vLLM 0.32 alone crashes on a "
-                 "seeded request whose prompt is chunked)") if cpu else "both servers with chunked prefill",
-        "plain": summarize(runs["no speculation"], jobs), "spec": summarize(runs["speculation"], jobs),
-        "greedy": greedy_comparison(runs["no speculation"], runs["speculation"], jobs),
+        "requests": requests, "concurrency": concurrency, "seed": seed, "blocks": blocks, "spec_configs": specs,
+        "note": note, "servers": summaries, "ratios": ratios,
+        "greedy": {label: greedy_comparison(plain, runs[label], jobs) for label in specs},
     }
     (out / "serve_load.json").write_text(json.dumps({**report, "runs": runs}, indent=1) + "\n", encoding="utf-8")
     (out / "serve_load.md").write_text(markdown(report), encoding="utf-8")
@@ -515,12 +580,25 @@ def compare(model: str, spec: dict, requests: int, concurrency: int, seed: int, 
     return report
 
 
+def parse_spec(text: str) -> tuple[str, dict]:
+    """``LABEL=JSON`` or ``JSON`` (label ``speculation``)."""
+    label, sep, rest = text.partition("=")
+    if sep and not label.lstrip().startswith("{"):
+        return label.strip(), json.loads(rest)
+    return "speculation", json.loads(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="default: the demo model")
-    parser.add_argument("--spec", default=json.dumps(DEFAULT_SPEC), help="the speculative config (JSON)")
+    parser.add_argument("--spec", action="append", metavar="[LABEL=]JSON",
+                        help="a speculative config, served beside no speculation (repeatable; default: "
+                             f"retrieval={json.dumps(DEFAULT_SPEC)})")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--blocks", type=int, default=10, help="the servers take turns on this many blocks")
+    parser.add_argument("--chunked-spec", action="store_true",
+                        help="CPU: chunked prefill on for the speculative servers (off for every server by default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-sequences", type=int, default=6,
@@ -529,12 +607,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=512, help="the largest max_tokens drawn")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "serve_load"))
     args = parser.parse_args(argv)
+    specs = dict(parse_spec(text) for text in args.spec) if args.spec else {"retrieval": DEFAULT_SPEC}
+    if PLAIN in specs:
+        parser.error(f"{PLAIN!r} is the server without speculation; give the config another label")
     if args.model is None:
         from vllm_adaptive_spec.demo_model import ensure_demo_model
 
         args.model = str(ensure_demo_model())
-    report = compare(args.model, json.loads(args.spec), args.requests, args.concurrency, args.seed,
-                     args.max_model_len, args.kv_sequences, args.dtype, Path(args.out), args.max_tokens)
+    for spec in specs.values():  # a head or draft model given relative to the repository
+        if spec.get("model") and not Path(spec["model"]).is_absolute() and (REPO / spec["model"]).exists():
+            spec["model"] = str(REPO / spec["model"])
+    report = compare(args.model, specs, args.requests, args.concurrency, args.seed, args.max_model_len,
+                     args.kv_sequences, args.dtype, Path(args.out), args.max_tokens, args.blocks, args.chunked_spec)
     print(markdown(report))
 
 

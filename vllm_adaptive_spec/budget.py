@@ -62,6 +62,16 @@ rate without pauses at once: at batch 16 an EAGLE-2 tree of a draft LM
 costs about ten plain steps (measured: 76 ms per request), so waiting for
 ``pause_after`` such steps would cost more than a fifth of the run.
 
+Control steps: the step-cost fit tells a verified tree's own cost (``eta``)
+from the fixed cost ``alpha`` only if it sees decode steps without trees.
+When every step drafts for every request (a model drafter at batch 1), it
+would not, and the tree's cost would be read into ``alpha``: the rate without
+drafting would look lower than it is (at batch 1 on the CPU by a fifth) and a
+drafter that does not pay would go on drafting. So while the fit holds fewer
+than ``CONTROL_WEIGHT`` (decayed) tree-less decode steps, one step in
+``CONTROL_GAP`` drafts nothing at all (a control step; at the fit's
+half-life of 200 steps about one step in 80, 1% of the steps).
+
 Shape: a branching tree may cost more than a chain of the same size (on
 vLLM's CPU platform a chain runs in vLLM's own attention kernel and a
 branching tree in the plugin's tree path). ``xi``, that extra time per
@@ -94,6 +104,7 @@ from vllm_adaptive_spec.tree import DraftTree
 
 MIN_RHO, MAX_RHO = 0.05, 2.0  # the calibration's range
 FLOOR_MARGIN = 0.8
+CONTROL_WEIGHT, CONTROL_GAP = 4.0, 16  # see "Control steps"
 
 
 def allocate(
@@ -164,6 +175,8 @@ class LoadBudget:
         self._next_pause = pause_steps
         self._probing = False  # the step after a pause
         self._step_floor = 0.0  # what floor() told this step's drafter; choose() applies and clears it
+        self._since_control = 0
+        self.control = False  # this step is a control step (drafts nothing)
 
     # -- measurements -------------------------------------------------------
 
@@ -238,10 +251,18 @@ class LoadBudget:
         return floor
 
     def drafts(self) -> bool:
-        """Whether this step drafts at all (False while paused)."""
+        """Whether this step drafts at all: False while paused, and on a
+        control step (:attr:`control`; see "Control steps")."""
+        self.control = False
         if self._paused > 0:
             self._paused -= 1
             self._probing = self._paused == 0
+            return False
+        self._since_control += 1
+        if (self.fit.steps_seen >= StepCostFit.MIN_STEPS and self.fit.treeless_weight() < CONTROL_WEIGHT
+                and self._since_control >= CONTROL_GAP):
+            self._since_control = 0
+            self.control = True
             return False
         return True
 

@@ -13,6 +13,14 @@ tree in the plugin's tree path).
 Decision: one fit per engine, shared by every load budget of it (the hybrid
 drafter's model and its retrieval trie each have one): they see the same
 steps, so one regression, solved once per step, serves them all.
+
+The trees column is told from the fixed cost only by decode steps with a
+different number of trees; when every recent step verified a tree for every
+request (a model drafter at batch 1), a tree's own cost would be read as
+part of ``alpha``, so a step without drafting would look that much dearer
+and drafting that much better than it is (at batch 1 on the CPU, 20%).
+:meth:`treeless_weight` tells the load budget when it must run a control
+step without trees.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ class StepCostFit:
         self.gram = np.zeros((COLUMNS, COLUMNS))  # decayed X^T X and X^T t
         self.moment = np.zeros(COLUMNS)
         self.steps_seen = 0
+        self.treeless = 0.0  # decayed count of decode steps without a tree
         self._solution: list[float] | None = None
         self._solved_at = -1
 
@@ -43,7 +52,12 @@ class StepCostFit:
         x = np.array([1.0, tokens - prefill_tokens, prefill_tokens, trees, branching])
         self.gram = self.gram * self.decay + np.outer(x, x)
         self.moment = self.moment * self.decay + x * seconds
+        self.treeless = self.treeless * self.decay + (trees == 0 and prefill_tokens == 0 and tokens > 0)
         self.steps_seen += 1
+
+    def treeless_weight(self) -> float:
+        """The decayed number of decode steps without a tree (no prompt chunk) the fit holds."""
+        return self.treeless
 
     def solve(self) -> list[float] | None:
         """``[alpha, beta, gamma, eta, xi]`` (each >= 0), or None before
@@ -61,7 +75,8 @@ class StepCostFit:
         seen = self.gram.diagonal() > 1e-9 * max(self.gram[0, 0], 1.0)
         base = [0, 1] + ([2] if seen[2] else [])
         optional = [column for column in (3, 4) if seen[column]]
-        for used in [base + optional[:n] for n in range(len(optional), -1, -1)]:
+        subsets = [optional, *([c] for c in optional if len(optional) > 1), []]
+        for used in [base + subset for subset in subsets]:
             gram = self.gram[np.ix_(used, used)]
             if np.linalg.cond(gram) <= 1e12:
                 break

@@ -33,6 +33,7 @@ class TreeStats:
     draft_passes: int = 0
     proposals: int = 0  # steps that asked for trees
     paused: int = 0  # of them, steps the load budget did not draft
+    controls: int = 0  # of those, control steps (nothing drafted, so the step-cost fit sees tree-less steps)
     probes: int = 0  # of the others, steps that drafted to look after a pause (for a few requests)
     leaf_paths: int = 0  # verified trees whose accepted path reached a leaf
     paused_trees: int = 0  # trees drafted while paused (by a drafter's paused part)
@@ -55,6 +56,7 @@ class TreeStats:
             "draft_passes": self.draft_passes,
             "proposals": self.proposals,
             "paused": self.paused,
+            "controls": self.controls,
             "probes": self.probes,
             "leaf_paths": self.leaf_paths,
             "paused_trees": self.paused_trees,
@@ -225,10 +227,12 @@ class TreeProposer:
         committed tokens, run before this call; part of the drafting cost."""
         budgets, active, contexts = [], [], []
         self.stats.proposals += 1
+        control = not drafting and self.load_budget is not None and self.load_budget.control
         self.stats.paused += not drafting
+        self.stats.controls += control
         self.stats.probes += drafting and self.load_budget is not None and self.load_budget.probing
         drafter, policy = (self.drafter, self.policy) if drafting else self._paused_part
-        if not drafting and self.paused_budget is not None and not self.paused_budget.drafts():
+        if not drafting and (control or (self.paused_budget is not None and not self.paused_budget.drafts())):
             drafter = None
         self._from_paused_part.clear()
         for i, request_id in enumerate(request_ids):
