@@ -181,6 +181,25 @@ def test_a_cold_start_that_keeps_nodes_is_not_judged_before_the_fit_is_known():
         assert not budget.probing
 
 
+def test_a_fit_in_which_no_step_costs_anything_is_not_used():
+    """A handful of noisy steps can solve to no fixed cost and no row cost
+    (all the time put on prompt tokens and trees); rates would divide by zero.
+    Such a solution is not used: a fit with fewer columns, or none (the
+    cautious cold default)."""
+    budget = LoadBudget(max_budget=16)
+    for rows, prefill, trees in [(1, 64, 0), (2, 0, 1), (3, 64, 1), (4, 0, 1), (2, 64, 0), (3, 0, 1), (1, 64, 1),
+                                 (4, 64, 0), (1, 0, 1)]:
+        seconds = 0.0005 * prefill + 0.03 * trees - 0.002 - 0.001 * rows  # more rows, less time: fits to 0, 0
+        budget.fit.observe(rows + prefill, seconds, prefill, trees, 0)
+    solution = budget.fit.solve()  # the fit without the trees column, or None
+    assert solution is None or solution[0] + solution[1] > 0, solution
+    tree = DraftTree.chain([1, 2])
+    tree.q = [0.9, 0.9]
+    budget.floor(1)
+    budget.observe_drafting(1, 0.0)
+    budget.choose([tree])
+
+
 def test_a_trees_own_cost_is_told_from_the_fixed_cost_by_control_steps():
     """Batch 1 with a tree on every step: without tree-less steps the fit reads
     a tree's own cost as fixed cost, so a step without drafting looks dearer

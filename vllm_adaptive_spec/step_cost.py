@@ -60,8 +60,8 @@ class StepCostFit:
         return self.treeless
 
     def solve(self) -> list[float] | None:
-        """``[alpha, beta, gamma, eta, xi]`` (each >= 0), or None before
-        ``MIN_STEPS`` steps or when degenerate; a column never seen is left
+        """``[alpha, beta, gamma, eta, xi]`` (each >= 0, ``alpha + beta > 0``),
+        or None before ``MIN_STEPS`` steps or when degenerate; a column never seen is left
         out (gamma then equals beta, eta and xi are 0), as are the trees and
         branching columns when they cannot be told apart from the others."""
         if self._solved_at != self.steps_seen:
@@ -78,13 +78,13 @@ class StepCostFit:
         subsets = [optional, *([c] for c in optional if len(optional) > 1), []]
         for used in [base + subset for subset in subsets]:
             gram = self.gram[np.ix_(used, used)]
-            if np.linalg.cond(gram) <= 1e12:
-                break
-        else:
-            return None
-        values = dict(zip(used, np.linalg.solve(gram, self.moment[used])))
-        alpha, beta = max(values[0], 0.0), max(values[1], 0.0)
-        return [alpha, beta, max(values.get(2, beta), 0.0), *(max(values.get(c, 0.0), 0.0) for c in (3, 4))]
+            if np.linalg.cond(gram) > 1e12:
+                continue
+            values = dict(zip(used, np.linalg.solve(gram, self.moment[used])))
+            alpha, beta = max(values[0], 0.0), max(values[1], 0.0)
+            if alpha + beta > 0.0:  # else no step would cost anything: not a usable fit
+                return [alpha, beta, max(values.get(2, beta), 0.0), *(max(values.get(c, 0.0), 0.0) for c in (3, 4))]
+        return None
 
     def mean_step(self) -> float | None:
         """The (decayed) mean step time: known from the first step on, even
