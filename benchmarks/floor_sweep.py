@@ -31,6 +31,7 @@ at three batch sizes about 10 minutes)::
 
     .venv/bin/python benchmarks/floor_sweep.py
     .venv/bin/python benchmarks/floor_sweep.py --drafters eagle3 --policies talon,eagle2-D18 --budgets 32
+    .venv/bin/python benchmarks/floor_sweep.py --cells eagle3/talon/N32,hybrid/eagle2/N32,retrieval/retrieval/N16
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--policies", help="comma list of policy cells (default all): "
                                            f"{', '.join(MODEL_POLICIES)} (retrieval: retrieval, chain)")
     parser.add_argument("--budgets", default="8,32,60")
+    parser.add_argument("--cells", help="comma list of cells DRAFTER/POLICY/N (instead of the product of the above)")
     parser.add_argument("--batch-sizes", default="1,8,64")
     parser.add_argument("--prompts-per-batch", default="2,16,64", help="prompts of a pass at each batch size")
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -190,6 +192,17 @@ def main(argv: list[str] | None = None) -> None:
     if len(counts) != len(batch_sizes):
         parser.error("--prompts-per-batch needs one count per batch size")
     grid = cells(drafters, policies, budgets, args.head, args.draft_lm)
+    if args.cells:
+        wanted = [c.strip() for c in args.cells.split(",") if c.strip()]
+        parts = [c.split("/") for c in wanted]
+        if any(len(p) != 3 or p[0] not in FLOORS or not p[2].startswith("N") or not p[2][1:].isdigit() for p in parts):
+            parser.error("--cells takes DRAFTER/POLICY/N, e.g. eagle3/talon/N32")
+        grid = {}
+        for drafter, policy, budget in parts:
+            grid.update(cells([drafter], [policy], [int(budget[1:])], args.head, args.draft_lm))
+        missing = [c for c in wanted if c not in grid]
+        if missing:
+            parser.error(f"unknown cell(s) {missing}; policies: {', '.join(MODEL_POLICIES)} (retrieval: retrieval, chain)")
     if not grid:
         parser.error("no cell matches --drafters and --policies")
     model = str(ensure_demo_model())

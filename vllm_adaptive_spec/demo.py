@@ -40,6 +40,9 @@ def run(model: str, dtype: str, messages: list, max_tokens: int, spec: dict | No
         accepted = after["vllm:spec_decode_num_accepted_tokens"] - before["vllm:spec_decode_num_accepted_tokens"]
         tau = 1 + accepted / max(drafts, 1)
         stats = llm.collective_rpc("adaptive_tree_stats")[0]
+    # vLLM's engine-core processes and their shared memory go now, not at
+    # interpreter exit (where they leave "leaked semaphore" warnings).
+    llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
     return outputs, elapsed, tau, stats
