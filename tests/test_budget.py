@@ -203,9 +203,10 @@ def test_a_fit_in_which_no_step_costs_anything_is_not_used():
 def test_a_trees_own_cost_is_told_from_the_fixed_cost_by_control_steps():
     """Batch 1 with a tree on every step: without tree-less steps the fit reads
     a tree's own cost as fixed cost, so a step without drafting looks dearer
-    than it is (the drafter looks better). The budget's control steps (one in
-    ``CONTROL_GAP`` while the fit lacks tree-less steps) give the fit what it
-    needs; the true costs are recovered, at a price of a few percent of the steps."""
+    than it is (the drafter looks better). The budget's control steps (at
+    most one in ``CONTROL_GAP`` while the trees per step hardly vary) give the
+    fit what it needs; the true costs are recovered, at a price of a few
+    percent of the steps."""
     rng = np.random.default_rng(0)
     alpha, beta, eta = 0.016, 0.0006, 0.004
 
@@ -223,8 +224,19 @@ def test_a_trees_own_cost_is_told_from_the_fixed_cost_by_control_steps():
     blind, _ = run(controls=False)
     assert blind[0] > alpha + 0.75 * eta  # the tree's cost read as fixed cost
     fitted, skipped = run(controls=True)
-    assert fitted[0] == pytest.approx(alpha, rel=0.1) and fitted[3] == pytest.approx(eta, rel=0.15), fitted
-    assert skipped <= 400 * 0.05, skipped
+    assert fitted[0] == pytest.approx(alpha, rel=0.1) and fitted[3] == pytest.approx(eta, rel=0.2), fitted
+    assert skipped <= 400 * 0.04, skipped
+
+
+def test_no_control_step_where_the_trees_per_step_vary_on_their_own():
+    """Retrieval trees at batch 32: some requests draft, some do not."""
+    rng = np.random.default_rng(1)
+    budget = LoadBudget(max_budget=16, half_life=200)
+    for _ in range(400):
+        assert budget.drafts()
+        trees = int(rng.integers(4, 28))
+        rows = 32 + trees * 3
+        budget.fit.observe(rows, 0.05 + 0.0006 * rows + 0.001 * trees, 0, trees, 0)
 
 
 def test_drafting_that_costs_far_more_than_a_step_pauses_at_once():

@@ -67,10 +67,12 @@ from the fixed cost ``alpha`` only if it sees decode steps without trees.
 When every step drafts for every request (a model drafter at batch 1), it
 would not, and the tree's cost would be read into ``alpha``: the rate without
 drafting would look lower than it is (at batch 1 on the CPU by a fifth) and a
-drafter that does not pay would go on drafting. So while the fit holds fewer
-than ``CONTROL_WEIGHT`` (decayed) tree-less decode steps, one step in
-``CONTROL_GAP`` drafts nothing at all (a control step; at the fit's
-half-life of 200 steps about one step in 80, 1% of the steps).
+drafter that does not pay would go on drafting. So while the number of trees
+per step varies too little for the fit (:meth:`StepCostFit.tree_spread`
+below ``CONTROL_SPREAD``), at most one step in ``CONTROL_GAP`` drafts
+nothing at all (a control step; with every request drafting every step, about
+one step in 50 settles there). Where the trees per step vary on their own
+(retrieval trees, which only some requests draft), no control step runs.
 
 Shape: a branching tree may cost more than a chain of the same size (on
 vLLM's CPU platform a chain runs in vLLM's own attention kernel and a
@@ -104,7 +106,7 @@ from vllm_adaptive_spec.tree import DraftTree
 
 MIN_RHO, MAX_RHO = 0.05, 2.0  # the calibration's range
 FLOOR_MARGIN = 0.8
-CONTROL_WEIGHT, CONTROL_GAP = 4.0, 16  # see "Control steps"
+CONTROL_SPREAD, CONTROL_GAP = 0.02, 16  # see "Control steps"
 
 
 def allocate(
@@ -259,7 +261,7 @@ class LoadBudget:
             self._probing = self._paused == 0
             return False
         self._since_control += 1
-        if (self.fit.steps_seen >= StepCostFit.MIN_STEPS and self.fit.treeless_weight() < CONTROL_WEIGHT
+        if (self.fit.steps_seen >= StepCostFit.MIN_STEPS and self.fit.tree_spread() < CONTROL_SPREAD
                 and self._since_control >= CONTROL_GAP):
             self._since_control = 0
             self.control = True

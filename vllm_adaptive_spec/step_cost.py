@@ -19,8 +19,8 @@ different number of trees; when every recent step verified a tree for every
 request (a model drafter at batch 1), a tree's own cost would be read as
 part of ``alpha``, so a step without drafting would look that much dearer
 and drafting that much better than it is (at batch 1 on the CPU, 20%).
-:meth:`treeless_weight` tells the load budget when it must run a control
-step without trees.
+:meth:`tree_spread` tells the load budget when it must run a control step
+without trees.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ class StepCostFit:
         self.gram = np.zeros((COLUMNS, COLUMNS))  # decayed X^T X and X^T t
         self.moment = np.zeros(COLUMNS)
         self.steps_seen = 0
-        self.treeless = 0.0  # decayed count of decode steps without a tree
         self._solution: list[float] | None = None
         self._solved_at = -1
 
@@ -52,12 +51,17 @@ class StepCostFit:
         x = np.array([1.0, tokens - prefill_tokens, prefill_tokens, trees, branching])
         self.gram = self.gram * self.decay + np.outer(x, x)
         self.moment = self.moment * self.decay + x * seconds
-        self.treeless = self.treeless * self.decay + (trees == 0 and prefill_tokens == 0 and tokens > 0)
         self.steps_seen += 1
 
-    def treeless_weight(self) -> float:
-        """The decayed number of decode steps without a tree (no prompt chunk) the fit holds."""
-        return self.treeless
+    def tree_spread(self) -> float:
+        """How much the steps' numbers of trees vary: their (decayed)
+        variance over their squared mean; infinite while no tree was seen.
+        Near 0 the trees column cannot be told from the fixed cost."""
+        weight = self.gram[0, 0]
+        mean = self.gram[0, 3] / weight if weight > 0 else 0.0
+        if mean <= 0:
+            return float("inf")
+        return max(self.gram[3, 3] / weight - mean * mean, 0.0) / (mean * mean)
 
     def solve(self) -> list[float] | None:
         """``[alpha, beta, gamma, eta, xi]`` (each >= 0, ``alpha + beta > 0``),
