@@ -138,6 +138,29 @@ def machine_line(report_machine: dict) -> str:
     return f"{gpu}{report_machine['cpu_model'] or report_machine['processor']} x{report_machine['nproc']}"
 
 
+def pyplot():
+    """matplotlib's pyplot on a file backend, or None (and a word on how to
+    get it) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e .[bench]): no plot written", flush=True)
+        return None
+    return plt
+
+
+def save_ratio_plot(plt, fig, ax, path: Path) -> None:
+    """Label a plot of ratios to no speculation and write it."""
+    ax.set_ylabel("tok/s over no speculation")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def combine(passes: list[dict]) -> dict:
     """A method's passes at one batch size (one per round) as one run: the
     median tok/s, counters and tokens summed, the first round's token ids."""

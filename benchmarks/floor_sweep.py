@@ -126,12 +126,8 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = engines.pyplot()
+    if plt is None:
         return False
     rows = [r for r in report["rows"] if r["ratio"] is not None]
     names = list(dict.fromkeys(r["cell"] for r in rows))
@@ -145,11 +141,7 @@ def plot(report: dict, path: Path) -> bool:
         ax.axhline(floor, color="black", linestyle=style, linewidth=0.8, label=f"floor {floor}")
     ax.set_xticks([i + width * (len(batch_sizes) - 1) / 2 for i in range(len(names))], names, rotation=70,
                   ha="right", fontsize=7)
-    ax.set_ylabel("tok/s over no speculation")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    engines.save_ratio_plot(plt, fig, ax, path)
     return True
 
 

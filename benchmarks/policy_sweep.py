@@ -121,13 +121,8 @@ def markdown(report: dict) -> str:
 
 
 def plots(report: dict, out: Path) -> list[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e .[bench]): no plots written", flush=True)
+    plt = engines.pyplot()
+    if plt is None:
         return []
     written = []
     for x_key, label in (("gamma", "nodes verified per tree (gamma)"), ("delta", "draft passes per step (delta)")):

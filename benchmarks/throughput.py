@@ -191,12 +191,8 @@ def markdown(report: dict) -> str:
 def plot(report: dict, path: Path) -> bool:
     """Each method's tok/s over no speculation's against the batch size, with
     the rounds' range (False without matplotlib: ``pip install -e .[bench]``)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = engines.pyplot()
+    if plt is None:
         return False
     rows = [r for r in report["results"] if r.get("ratio_vs_none") is not None]
     batch_sizes = sorted({r["batch_size"] for r in rows})
@@ -211,11 +207,7 @@ def plot(report: dict, path: Path) -> bool:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(batch_sizes)), [str(b) for b in batch_sizes])
     ax.set_xlabel("batch size")
-    ax.set_ylabel("tok/s over no speculation")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    engines.save_ratio_plot(plt, fig, ax, path)
     return True
 
 

@@ -123,21 +123,27 @@ def test_cold_start_keeps_only_likely_nodes():
     assert budget.choose([tree]) == [DraftTree([5, 6], [-1, 0], [0.9, 0.5])]
 
 
+def _weak_drafting(budget: LoadBudget, q: float, seconds: float, step=lambda: None) -> list[bool]:
+    """200 steps of 8 requests whose 3-node chains (each node ``q``) are never
+    worth a row, drafting taking ``seconds``; whether each step drafted."""
+    weak = DraftTree.chain([1, 2, 3])
+    weak.q = [q] * 3
+    drafted = []
+    for _ in range(200):
+        step()
+        drafted.append(budget.drafts())
+        if drafted[-1]:
+            budget.observe_drafting(8, seconds)
+            assert budget.choose([weak] * 8) == [DraftTree()] * 8
+    return drafted
+
+
 def test_speculation_that_never_pays_settles_on_no_drafting():
     """Every node costs more than it returns: nothing is verified, and after
     steps whose drafting did not pay, drafting pauses for longer and longer."""
     budget = LoadBudget(max_budget=16, pause_after=4, pause_steps=4, max_pause=64, half_life=1e9)
     _feed_steps(budget, alpha=0.01, beta=0.01)
-    weak = DraftTree.chain([1, 2, 3])
-    weak.q = [0.2, 0.2, 0.2]
-    drafted = []
-    for _ in range(200):
-        if not budget.drafts():
-            drafted.append(False)
-            continue
-        drafted.append(True)
-        budget.observe_drafting(8, 0.004)
-        assert budget.choose([weak] * 8) == [DraftTree()] * 8
+    drafted = _weak_drafting(budget, q=0.2, seconds=0.004)
     assert sum(drafted[-100:]) <= 2, "drafting should be paused almost always"
     # After the first pause, each look at drafting is a single probe step.
     after_first_pause = drafted[drafted.index(False):]
@@ -152,17 +158,7 @@ def test_drafting_that_never_yields_a_node_pauses_before_the_cost_fit_is_known()
     against the step time alone, so drafting pauses (and is not probed
     again every step)."""
     budget = LoadBudget(max_budget=32, pause_after=4, pause_steps=4, max_pause=64, half_life=1e9)
-    weak = DraftTree.chain([1, 2, 3])
-    weak.q = [0.1, 0.1, 0.1]
-    drafted = []
-    for _ in range(200):
-        budget.fit.observe(8, 0.03)
-        if not budget.drafts():
-            drafted.append(False)
-            continue
-        drafted.append(True)
-        budget.observe_drafting(8, 0.02)
-        assert budget.choose([weak] * 8) == [DraftTree()] * 8
+    drafted = _weak_drafting(budget, q=0.1, seconds=0.02, step=lambda: budget.fit.observe(8, 0.03))
     assert budget.fit.solve() is None
     assert sum(drafted[-100:]) <= 3, "drafting should be paused almost always"
 
