@@ -414,8 +414,14 @@ def summarize(run: dict, jobs: list[Job]) -> dict:
     tokens = sum(len(ids) for o in outcomes for ids in o.token_ids)
     itl = [b - a for o in outcomes for a, b in zip(o.token_times, o.token_times[1:])]
     memory = [m for _, m in run["memory"] if m]
-    first_100 = sorted(o.finished for o in outcomes)[min(99, len(outcomes) - 1)] - run["started"]
-    after_100 = [m for t, m in run["memory"] if t >= first_100 and m]  # the server's own 100th answer
+    finished = sorted(o.finished for o in outcomes)
+
+    def memory_after(answers: int) -> float | None:
+        """GiB at the first sample after the server's own ``answers``-th answer."""
+        at = finished[min(answers, len(finished)) - 1] - run["started"]
+        after = [m for t, m in run["memory"] if t >= at and m]
+        return after[0] / 2**30 if after else None
+
     return {
         "requests": len(outcomes), "lost": lost, "server_errors": server_errors, "bad_requests_refused":
             len(bad) - len(wrongly_accepted), "bad_requests_accepted": wrongly_accepted, "incomplete": incomplete,
@@ -423,7 +429,7 @@ def summarize(run: dict, jobs: list[Job]) -> dict:
         "tokens": tokens, "tok_per_s": tokens / run["wall_s"],
         "ttft_s": _percentiles([o.first_token - o.started for o in outcomes if o.first_token]),
         "itl_s": _percentiles(itl), "e2e_s": _percentiles([o.finished - o.started for o in outcomes if o.status == 200]),
-        "memory_gib_after_100": (after_100[0] / 2**30) if after_100 else None,
+        "memory_gib_after_100": memory_after(100), "memory_gib_half": memory_after(len(finished) // 2),
         "memory_gib_end": (memory[-1] / 2**30) if memory else None,
         "counters": run["counters"], "tree_stats": run.get("tree_stats"),
     }
@@ -466,8 +472,8 @@ def markdown(report: dict) -> str:
     for metric in ("ttft_s", "itl_s", "e2e_s"):
         row(f"{metric[:-2]} p50 / p90 / p99, s",
             lambda s, m=metric: " / ".join(f"{s[m].get(q, float('nan')):.3f}" for q in ("p50", "p90", "p99")))
-    row("memory after its 100th answer / at the end, GiB",
-        lambda s: f"{s['memory_gib_after_100'] or 0:.2f} / {s['memory_gib_end'] or 0:.2f}")
+    row("memory after its 100th answer / half its answers / at the end, GiB",
+        lambda s: f"{s['memory_gib_after_100'] or 0:.2f} / {s['memory_gib_half'] or 0:.2f} / {s['memory_gib_end'] or 0:.2f}")
     row("preemptions", lambda s: int(s["counters"].get("vllm:num_preemptions_total", 0)))
     row("draft tokens / accepted", lambda s: f"{int(s['counters'].get('vllm:spec_decode_num_draft_tokens_total', 0))} / "
         f"{int(s['counters'].get('vllm:spec_decode_num_accepted_tokens_total', 0))}")
