@@ -45,7 +45,7 @@ class EngineRun:
     tree_stats_per_rank: list[dict] | None
     num_gpu_blocks: int | None
     roots: list | None
-    stash_flushes: int | None
+    stash_drops: int | None
     split_passes: int | None
     probes: int | None
     probe_trees: int | None

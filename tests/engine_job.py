@@ -10,8 +10,8 @@ pause_pattern ([d, p] or [d, p, k]: the plugin drafts d steps, then pauses p ste
 the load budget does when drafting does not pay; repeated; with k, the first drafting
 step of each cycle is a probe that drafts for k requests), record_roots (a model drafter's
 root draft distribution at every drafting step, see ``record_roots``), stash_bytes (an
-EAGLE-3 head's bound on kept rows of paused steps; the out key stash_flushes counts the
-passes it forced), max_pass_rows (the most rows of a model drafter's forward; longer
+EAGLE-3 head's bound on kept rows of paused steps; the out key stash_drops counts the
+steps on which requests gave theirs up), max_pass_rows (the most rows of a model drafter's forward; longer
 first passes are fed in several), processes (default false),
 serial_first (k: the first k prompts run one at a time, batch size 1, before the
 others are submitted together).
@@ -23,7 +23,7 @@ requests of max_model_len tokens.
 OUT: token_ids, texts, finish_reasons (per prompt; aborted prompts get None),
 metrics (vLLM's spec-decode, preemption and prefix-cache counters),
 tree_stats (the plugin's, when active; tree_stats_per_rank: every tensor-parallel rank's), num_gpu_blocks (the engine's KV blocks),
-roots (with record_roots), stash_flushes (with stash_bytes), split_passes (with
+roots (with record_roots), stash_drops (with stash_bytes), split_passes (with
 max_pass_rows: first passes fed in several), probes (with a pause_pattern's k: probes
 that drafted for fewer requests than the batch held), probe_trees (with k: the most
 trees a probe step drafted), paused_passes (with a pause_pattern and a model
@@ -126,10 +126,10 @@ def counter(worker, name: str) -> int | None:
 
 
 def limit_stash(worker, stash_bytes: int) -> None:
-    """Bound the EAGLE-3 stash of paused rows and count the passes it forces."""
+    """Bound the EAGLE-3 stash of paused rows and count the steps on which requests give theirs up."""
     backend = worker.model_runner._draft_backend
     backend.STASH_BYTES = stash_bytes
-    _count_calls(worker, "stash_flushes", backend, "_flush_stash")
+    _count_calls(worker, "stash_drops", backend, "_give_up_largest")
 
 
 def limit_pass_rows(worker, rows: int) -> None:
@@ -252,7 +252,7 @@ def main(job_path: str, out_path: str) -> None:
                 "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
                 "roots": llm.collective_rpc(recorded_roots)[0] if job.get("record_roots") else None,
                 **{key: llm.collective_rpc(functools.partial(counter, name=key))[0] if setting in job else None
-                   for key, setting in (("stash_flushes", "stash_bytes"), ("split_passes", "max_pass_rows"),
+                   for key, setting in (("stash_drops", "stash_bytes"), ("split_passes", "max_pass_rows"),
                                         ("probes", "pause_pattern"), ("probe_trees", "pause_pattern"),
                                         ("paused_passes", "pause_pattern"))},
             },

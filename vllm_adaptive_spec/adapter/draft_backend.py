@@ -71,10 +71,14 @@ class _Stash:
 
 
 class PagedDraftBackend:
-    # Bytes of paused steps' rows kept for EAGLE-3 (all requests) before they
-    # are fed anyway: 9,700 rows of the demo model (float32, three 576-wide
-    # hidden states), 2,700 of an 8B model in bf16. A request that finishes
-    # while paused is never fed: its rows cost only their copy.
+    # Bytes of paused steps' rows kept for EAGLE-3 (all requests): 9,700 rows
+    # of the demo model (float32, three 576-wide hidden states), 2,700 of an 8B
+    # model in bf16. Beyond it the requests keeping the most rows give theirs
+    # up, and with them the head's drafts for the rest of their lives. Decision:
+    # not fed instead. A head paused that long is one that does not pay, and
+    # feeding the rows anyway would run it over every prompt the server
+    # receives (under load on the CPU, a tenth of the server's time); a request
+    # that finishes while paused is never fed: its rows cost only their copy.
     STASH_BYTES = 64 << 20
 
     def __init__(self, runner, native, max_nodes: int) -> None:
@@ -93,18 +97,33 @@ class PagedDraftBackend:
         self._stash: dict[str, _Stash] = {}  # EAGLE-3: request -> rows of paused steps, not yet fed
         self._stash_rows = 0
         self._row_bytes = 0
+        self._given_up: set[str] = set()  # EAGLE-3: requests whose kept rows were dropped (never drafted)
 
     def forget(self, request_ids) -> None:
         for request_id in request_ids:
             self._behind.pop(request_id, None)
+            self._given_up.discard(request_id)
             stash = self._stash.pop(request_id, None)
             if stash is not None:
                 self._stash_rows -= stash.rows
 
     def requests_held(self) -> int:
         """Requests with draft state between steps: where a paused draft LM's
-        KV stops, or an EAGLE-3 head's kept rows."""
-        return len(self._behind) + len(self._stash)
+        KV stops, an EAGLE-3 head's kept rows, or that it gave them up."""
+        return len(self._behind) + len(self._stash) + len(self._given_up)
+
+    def can_draft(self, request_id: str) -> bool:
+        """Whether the draft model can draft for the request (False once an
+        EAGLE-3 head gave up its kept rows: its draft KV would have a hole)."""
+        return request_id not in self._given_up
+
+    def _give_up_largest(self) -> None:
+        """Drop the largest stashes until the kept rows fit ``STASH_BYTES``."""
+        for request_id in sorted(self._stash, key=lambda r: self._stash[r].rows, reverse=True):
+            if self._stash_rows * self._row_bytes <= self.STASH_BYTES:
+                return
+            self._stash_rows -= self._stash.pop(request_id).rows
+            self._given_up.add(request_id)
 
     def _head_rows(self, request_id: str, p0: int, tokens: torch.Tensor, aux: torch.Tensor, drafting: bool):
         """EAGLE-3: a request's rows of this step (input tokens and the
@@ -116,6 +135,8 @@ class PagedDraftBackend:
             self._stash_rows -= stash.rows
             if stash.end != p0:  # not contiguous (cannot happen in vLLM's step order)
                 stash = None
+        if request_id in self._given_up:
+            return None
         if not drafting:
             self._row_bytes = aux[0].numel() * aux.element_size()
             if stash is None:
@@ -128,17 +149,6 @@ class PagedDraftBackend:
             return p0, tokens, aux
         return stash.start, torch.cat([*stash.tokens, tokens]), torch.cat([*stash.aux, aux])
 
-    def _flush_stash(self, tokens, pos, aux, batch_rows) -> None:
-        """Add every kept request that is in this step's batch to the pass."""
-        index = self.runner.input_batch.req_id_to_index
-        for request_id in [r for r in self._stash if r in index]:
-            stash = self._stash.pop(request_id)
-            self._stash_rows -= stash.rows
-            tokens.append(torch.cat(stash.tokens))
-            pos.append(torch.arange(stash.start, stash.end))
-            aux.append(torch.cat(stash.aux))
-            batch_rows.append(index[request_id])
-
     def least_behind(self, count: int) -> set[int]:
         """The ``count`` batch rows whose draft state needs the fewest rows
         fed to catch up (a probe drafts for these only)."""
@@ -148,6 +158,8 @@ class PagedDraftBackend:
         def behind(i: int) -> int:
             request_id = batch.req_ids[i]
             if self.is_eagle3:
+                if request_id in self._given_up:
+                    return 1 << 62
                 stash = self._stash.get(request_id)
                 return 0 if stash is None else stash.rows
             return int(lengths[i]) - self._behind.get(request_id, int(lengths[i]))
@@ -169,9 +181,10 @@ class PagedDraftBackend:
         step only, keeps their rows (:class:`_Stash`). The next drafting step
         feeds every token since (batched catch-up passes of at most
         ``max_pass_rows`` rows), so the draft KV is complete when drafting
-        resumes; a paused step whose kept rows exceed ``STASH_BYTES`` feeds
-        them at once (bounded memory). ``only_rows`` (a probe): the batch rows
-        that draft; the others are treated as paused.
+        resumes; beyond ``STASH_BYTES`` of kept rows the largest stashes are
+        dropped and their requests never drafted by the head again
+        (:meth:`can_draft`). ``only_rows`` (a probe): the batch rows that
+        draft; the others are treated as paused.
 
         Returns the share of the rows fed that are this step's own (the rest
         catch up on paused steps): the load budget counts that share of the
@@ -188,8 +201,8 @@ class PagedDraftBackend:
             own_rows = self._head_entries(entries, aux_hidden_states, tokens, pos, aux, batch_rows)
         else:
             own_rows = self._lm_entries(entries, tokens, pos, batch_rows)
-        if not drafting and self._stash_rows * self._row_bytes > self.STASH_BYTES:
-            self._flush_stash(tokens, pos, aux, batch_rows)
+        if self._stash_rows * self._row_bytes > self.STASH_BYTES:
+            self._give_up_largest()
         if not batch_rows:
             return 0.0
         own_share = own_rows / sum(len(t) for t in tokens)

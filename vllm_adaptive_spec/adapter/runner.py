@@ -249,9 +249,11 @@ class TreeRunnerMixin:
                 drafting, probe_rows,
             )
             first_pass_seconds = own_share * (time.perf_counter() - started)
+        backend = self._draft_backend
         eligible = [
             can_draft(self.requests[r].sampling_params, len(self.requests[r].output_token_ids))
             and (probe_rows is None or i in probe_rows)
+            and (not drafting or backend is None or backend.can_draft(r))
             for i, r in enumerate(req_ids)
         ]
         return self.tree_proposer.propose_trees(
