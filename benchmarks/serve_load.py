@@ -73,9 +73,9 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engines  # noqa: E402
+from engines import REPO  # noqa: E402
 
 DEFAULT_SPEC = {"method": "adaptive_tree", "num_speculative_tokens": 16, "tree": {"drafter": "retrieval"}}
 PLAIN = "none"  # the server without speculation
@@ -488,13 +488,8 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, runs: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install -e .[bench])")
+    plt = engines.pyplot()
+    if plt is None:
         return
     fig, (latency, throughput, memory) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
     for label, run in runs.items():
@@ -517,6 +512,7 @@ def plot(report: dict, runs: dict, path: Path) -> None:
     fig.suptitle(f"{report['requests']} requests, concurrency {report['concurrency']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def server_args(model: str, max_model_len: int, kv_sequences: int, dtype: str, spec: dict | None,

@@ -130,13 +130,13 @@ class PagedDraftBackend:
         target's auxiliary hidden states from position ``p0``). Kept while
         drafting is paused (None); else ``(first position, tokens, aux)``
         with the kept rows first."""
+        if request_id in self._given_up:  # its stash is gone with it
+            return None
         stash = self._stash.pop(request_id, None)
         if stash is not None:
             self._stash_rows -= stash.rows
             if stash.end != p0:  # not contiguous (cannot happen in vLLM's step order)
                 stash = None
-        if request_id in self._given_up:
-            return None
         if not drafting:
             self._row_bytes = aux[0].numel() * aux.element_size()
             if stash is None:
