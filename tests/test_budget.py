@@ -252,6 +252,36 @@ def test_drafting_that_costs_far_more_than_a_step_pauses_at_once():
     assert cheap.drafts()
 
 
+def _alternating(worth_trees: int) -> list[bool]:
+    """Steps of 8 requests that alternate between ``worth_trees`` requests
+    with a node worth verifying (``q`` 0.85) and trees worth nothing, each
+    step's drafting costing the same; whether each of 64 steps drafted."""
+    budget = LoadBudget(max_budget=8, pause_after=8, pause_steps=4, half_life=1e9)
+    _feed_steps(budget, alpha=0.05, beta=0.001)
+    worth, weak = DraftTree.chain([1]), DraftTree.chain([2])
+    worth.q, weak.q = [0.85], [0.1]
+    drafted = []
+    for step in range(64):
+        drafted.append(budget.drafts())
+        if drafted[-1]:
+            budget.floor(8)
+            budget.observe_drafting(8, 8 * 0.0005)
+            wins = worth_trees if step % 2 == 0 else 0
+            budget.choose([worth] * wins + [weak] * (8 - wins))
+    return drafted
+
+
+def test_drafting_that_loses_on_balance_pauses_though_it_wins_every_other_step():
+    """Every other step keeps one node that pays a little more than the
+    step's drafting (+2%), the steps between keep none and lose the drafting
+    time (-6.5%): drafting loses on balance, never twice in a row. It pauses
+    at the end of its first window; drafting that wins on balance (three such
+    nodes, +18% every other step) never pauses."""
+    losing = _alternating(worth_trees=1)
+    assert all(losing[:8]) and not losing[8], losing[:16]
+    assert all(_alternating(worth_trees=3)), "a net gain should keep drafting"
+
+
 def test_speculation_that_always_pays_keeps_the_full_tree():
     budget = LoadBudget(max_budget=16, half_life=1e9)
     _feed_steps(budget, alpha=0.05, beta=0.0005)

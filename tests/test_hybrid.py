@@ -84,12 +84,12 @@ def test_while_the_budget_pauses_the_model_the_retrieval_trie_still_drafts():
     # No backend bound: a model pass would fail.
     proposer = proposer_for(TreeConfig("hybrid", "dynatree", 8, {"l_max": 2, "evidence_prior": 0.0}, {"window": 1}))
     budget = proposer.load_budget
-    budget._paused, budget._losing_steps = 3, 2
+    budget._paused, budget._window_steps = 3, 2
     assert not proposer.drafting_this_step()
     tokens = np.array([[5, 6, 4, 4, 4, 0, 5, 6], [1, 2, 3, 7, 8, 9, 0, 11]])
     drafts = proposer.propose_trees(["a", "b"], [[6], [11]], np.array([8, 8]), tokens, [True, True], drafting=False)
     assert drafts[0][:3] == [4, 4, 4] and drafts[1] == []  # a's context repeats, b's does not
-    assert (budget._paused, budget._losing_steps, budget.drafted_requests) == (2, 2, 0.0)
+    assert (budget._paused, budget._window_steps, budget.drafted_requests) == (2, 2, 0.0)
     proposer.observe(["a"], [proposer.trees["a"]], [[0, 1, 2]])
     assert "a" not in proposer.policy._history
     assert proposer.stats.as_dict()["draft_passes"] == 0
