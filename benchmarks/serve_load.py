@@ -30,8 +30,9 @@ It reports per request (status, tokens, finish reasons, TTFT, inter-token
 and end-to-end latency), each speculative server's greedy token ids against
 the server without speculation, latency percentiles and tok/s, the
 spec-decode and preemption counters from ``/metrics``, every server's memory
-(the resident set of its process tree) over the run, and, with speculation,
-the plugin's per-request state once the server is idle
+(the resident set of its process tree, and of its API server process alone)
+over the run, and, with speculation, the plugin's per-request state once the
+server is idle
 (``adaptive_tree_stats`` through vLLM's development RPC endpoint): every
 count must be zero. A plot shows latency, throughput and memory over the run
 (``--out``/``serve_load.png``).
@@ -296,15 +297,18 @@ class Server:
         with urllib.request.urlopen(request, timeout=120) as response:
             return json.load(response)["results"]
 
-    def memory_bytes(self) -> int:
-        """The resident set of the server's whole process tree."""
+    def memory_bytes(self) -> tuple[int, int]:
+        """The resident set of the server's whole process tree, and of its
+        API server process alone (the rest is vLLM's engine core, where the
+        plugin runs)."""
         import psutil
 
         try:
             root = psutil.Process(self.proc.pid)
-            return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+            api = root.memory_info().rss
+            return api + sum(p.memory_info().rss for p in root.children(recursive=True)), api
         except psutil.Error:
-            return 0
+            return 0, 0
 
     def stop(self) -> None:
         import signal
@@ -341,13 +345,13 @@ def run_servers(specs: dict[str, dict | None], args_of: dict[str, list[str]], mo
         for label, spec in specs.items():  # one at a time: startups would compete for the cores
             servers[label] = Server(model, free_port(), spec, args_of[label], out / f"server_{label}.log")
             servers[label].wait_healthy()
-        memory: dict[str, list[tuple[float, int]]] = {label: [] for label in servers}
+        memory: dict[str, list[tuple[float, int, int]]] = {label: [] for label in servers}
         done = threading.Event()
 
         def sample() -> None:
             while not done.is_set():
                 for label, server in servers.items():
-                    memory[label].append((time.monotonic(), server.memory_bytes()))
+                    memory[label].append((time.monotonic(), *server.memory_bytes()))
                 done.wait(1.0)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -382,7 +386,7 @@ def run_servers(specs: dict[str, dict | None], args_of: dict[str, list[str]], mo
                            "block_tokens": block_tokens[label], "started": started,
                            "outcomes": [asdict(o) for o in outcomes[label]],
                            "counters": counters(server.get("/metrics")),
-                           "memory": [(t - started, m) for t, m in memory[label]]}
+                           "memory": [(t - started, total, api) for t, total, api in memory[label]]}
             if spec is not None and spec.get("method") == "adaptive_tree":
                 runs[label]["tree_stats"] = server.rpc("adaptive_tree_stats")
         return runs
@@ -413,14 +417,18 @@ def summarize(run: dict, jobs: list[Job]) -> dict:
                   and (not o.finish_reasons or None in o.finish_reasons)]
     tokens = sum(len(ids) for o in outcomes for ids in o.token_ids)
     itl = [b - a for o in outcomes for a, b in zip(o.token_times, o.token_times[1:])]
-    memory = [m for _, m in run["memory"] if m]
+    samples = [(t, total, api) for t, total, api in run["memory"] if total]
     finished = sorted(o.finished for o in outcomes)
 
-    def memory_after(answers: int) -> float | None:
-        """GiB at the first sample after the server's own ``answers``-th answer."""
+    def memory_after(answers: int) -> tuple[float, float] | tuple[None, None]:
+        """GiB of the whole server and of its API server process at the first
+        sample after the server's own ``answers``-th answer."""
         at = finished[min(answers, len(finished)) - 1] - run["started"]
-        after = [m for t, m in run["memory"] if t >= at and m]
-        return after[0] / 2**30 if after else None
+        after = [(total / 2**30, api / 2**30) for t, total, api in samples if t >= at]
+        return after[0] if after else (None, None)
+
+    (at_100, api_100), (at_half, api_half) = memory_after(100), memory_after(len(finished) // 2)
+    at_end, api_end = (samples[-1][1] / 2**30, samples[-1][2] / 2**30) if samples else (None, None)
 
     return {
         "requests": len(outcomes), "lost": lost, "server_errors": server_errors, "bad_requests_refused":
@@ -429,8 +437,8 @@ def summarize(run: dict, jobs: list[Job]) -> dict:
         "tokens": tokens, "tok_per_s": tokens / run["wall_s"],
         "ttft_s": _percentiles([o.first_token - o.started for o in outcomes if o.first_token]),
         "itl_s": _percentiles(itl), "e2e_s": _percentiles([o.finished - o.started for o in outcomes if o.status == 200]),
-        "memory_gib_after_100": memory_after(100), "memory_gib_half": memory_after(len(finished) // 2),
-        "memory_gib_end": (memory[-1] / 2**30) if memory else None,
+        "memory_gib_after_100": at_100, "memory_gib_half": at_half, "memory_gib_end": at_end,
+        "api_server_gib_after_100": api_100, "api_server_gib_half": api_half, "api_server_gib_end": api_end,
         "counters": run["counters"], "tree_stats": run.get("tree_stats"),
     }
 
@@ -474,6 +482,9 @@ def markdown(report: dict) -> str:
             lambda s, m=metric: " / ".join(f"{s[m].get(q, float('nan')):.3f}" for q in ("p50", "p90", "p99")))
     row("memory after its 100th answer / half its answers / at the end, GiB",
         lambda s: f"{s['memory_gib_after_100'] or 0:.2f} / {s['memory_gib_half'] or 0:.2f} / {s['memory_gib_end'] or 0:.2f}")
+    row("of which the API server process, GiB",
+        lambda s: f"{s['api_server_gib_after_100'] or 0:.2f} / {s['api_server_gib_half'] or 0:.2f} / "
+                  f"{s['api_server_gib_end'] or 0:.2f}")
     row("preemptions", lambda s: int(s["counters"].get("vllm:num_preemptions_total", 0)))
     row("draft tokens / accepted", lambda s: f"{int(s['counters'].get('vllm:spec_decode_num_draft_tokens_total', 0))} / "
         f"{int(s['counters'].get('vllm:spec_decode_num_accepted_tokens_total', 0))}")
@@ -502,7 +513,7 @@ def plot(report: dict, runs: dict, path: Path) -> None:
         for o, end in zip(outcomes, ends):
             tokens[min(int(end // window), bins - 1)] += sum(len(ids) for ids in o["token_ids"])
         throughput.plot([window * (i + 0.5) for i in range(bins)], [t / window for t in tokens], label=label)
-        samples = [(t, m / 2**30) for t, m in run["memory"] if m]
+        samples = [(t, m / 2**30) for t, m, _ in run["memory"] if m]
         memory.plot([t for t, _ in samples], [m for _, m in samples], label=label)
     latency.set_ylabel("end-to-end latency, s")
     throughput.set_ylabel("tok/s (10 s windows)")

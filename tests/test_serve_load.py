@@ -38,3 +38,4 @@ def test_server_loses_nothing_and_changes_no_greedy_answer(demo_model, tmp_path)
     for rank in spec_side["tree_stats"]:
         assert set(rank["requests_held"].values()) == {0}, rank["requests_held"]
     assert len(report["ratios"]["retrieval"]["blocks"]) == 2
+    assert 0 < spec_side["api_server_gib_end"] < spec_side["memory_gib_end"], spec_side
