@@ -282,6 +282,23 @@ def test_drafting_that_loses_on_balance_pauses_though_it_wins_every_other_step()
     assert all(_alternating(worth_trees=3)), "a net gain should keep drafting"
 
 
+def test_losses_that_add_up_to_a_clear_loss_pause_before_the_window_ends():
+    """Drafting whose trees keep nothing and whose time costs 15% of every
+    step: the window's losses reach half a step (one clear loss) on its 4th
+    step, which pauses, not the 16th."""
+    budget = LoadBudget(max_budget=8, pause_after=16, half_life=1e9)
+    _feed_steps(budget, alpha=0.05, beta=0.001)
+    weak = DraftTree.chain([2])
+    weak.q = [0.1]
+    drafted = []
+    for _ in range(8):
+        drafted.append(budget.drafts())
+        if drafted[-1]:
+            budget.observe_drafting(8, 8 * 0.00128)  # 8 / (0.058 + 0.0102) is 0.85 of 8 / 0.058
+            budget.choose([weak] * 8)
+    assert drafted == [True] * 4 + [False] * 4, drafted
+
+
 def test_speculation_that_always_pays_keeps_the_full_tree():
     budget = LoadBudget(max_budget=16, half_life=1e9)
     _feed_steps(budget, alpha=0.05, beta=0.0005)
@@ -354,24 +371,26 @@ def test_a_hybrid_model_that_pays_against_no_drafting_but_not_against_retrieval_
     drafts for free while the model is paused), not against no drafting, and
     the trie's trees are scored by the trie's own record."""
 
-    def run(fallback: bool, trie: LoadBudget | None = None) -> bool:
+    def run(fallback: bool, trie: LoadBudget | None = None) -> int:
+        """Steps drafted (of 8) before the budget pauses the model."""
         budget = LoadBudget(max_budget=16, pause_after=4, half_life=1e9)
         _feed_steps(budget, alpha=0.04, beta=0.002)
         budget.observe_drafting(8, 8 * 0.004)
         tree = DraftTree.chain([1, 2, 3])
         tree.q = [0.9, 0.9, 0.9]  # p: .9 .81 .73, all worth their rows
-        for _ in range(4):
-            assert budget.drafts()
+        for step in range(8):
+            if not budget.drafts():
+                return step
             chosen = budget.choose([tree] * 8, fallback=[tree] * 8 if fallback else None, fallback_budget=trie)
             assert chosen == [tree] * 8
-        return budget.drafts()
+        return 8
 
-    assert run(fallback=False)  # 8 trees gain 27 tokens for 0.14 s of step: far above 8 plain tokens
-    assert not run(fallback=True)  # the same trees without the 0.032 s of drafting do better still
+    assert run(fallback=False) == 8  # 8 trees gain 27 tokens for 0.14 s of step: far above 8 plain tokens
+    assert run(fallback=True) <= 4  # the same trees without the 0.032 s of drafting do better still
     failing_trie = LoadBudget(max_budget=16, half_life=1e9)
     for _ in range(50):
         failing_trie.observe_tree(DraftTree.chain([1, 2, 3]), [])  # the trie's trees are never accepted
-    assert run(fallback=True, trie=failing_trie)  # so retrieval alone is no better than no drafting
+    assert run(fallback=True, trie=failing_trie) == 8  # so retrieval alone is no better than no drafting
 
 
 def test_plain_requests_count_as_requests_without_nodes():
