@@ -7,7 +7,9 @@ Cells: ``retrieval`` with ``retrieval`` and ``chain``; ``eagle3``,
 ``draft_model`` and ``hybrid`` with ``chain``, ``eagle2`` (depth 8, the
 default, and 18), ``talon`` (``max_depth`` 32, its default), ``deagle``
 (``depth`` 18, its default), ``dynatree`` and ``c2t`` (``max_depth`` 10, its
-default); every one at N = ``--budgets``. The depths are each policy's default
+default); every one at N = ``--budgets``. ``draft_model`` with ``c2t`` takes the
+EAGLE-3 head's classifier (``tree.classifier``): the draft LM has none of its
+own, and without one the configuration is refused at startup. The depths are each policy's default
 and the largest the project documents. The floors: a model drafter or the
 hybrid at least ``0.95`` of no speculation's tok/s, the retrieval drafter at
 least ``0.97``, with greedy text equal to no speculation's.
@@ -78,6 +80,8 @@ def cells(drafters: list[str], policies: list[str] | None, budgets: list[int], h
                     spec["model"] = head
                 elif drafter == "draft_model":
                     spec["model"] = draft_lm or engines.draft_lm_path()
+                    if policy == "c2t":  # the draft LM has no classifier of its own: the head's
+                        spec["tree"]["classifier"] = str(Path(head) / "c2t_classifier.json")
                 out[f"{drafter}/{name}/N{budget}"] = spec
     return out
 
