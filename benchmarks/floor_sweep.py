@@ -7,12 +7,13 @@ Cells: ``retrieval`` with ``retrieval`` and ``chain``; ``eagle3``,
 ``draft_model`` and ``hybrid`` with ``chain``, ``eagle2`` (depth 8, the
 default, and 18), ``talon`` (``max_depth`` 32, its default), ``deagle``
 (``depth`` 18, its default), ``dynatree`` and ``c2t`` (``max_depth`` 10, its
-default); every one at N = ``--budgets``. ``draft_model`` with ``c2t`` takes the
-EAGLE-3 head's classifier (``tree.classifier``): the draft LM has none of its
-own, and without one the configuration is refused at startup. The depths are each policy's default
-and the largest the project documents. The floors: a model drafter or the
-hybrid at least ``0.95`` of no speculation's tok/s, the retrieval drafter at
-least ``0.97``, with greedy text equal to no speculation's.
+default); every one at N = ``--budgets``. The depths are each policy's
+default and the largest the project documents. ``draft_model`` with ``c2t``
+takes the EAGLE-3 head's classifier (``tree.classifier``): the draft LM has
+none of its own, and without one the configuration is refused at startup.
+The floors: a model drafter or the hybrid at least ``0.95`` of no
+speculation's tok/s, the retrieval drafter at least ``0.97``, with greedy
+text equal to no speculation's.
 
 Workload: the held-out prompt set (``benchmarks/data/heldout_prompts.jsonl``,
 never used to tune anything), greedy, answers of natural length (``--max-tokens``
