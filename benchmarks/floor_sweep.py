@@ -161,7 +161,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts-per-batch", default="2,16,64", help="prompts of a pass at each batch size")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--group-size", type=int, default=3, help="cells interleaved with one none engine")
+    parser.add_argument("--group-size", type=int, default=3,
+                        help="cells interleaved with one none engine; every engine of a group is up at once with "
+                             "its own KV cache (3.5 GiB for a draft LM with DEAGLE's depth 18 at batch 64), so "
+                             "lower it where vLLM refuses to start for lack of memory")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--head", default=str(engines.HEAD))
     parser.add_argument("--draft-lm", help="draft LM directory (default: `vllm-adaptive-spec draft-lm`'s)")
