@@ -20,7 +20,11 @@ never used to tune anything), greedy, answers of natural length (``--max-tokens`
 256), at batch 1, 8 and 64 (``--batch-sizes``; ``--prompts-per-batch`` each).
 Cells run in groups of ``--group-size`` engines plus a ``none`` engine,
 interleaved in ``--rounds`` rounds (``benchmarks/engines.py``), so each cell's
-ratio is against no speculation measured minutes apart at most.
+ratio is against no speculation measured minutes apart at most. Every group
+also runs a second ``none`` engine, the *control*, whose ratio to the first
+is the group's noise floor: on a 2-core machine two engine processes doing
+the same work differ by several percent for their whole lives (memory
+placement), so a cell's ratio is read against its group's control.
 
 Per cell and batch size: the ratio (median of the rounds'), the share of
 drafting steps that verified a tree ("verified": trees / drafting request
@@ -93,7 +97,7 @@ def summarize(cell: str, row: dict) -> dict:
     return {
         "cell": cell, "batch_size": row["batch_size"], "ratio": row.get("ratio_vs_none"),
         "rounds": row.get("ratio_per_round"), "same": row.get("same_as_none"), "error": row.get("error"),
-        "floor": FLOORS[cell.split("/")[0]], "tok_per_s": row.get("tok_per_s"),
+        "floor": FLOORS.get(cell.split("/")[0]), "tok_per_s": row.get("tok_per_s"),
         "verified": row.get("drafting_share") or 0.0,
         "drafting_steps": tree.get("drafting_steps", 0), "paused_steps": tree.get("paused", 0), "probes": tree.get("probes", 0),
         "draft_passes": tree.get("draft_passes", 0),
@@ -110,7 +114,7 @@ def markdown(report: dict) -> str:
         "ratio: tok/s over no speculation's (median of the rounds, each against none's pass in the same round); "
         "verified: share of request steps that verified a tree; probes, paused: engine steps; passes: draft "
         "passes; same: prompts whose greedy tokens equal none's; ok: ratio at or above the floor and same "
-        "text.", "",
+        "text; control/groupK: a second engine without speculation against the first, the group's noise.", "",
         "| cell | b | ratio | floor | ok | verified | probes | paused | passes | same |",
         "|---|---:|---:|---:|:-:|---:|---:|---:|---:|---:|",
     ]
@@ -119,6 +123,9 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['cell']} | {r['batch_size']} | error | {r['floor']} | no | | | | | |")
             continue
         same = r["same"] or [0, 0]
+        if r["floor"] is None:  # a group's control: none against none
+            lines.append(f"| {r['cell']} | {r['batch_size']} | {fmt(r['ratio'])} | | | | | | | {same[0]}/{same[1]} |")
+            continue
         ok = r["ratio"] is not None and r["ratio"] >= r["floor"] and same[0] == same[1]
         lines.append(f"| {r['cell']} | {r['batch_size']} | {fmt(r['ratio'])} | {r['floor']:.2f} | "
                      f"{'yes' if ok else '**no**'} | {r['verified']:.0%} | {r['probes']} | {r['paused_steps']} | "
@@ -223,13 +230,14 @@ def main(argv: list[str] | None = None) -> None:
     groups = [names[i: i + args.group_size] for i in range(0, len(names), args.group_size)]
     for index, group in enumerate(groups, 1):
         log(f"group {index}/{len(groups)}: {', '.join(group)}")
-        labels = {"none": None, **{name: grid[name] for name in group}}
+        control = f"control/group{index}"  # a second engine without speculation
+        labels = {"none": None, control: None, **{name: grid[name] for name in group}}
         jobs = {label.replace("/", "_"): {**base_job, "speculative_config": spec} for label, spec in labels.items()}
         work = out / "logs" / f"group{index}"
         work.mkdir(parents=True, exist_ok=True)
         results = engines.run_interleaved(jobs, work, args.rounds, args.worker_timeout, log=log)
         base_runs = results["none"]["runs"]
-        for name in group:
+        for name in [control, *group]:
             result = results[name.replace("/", "_")]
             for b in batch_sizes:
                 passes = [run for run in result["runs"] if run["batch_size"] == b]
