@@ -496,15 +496,19 @@ def run_engine(job: dict, work: Path, label: str, timeout_s: float, env: dict | 
 
 def run_interleaved(jobs: dict[str, dict], work: Path, rounds: int, timeout_s: float,
                     env_for: Callable[[str], dict | None] = lambda name: None,
-                    log: Callable[[str], None] = print, script: Path | None = None) -> dict[str, dict]:
+                    log: Callable[[str], None] = print,
+                    script_for: Callable[[str], Path | None] = lambda name: None) -> dict[str, dict]:
     """Every job's engine up at once, their passes alternating (see the
-    module's docstring); every job has the same ``batch_sizes``. Returns
-    each job's result, as :func:`finish_engine`."""
+    module's docstring); every job has the same ``batch_sizes``. Job
+    ``name`` runs in ``script_for(name)`` (default this module; another
+    checkout's ``benchmarks/engines.py`` runs that checkout's code) with
+    environment ``env_for(name)``. Returns each job's result, as
+    :func:`finish_engine`."""
     gate = work / "gate"
     shutil.rmtree(gate, ignore_errors=True)
     gate.mkdir(parents=True)
     live = {name: start_engine({**job, "gate_dir": str(gate), "rounds": rounds}, work, f"{name}-interleaved",
-                               env_for(name), script)
+                               env_for(name), script_for(name))
             for name, job in jobs.items()}
     results: dict[str, dict] = {}
 

@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
         results.append(("suffix", batch_sizes, max(batch_sizes), {"runs": [], "error": suffix_error}))
     if args.engine_per == "interleaved":
         jobs = {m: job_for(m, batch_sizes, max(batch_sizes)) for m in runnable}
-        done = engines.run_interleaved(jobs, work, args.rounds, args.worker_timeout, env_for, log, script)
+        done = engines.run_interleaved(jobs, work, args.rounds, args.worker_timeout, env_for, log, lambda name: script)
         results += [(m, batch_sizes, max(batch_sizes), done[m]) for m in runnable]
     else:
         plan = ([(m, batch_sizes, max(batch_sizes)) for m in runnable] if args.engine_per == "method"

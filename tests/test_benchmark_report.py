@@ -39,3 +39,31 @@ def test_a_single_pass_is_reported_as_is():
     row = engines.compare("m", True, run, base, None, ["p0"])
     assert row["ratio_vs_none"] == pytest.approx(1.2) and row["same_as_none"] == [1, 1]
     assert "rounds" not in row
+
+
+def test_floor_sweep_reports_each_groups_control_without_a_floor():
+    """A group's control (a second engine without speculation) is shown with
+    its ratio and no floor or verdict; a cell below its floor is marked."""
+    import floor_sweep
+
+    control = floor_sweep.summarize("control/group1", {"batch_size": 8, "ratio_vs_none": 0.93,
+                                                       "same_as_none": [32, 32]})
+    cell = floor_sweep.summarize("eagle3/c2t/N32", {"batch_size": 8, "ratio_vs_none": 0.94, "same_as_none": [32, 32],
+                                                   "tree": {"probes": 2, "paused": 1022, "draft_passes": 8}})
+    assert control["floor"] is None and cell["floor"] == 0.95
+    report = {"settings": {"max_tokens": 256, "dtype": "float32", "rounds": 2, "prompts_per_batch": [16]},
+              "vllm_version": "0.32.0", "machine": {"cpu_model": "cpu", "nproc": 2}, "timestamp": "now", "rows": [control, cell], "elapsed_s": 1.0}
+    lines = floor_sweep.markdown(report).splitlines()
+    assert "| control/group1 | 8 | 0.93 | | | | | | | 32/32 |" in lines
+    assert "| eagle3/c2t/N32 | 8 | 0.94 | 0.95 | **no** | 0% | 2 | 1022 | 8 | 32/32 |" in lines
+
+
+def test_before_after_takes_labelled_configs_and_refuses_others():
+    import argparse
+
+    import before_after
+
+    assert before_after.parse_spec('tree={"method": "adaptive_tree"}') == ("tree", {"method": "adaptive_tree"})
+    for bad in ("tree", "={}", "tree={not json"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            before_after.parse_spec(bad)

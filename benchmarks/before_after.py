@@ -1,0 +1,144 @@
+"""A change to the engine path, before and after, in one interleaved run:
+no speculation, vLLM's ``ngram`` (K = 4), and each ``--spec`` config run
+twice, by the code of ``--before`` and by the code of ``--after`` (two
+checkouts, e.g. ``git worktree add --detach ../before REV``), every engine up
+at once and taking turns (``benchmarks/engines.py``), so both sides see the
+same drift of the machine. Each engine runs its checkout's own
+``benchmarks/engines.py``, which puts that checkout first on ``sys.path``.
+
+Per batch size and config: the ratio to no speculation (median of the
+rounds, and each round's), tau, the plugin's counters and greedy equality
+with no speculation. Outputs in ``--out``: ``before_after.json`` and
+``before_after.md``.
+
+Reproduce (the project's default config, the held-out prompts)::
+
+    git worktree add --detach ../before HEAD~1
+    .venv/bin/python benchmarks/before_after.py --before ../before --after . \\
+        --spec retrieval='{"method": "adaptive_tree", "num_speculative_tokens": 16}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engines  # noqa: E402
+from engines import REPO, fmt  # noqa: E402
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+
+
+def parse_spec(text: str) -> tuple[str, dict]:
+    label, sep, config = text.partition("=")
+    if not sep or not label:
+        raise argparse.ArgumentTypeError(f"--spec takes LABEL=JSON, got {text!r}")
+    try:
+        spec = json.loads(config)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"--spec {label}: not JSON ({error})") from None
+    return label, spec
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    lines = [
+        "# Before and after", "",
+        f"before {s['before_rev']}, after {s['after_rev']}; prompts {Path(s['prompts']).name}, greedy, "
+        f"max_tokens={s['max_tokens']}, rounds={s['rounds']}; vLLM {report['vllm_version']}, "
+        f"{engines.machine_line(report['machine'])}", "",
+        "| b | method | ratio to none (rounds) | tau | same as none |",
+        "|---:|---|---|---:|---:|",
+    ]
+    for r in report["rows"]:
+        rounds = ", ".join(fmt(x) for x in r.get("ratio_per_round") or [])
+        same = r.get("same_as_none") or [0, 0]
+        cell = "error: " + r["error"] if r.get("error") else f"{fmt(r.get('ratio_vs_none'))}x ({rounds})"
+        lines.append(f"| {r['batch_size']} | {r['method']} | {cell} | {fmt(r.get('tau'))} | {same[0]}/{same[1]} |")
+    return "\n".join(lines) + "\n"
+
+
+def git_rev(tree: Path) -> str:
+    """The checkout's commit, as recorded in the report."""
+    done = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", type=Path, required=True, help="checkout of the code before the change")
+    parser.add_argument("--after", type=Path, default=REPO, help="checkout of the code after (default: this one)")
+    parser.add_argument("--spec", type=parse_spec, action="append", required=True,
+                        help="LABEL=JSON, a speculative config (repeatable); a 'model' key is replaced by the head")
+    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--prompts-per-batch", default="2,16,64")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--prompts", default=str(REPO / "benchmarks" / "data" / "heldout_prompts.jsonl"))
+    parser.add_argument("--head", default=str(engines.HEAD))
+    parser.add_argument("--worker-timeout", type=float, default=3600)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "before_after")
+    args = parser.parse_args(argv)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    counts = [int(n) for n in args.prompts_per_batch.split(",")]
+    if len(counts) != len(batch_sizes):
+        parser.error("--prompts-per-batch needs one count per batch size")
+    scripts = {}
+    for side in ("before", "after"):
+        script = getattr(args, side).resolve() / "benchmarks" / "engines.py"
+        if not script.is_file():
+            parser.error(f"--{side} {getattr(args, side)}: no benchmarks/engines.py there (not a checkout of this project)")
+        scripts[side] = script
+
+    from vllm_adaptive_spec.demo_model import ensure_demo_model
+    from vllm_adaptive_spec.prompts import load_prompts
+
+    model = str(ensure_demo_model())
+    prompts = engines.interleave_categories(load_prompts(args.prompts))[: max(counts + [2])]
+    conversations = [p.messages for p in prompts]
+    base_job = {
+        "model": model, "dtype": "float32", "max_tokens": args.max_tokens, "warmup_prompts": 2,
+        "max_model_len": engines.needed_model_len(model, conversations, args.max_tokens),
+        "conversations": conversations, "categories": [p.category for p in prompts], "temperature": 0.0,
+        "engine_layout": "in-process", "batch_sizes": batch_sizes, "num_prompts": counts,
+        "max_num_seqs": max(batch_sizes),
+    }
+    jobs = {"none": {**base_job, "speculative_config": None}, "ngram": {**base_job, "speculative_config": NGRAM}}
+    script_of = {"none": scripts["after"], "ngram": scripts["after"]}
+    for label, spec in args.spec:
+        if "model" in spec:
+            spec = {**spec, "model": args.head}
+        for side in ("before", "after"):
+            jobs[f"{label}-{side}"] = {**base_job, "speculative_config": spec}
+            script_of[f"{label}-{side}"] = scripts[side]
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = engines.run_interleaved(jobs, args.out / "logs", args.rounds, args.worker_timeout,
+                                      script_for=script_of.get)
+    rows = []
+    for b in batch_sizes:
+        base = [run for run in results["none"]["runs"] if run["batch_size"] == b]
+        for name in list(jobs)[1:]:
+            passes = [run for run in results[name]["runs"] if run["batch_size"] == b]
+            row = engines.compare(name, True, passes, base, results[name].get("error"), [p.id for p in prompts])
+            row.pop("token_ids", None)
+            rows.append({"batch_size": b, **row})
+    report = {
+        "vllm_version": engines.installed_vllm_version(), "machine": engines.machine(),
+        "settings": engines.portable_paths({
+            "before_rev": git_rev(args.before), "after_rev": git_rev(args.after), "specs": dict(args.spec),
+            "batch_sizes": batch_sizes, "prompts_per_batch": counts, "max_tokens": args.max_tokens,
+            "rounds": args.rounds, "prompts": args.prompts}),
+        "rows": rows,
+    }
+    (args.out / "before_after.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    text = markdown(report)
+    (args.out / "before_after.md").write_text(text, encoding="utf-8")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
