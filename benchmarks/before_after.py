@@ -15,7 +15,7 @@ Reproduce (the project's default config, the held-out prompts)::
 
     git worktree add --detach ../before HEAD~1
     .venv/bin/python benchmarks/before_after.py --before ../before --after . \\
-        --spec retrieval='{"method": "adaptive_tree", "num_speculative_tokens": 16}'
+        --spec retrieval='{"method": "adaptive_tree", "num_speculative_tokens": 16, "tree": {"drafter": "retrieval"}}'
 """
 
 from __future__ import annotations
@@ -29,9 +29,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engines  # noqa: E402
 from engines import REPO, fmt  # noqa: E402
-
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-
 
 def parse_spec(text: str) -> tuple[str, dict]:
     label, sep, config = text.partition("=")
@@ -98,16 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     from vllm_adaptive_spec.prompts import load_prompts
 
     model = str(ensure_demo_model())
-    prompts = engines.interleave_categories(load_prompts(args.prompts))[: max(counts + [2])]
-    conversations = [p.messages for p in prompts]
-    base_job = {
-        "model": model, "dtype": "float32", "max_tokens": args.max_tokens, "warmup_prompts": 2,
-        "max_model_len": engines.needed_model_len(model, conversations, args.max_tokens),
-        "conversations": conversations, "categories": [p.category for p in prompts], "temperature": 0.0,
-        "engine_layout": "in-process", "batch_sizes": batch_sizes, "num_prompts": counts,
-        "max_num_seqs": max(batch_sizes),
-    }
-    jobs = {"none": {**base_job, "speculative_config": None}, "ngram": {**base_job, "speculative_config": NGRAM}}
+    base_job, prompts = engines.greedy_job(model, engines.interleave_categories(load_prompts(args.prompts)),
+                                           "float32", args.max_tokens, batch_sizes, counts)
+    jobs = {"none": {**base_job, "speculative_config": None},
+            "ngram": {**base_job, "speculative_config": engines.NGRAM}}
     script_of = {"none": scripts["after"], "ngram": scripts["after"]}
     for label, spec in args.spec:
         if "model" in spec:

@@ -44,6 +44,8 @@ if sys.path[0] != str(REPO):  # before benchmarks/, whose kernels.py would shado
     sys.path.insert(0, str(REPO))
 
 HEAD = REPO / "heads" / "smollm2-135m-eagle3"
+# vLLM's n-gram drafter as the benchmarks compare against it (K = 4).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 SPEC_COUNTERS = {
     "drafts": "vllm:spec_decode_num_drafts",
     "draft_tokens": "vllm:spec_decode_num_draft_tokens",
@@ -81,6 +83,24 @@ def interleave_categories(prompts: list) -> list:
         order += [group[depth] for group in groups.values() if depth < len(group)]
         depth += 1
     return order
+
+
+def greedy_job(model: str, prompts: list, dtype: str, max_tokens: int, batch_sizes: list[int],
+               num_prompts: list[int], warmup: int = 2) -> tuple[dict, list]:
+    """An interleaved in-process job without its ``speculative_config``:
+    greedy answers of up to ``max_tokens`` to the first prompts of
+    ``prompts`` (as many as the largest pass or the warm-up needs), at each
+    batch size its ``num_prompts``. Returns the job and the prompts it uses."""
+    prompts = prompts[: max(num_prompts + [warmup])]
+    conversations = [p.messages for p in prompts]
+    job = {
+        "model": model, "dtype": dtype, "max_tokens": max_tokens, "warmup_prompts": warmup,
+        "max_model_len": needed_model_len(model, conversations, max_tokens),
+        "conversations": conversations, "categories": [p.category for p in prompts], "temperature": 0.0,
+        "engine_layout": "in-process", "batch_sizes": batch_sizes, "num_prompts": num_prompts,
+        "max_num_seqs": max(batch_sizes),
+    }
+    return job, prompts
 
 
 def needed_model_len(model: str, conversations: list, max_tokens: int) -> int:

@@ -213,17 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     if not grid:
         parser.error("no cell matches --drafters and --policies")
     model = str(ensure_demo_model())
-    prompts = engines.interleave_categories(load_prompts(args.prompts))
-    warmup = 2
-    prompts = prompts[: max(counts + [warmup])]
-    conversations = [p.messages for p in prompts]
-    base_job = {
-        "model": model, "dtype": args.dtype, "max_tokens": args.max_tokens, "warmup_prompts": warmup,
-        "max_model_len": engines.needed_model_len(model, conversations, args.max_tokens),
-        "conversations": conversations, "categories": [p.category for p in prompts], "temperature": 0.0,
-        "engine_layout": "in-process", "batch_sizes": batch_sizes, "num_prompts": counts,
-        "max_num_seqs": max(batch_sizes),
-    }
+    base_job, prompts = engines.greedy_job(model, engines.interleave_categories(load_prompts(args.prompts)),
+                                           args.dtype, args.max_tokens, batch_sizes, counts)
     out = Path(args.out)
     rows = []
     names = list(grid)

@@ -75,7 +75,7 @@ def method_config(name: str) -> dict | None:
     if name == "none":
         return None
     if name == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+        return dict(engines.NGRAM)
     if name.startswith("tree-"):
         adaptive = name.startswith("tree-adaptive-")
         budget = int(name.rsplit("-", 1)[1])

@@ -55,12 +55,12 @@ step to look (a probe): a probe that does not pay pauses again at once, for
 twice as long (up to ``max_pause``). A window pauses before its end once its
 losses add up to what one clear loss costs (below, ``1 - clear_loss`` of a
 step): a model drafter that loses 15% of every step at batch 1 pauses after
-4 steps, not 16. Decision: a window, not ``pause_after``
-losing steps in a row. Where the gain hovers around zero, wins and losses
-alternate step by step (measured: the hybrid's trie at batch 32 lost on 83
-of 138 steps, never 16 in a row) and a run-length rule never pauses a drafter
-that loses on balance; its real cost then also carries what the fit does not
-see (at batch 32, 10% of the step time for 2% more tokens).
+4 steps, not 16. Decision: a window, not ``pause_after`` losing steps in a
+row. Where the gain hovers around zero, wins and losses alternate step by
+step (measured: the hybrid's trie at batch 32 lost on 83 of 138 steps, never
+16 in a row) and a run-length rule never pauses a drafter that loses on
+balance; its real cost then also carries what the fit does not see (at
+batch 32, 10% of the step time for 2% more tokens).
 A probe drafts for at most ``probe_requests`` requests (the engine picks
 those whose draft state needs the least catch-up; the others count as plain
 rows of the step): a paused EAGLE-3 head must first feed every row it kept,
