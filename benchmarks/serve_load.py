@@ -24,7 +24,9 @@ the servers take turns on each block (the order rotating), one server busy
 at a time; a server's tok/s is its tokens over its own blocks' time, and the
 ratio to no speculation is also given as the median of the per-block ratios.
 This machine's speed drifts by 10-20% over minutes, which a server measured
-after the other would take for its own.
+after the other would take for its own. A ``--spec`` of ``null``
+(``--spec control=null``) is a second server without speculation, a
+*control*: its ratio to the first is the comparison's own noise.
 
 It reports per request (status, tokens, finish reasons, TTFT, inter-token
 and end-to-end latency), each speculative server's greedy token ids against
@@ -593,8 +595,9 @@ def compare(model: str, specs: dict[str, dict], requests: int, concurrency: int,
     return report
 
 
-def parse_spec(text: str) -> tuple[str, dict]:
-    """``LABEL=JSON`` or ``JSON`` (label ``speculation``)."""
+def parse_spec(text: str) -> tuple[str, dict | None]:
+    """``LABEL=JSON`` or ``JSON`` (label ``speculation``); JSON ``null`` is a
+    control server without speculation."""
     label, sep, rest = text.partition("=")
     if sep and not label.lstrip().startswith("{"):
         return label.strip(), json.loads(rest)
@@ -605,7 +608,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="default: the demo model")
     parser.add_argument("--spec", action="append", metavar="[LABEL=]JSON",
-                        help="a speculative config, served beside no speculation (repeatable; default: "
+                        help="a speculative config, served beside no speculation (repeatable; null: a control server "
+                             "without speculation; default: "
                              f"retrieval={json.dumps(DEFAULT_SPEC)})")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=32)
@@ -628,7 +632,7 @@ def main(argv: list[str] | None = None) -> None:
 
         args.model = str(ensure_demo_model())
     for spec in specs.values():  # a head or draft model given relative to the repository
-        if spec.get("model") and not Path(spec["model"]).is_absolute() and (REPO / spec["model"]).exists():
+        if spec and spec.get("model") and not Path(spec["model"]).is_absolute() and (REPO / spec["model"]).exists():
             spec["model"] = str(REPO / spec["model"])
     report = compare(args.model, specs, args.requests, args.concurrency, args.seed, args.max_model_len,
                      args.kv_sequences, args.dtype, Path(args.out), args.max_tokens, args.blocks, args.chunked_spec)

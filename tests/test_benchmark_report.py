@@ -67,3 +67,10 @@ def test_before_after_takes_labelled_configs_and_refuses_others():
     for bad in ("tree", "={}", "tree={not json"):
         with pytest.raises(argparse.ArgumentTypeError):
             before_after.parse_spec(bad)
+
+
+def test_serve_load_takes_null_as_a_control_server():
+    import serve_load
+
+    assert serve_load.parse_spec("control=null") == ("control", None)
+    assert serve_load.parse_spec('tree={"method": "adaptive_tree"}') == ("tree", {"method": "adaptive_tree"})
