@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -61,6 +62,19 @@ def test_good_config_reaches_vllm_as_a_stock_config(demo_model):
     assert config.additional_config["adaptive_tree"]["drafter"] == "retrieval"
     assert config.additional_config["adaptive_tree"]["drafter_params"]["l_max"] == 8
     assert args.speculative_config == spec, "the user's dict was changed"
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "hybrid"])
+def test_an_eagle3_head_keeps_the_last_prefix_cache_block(demo_model, drafter):
+    """vLLM drops and recomputes the last block of an EAGLE prefix-cache hit;
+    the plugin keeps it (see ``config_hook``), unless the user says otherwise."""
+    head = str(Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-eagle3")
+    spec = {"method": "adaptive_tree", "num_speculative_tokens": 8, "model": head, "tree": {"drafter": drafter}}
+    _, config = build_config(demo_model, spec)
+    assert config.speculative_config.method == "eagle3"
+    assert config.speculative_config.use_eagle_block_drop() is False
+    _, config = build_config(demo_model, {**spec, "disable_eagle_block_drop": False})
+    assert config.speculative_config.use_eagle_block_drop() is True
 
 
 def test_llm_startup_fails_with_the_message(demo_model):

@@ -81,14 +81,19 @@ def test_eagle3_eagle2_tree_greedy_equals_no_speculation(demo_model, prompt_ids,
     several passes, the oldest rows first; the first drafting step after each
     pause is a probe for 3 requests (the others stay paused). The first
     prompts run twice (alone, then in the batch, the pauses falling
-    elsewhere): wherever both runs draft from the same context, the head's
-    root distribution must be the same, caught up or not (stale or missing
+    elsewhere, the second time from the prefix cache): wherever both runs
+    draft from the same context, the head's root distribution must be the
+    same, caught up or not, read from the cache or not (stale or missing
     draft KV changes it)."""
     spec = adaptive("eagle3", HEAD, 24, policy="eagle2", top_k=4, depth=6)
     run = _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec, pause_pattern=[3, 2, 3],
                                record_roots=True, max_pass_rows=12)
     assert run.split_passes > 0 and run.probes > 0
     assert 0 < run.probe_trees <= 3  # a probe drafts for the requests it was given, no more
+    # The repeated prompts hit the prefix cache up to their last full block (two
+    # blocks of 128 tokens): the plugin keeps the block vLLM drops for EAGLE, and
+    # the roots below read its draft KV from the cache.
+    assert run.metrics["vllm:prefix_cache_hits"] >= 2 * 128, run.metrics
     roots = defaultdict(list)
     for key, tokens, probs, caught_up in run.roots:
         roots[key].append((tokens, probs, caught_up))

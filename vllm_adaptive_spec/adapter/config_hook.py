@@ -10,6 +10,17 @@ selects the plugin's worker and
 carries the tree settings, as a plain dict, in
 ``VllmConfig.additional_config["adaptive_tree"]`` (it survives pickling to the
 engine core and workers, where plugins load only after unpickling).
+
+Decision (prefix caching with an EAGLE-3 head): vLLM drops the last block of
+every prefix-cache hit for EAGLE methods and recomputes it, because the draft
+KV at the block's last position was written with the token that followed it
+then, which a new prompt may not share. For a tree drafter that costs more
+than it saves: verification is exact, so that one position can only change
+drafts, never output; while the load budget pauses the head it drafts nothing
+at all; and the recomputed block is up to 128 prompt tokens on the CPU (16 on
+CUDA) for every request with a hit (a server of repeated prompts and shared
+system prompts kept a third of its hits with the drop). So the hook sets
+vLLM's ``disable_eagle_block_drop`` unless the user's config sets it.
 """
 
 from __future__ import annotations
@@ -69,6 +80,8 @@ def install() -> None:
             # vLLM reserves this many lookahead KV slots per request: the
             # drafter's scratch while growing (its tree nodes).
             native["num_speculative_tokens"] = tree.draft_slots()
+        if native["method"] == "eagle3":
+            native.setdefault("disable_eagle_block_drop", True)
         self.speculative_config = native
         try:
             result = original(self, target_model_config, target_parallel_config)
