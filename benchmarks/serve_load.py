@@ -31,7 +31,7 @@ after the other would take for its own. A ``--spec`` of ``null``
 It reports per request (status, tokens, finish reasons, TTFT, inter-token
 and end-to-end latency), each speculative server's greedy token ids against
 the server without speculation, latency percentiles and tok/s, the
-spec-decode and preemption counters from ``/metrics``, every server's memory
+spec-decode, preemption and prefix-cache counters from ``/metrics``, every server's memory
 (the resident set of its process tree, and of its API server process alone)
 over the run, and, with speculation, the plugin's per-request state once the
 server is idle
@@ -325,7 +325,7 @@ class Server:
 
 
 def counters(metrics_text: str) -> dict[str, float]:
-    """The spec-decode, preemption and request-outcome counters of ``/metrics``."""
+    """The spec-decode, preemption, prefix-cache and request-outcome counters of ``/metrics``."""
     wanted = ("vllm:spec_decode_", "vllm:num_preemptions", "vllm:request_success", "vllm:prefix_cache_hits")
     out: dict[str, float] = {}
     for line in metrics_text.splitlines():
@@ -488,6 +488,7 @@ def markdown(report: dict) -> str:
         lambda s: f"{s['api_server_gib_after_100'] or 0:.2f} / {s['api_server_gib_half'] or 0:.2f} / "
                   f"{s['api_server_gib_end'] or 0:.2f}")
     row("preemptions", lambda s: int(s["counters"].get("vllm:num_preemptions_total", 0)))
+    row("prefix-cache hits, tokens", lambda s: int(s["counters"].get("vllm:prefix_cache_hits_total", 0)))
     row("draft tokens / accepted", lambda s: f"{int(s['counters'].get('vllm:spec_decode_num_draft_tokens_total', 0))} / "
         f"{int(s['counters'].get('vllm:spec_decode_num_accepted_tokens_total', 0))}")
     lines.append("")
