@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
+# The project's committed EAGLE-3 head for the demo model.
+HEAD = str(TESTS.parent / "heads" / "smollm2-135m-eagle3")
 
 
 @pytest.fixture(scope="session")

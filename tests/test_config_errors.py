@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from conftest import HEAD
 from vllm_adaptive_spec.config import TreeConfigError
 
 GOOD_TREE = {"drafter": "retrieval", "policy": "retrieval"}
@@ -68,8 +68,7 @@ def test_good_config_reaches_vllm_as_a_stock_config(demo_model):
 def test_an_eagle3_head_keeps_the_last_prefix_cache_block(demo_model, drafter):
     """vLLM drops and recomputes the last block of an EAGLE prefix-cache hit;
     the plugin keeps it (see ``config_hook``), unless the user says otherwise."""
-    head = str(Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-eagle3")
-    spec = {"method": "adaptive_tree", "num_speculative_tokens": 8, "model": head, "tree": {"drafter": drafter}}
+    spec = {"method": "adaptive_tree", "num_speculative_tokens": 8, "model": HEAD, "tree": {"drafter": drafter}}
     _, config = build_config(demo_model, spec)
     assert config.speculative_config.method == "eagle3"
     assert config.speculative_config.use_eagle_block_drop() is False

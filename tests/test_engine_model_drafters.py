@@ -11,16 +11,14 @@ full.
 from __future__ import annotations
 
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 
-from conftest import chat_token_ids, run_engine_job
+from conftest import HEAD, chat_token_ids, run_engine_job
 from vllm_adaptive_spec.prompts import load_prompts, one_per_category
 
 pytestmark = pytest.mark.engine
 
-HEAD = str(Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-eagle3")
 MAX_TOKENS = 28
 # Batch size 1 runs the prompts one after the other: the first few are enough.
 SERIAL_PROMPTS = 3

@@ -10,11 +10,10 @@ the EAGLE-3 head).
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
-from conftest import chat_token_ids, run_engine_job
+from conftest import HEAD, chat_token_ids, run_engine_job
 from vllm_adaptive_spec.prompts import load_prompts
 
 pytestmark = pytest.mark.engine
@@ -197,7 +196,7 @@ SAMPLED_TREES = {
     # A seed policy on a model drafter merged with retrieval: TALON's gated tree from the
     # project's EAGLE-3 head and the retrieval trie (Talon's hybrid), finished outputs shared.
     "hybrid-talon-6": ({"method": "adaptive_tree", "num_speculative_tokens": 6,
-                        "model": str(Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-eagle3"),
+                        "model": HEAD,
                         "tree": {"drafter": "hybrid", "policy": "talon", "top_k": 3, "datastore": "shared",
                                  "load_budget": "fixed"}}, 100),
 }

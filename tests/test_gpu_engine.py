@@ -15,12 +15,11 @@ Run on a GPU machine with ``python -m pytest -m gpu tests/test_gpu_engine.py``.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import chat_token_ids, run_engine_job
+from conftest import HEAD, chat_token_ids, run_engine_job
 from test_engine_tree import SAMPLED_TREES, _homogeneity_pvalue
 from vllm_adaptive_spec.prompts import load_prompts
 
@@ -29,7 +28,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-HEAD = str(Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-eagle3")
 MAX_TOKENS = 64
 SERIAL_PROMPTS = 4
 BATCH = 32
