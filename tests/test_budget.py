@@ -282,6 +282,42 @@ def test_drafting_that_loses_on_balance_pauses_though_it_wins_every_other_step()
     assert all(_alternating(worth_trees=3)), "a net gain should keep drafting"
 
 
+def test_a_drafter_drafts_for_every_request_only_after_a_window_that_paid():
+    """Slow start: from the start, and again after a pause, a drafting step
+    drafts for at most ``probe_requests`` requests until a whole window has
+    paid; drafting that loses its window never drafts for more."""
+    budget = LoadBudget(max_budget=8, pause_after=8, pause_steps=4, half_life=1e9, probe_requests=4)
+    _feed_steps(budget, alpha=0.05, beta=0.001)
+    worth = DraftTree.chain([1])
+    worth.q = [0.85]
+    limits = []
+    for _ in range(12):
+        assert budget.drafts()
+        limits.append(budget.draft_limit())
+        budget.floor(4, plain=4)
+        budget.observe_drafting(4, 4 * 0.0005)
+        budget.choose([worth] * 4, plain=4)
+    assert limits == [4] * 8 + [None] * 4, limits
+    budget._pause()  # a later window lost
+    while not budget.drafts():
+        pass
+    assert budget.probing and budget.draft_limit() == 4
+    budget.floor(4, plain=4)
+    budget.observe_drafting(4, 4 * 0.0005)
+    budget.choose([worth] * 4, plain=4)  # the probe pays; the window it opens has not yet
+    assert budget.drafts() and budget.draft_limit() == 4
+
+    losing = LoadBudget(max_budget=8, pause_after=8, pause_steps=4, half_life=1e9, probe_requests=4)
+    _feed_steps(losing, alpha=0.05, beta=0.001)
+    weak = DraftTree.chain([2])
+    weak.q = [0.1]
+    for _ in range(64):
+        if losing.drafts():
+            assert losing.draft_limit() == 4
+            losing.observe_drafting(4, 4 * 0.0005)
+            losing.choose([weak] * 4, plain=4)
+
+
 def test_losses_that_add_up_to_a_clear_loss_pause_before_the_window_ends():
     """Drafting whose trees keep nothing and whose time costs 15% of every
     step: the window's losses reach half a step (one clear loss) on its 4th

@@ -188,10 +188,9 @@ class TreeProposer:
 
     def probe_requests(self) -> int | None:
         """How many requests this drafting step may draft for: the load
-        budget's ``probe_requests`` on a probe (the first step after a pause),
-        else None (all)."""
-        budget = self.load_budget
-        return budget.probe_requests if budget is not None and budget.probing else None
+        budget's :meth:`~vllm_adaptive_spec.budget.LoadBudget.draft_limit`
+        (on a probe, and until drafting has paid over a window), else None (all)."""
+        return None if self.load_budget is None else self.load_budget.draft_limit()
 
     def _paused_part_trees(self, request_ids: list[str], budgets: list[int]) -> list[DraftTree] | None:
         """What the drafter's paused part would draft for these requests this
