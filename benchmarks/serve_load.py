@@ -585,6 +585,8 @@ def compare(model: str, specs: dict[str, dict], requests: int, concurrency: int,
                 "0.32 alone crashes on a seeded request whose prompt is chunked): tok/s compares unlike settings")
     else:
         note = "CPU: every server without chunked prefill (vLLM 0.32 alone crashes on a chunked seeded prompt)"
+    if cpu:
+        note += f"; memory allocator: {allocator()}"
     report = {
         "requests": requests, "concurrency": concurrency, "seed": seed, "blocks": blocks, "spec_configs": specs,
         "note": note, "servers": summaries, "ratios": ratios,
@@ -594,6 +596,14 @@ def compare(model: str, specs: dict[str, dict], requests: int, concurrency: int,
     (out / "serve_load.md").write_text(markdown(report), encoding="utf-8")
     plot(report, runs, out / "serve_load.png")
     return report
+
+
+def allocator() -> str:
+    """The servers' memory allocator, as they inherit it: tcmalloc where
+    ``LD_PRELOAD`` names it (vLLM's recommendation for its CPU build), else
+    the C library's malloc, under which the servers' memory grows with the
+    oneDNN matmul primitives vLLM creates (docs/benchmarking.md)."""
+    return "tcmalloc (LD_PRELOAD)" if "tcmalloc" in os.environ.get("LD_PRELOAD", "") else "the C library's malloc"
 
 
 def parse_spec(text: str) -> tuple[str, dict | None]:

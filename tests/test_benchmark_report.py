@@ -74,3 +74,25 @@ def test_serve_load_takes_null_as_a_control_server():
 
     assert serve_load.parse_spec("control=null") == ("control", None)
     assert serve_load.parse_spec('tree={"method": "adaptive_tree"}') == ("tree", {"method": "adaptive_tree"})
+
+
+def test_cold_start_reports_the_first_pass_against_the_warm_ones_and_refuses_one_pass():
+    import cold_start
+
+    row = {"label": "hybrid", "cold": 1.25, "passes": [
+        {"seconds": 12.5, "new_shapes": 130, "counters": {"draft_passes": 40}},
+        {"seconds": 10.0, "new_shapes": 5, "counters": {"draft_passes": 4}}]}
+    report = {"settings": {"num_prompts": 32, "prompts": "p.jsonl", "batch": 32, "max_tokens": 96, "passes": 2},
+              "vllm_version": "0.32.0", "machine": {"cpu_model": "cpu", "nproc": 2}, "rows": [row]}
+    assert "| hybrid | 12.50 / 10.00 | 1.25x | 130 / 5 | 40 / 4 |" in cold_start.markdown(report).splitlines()
+    with pytest.raises(SystemExit):
+        cold_start.main(["--passes", "1"])
+
+
+def test_serve_load_names_the_servers_allocator(monkeypatch):
+    import serve_load
+
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libtcmalloc_minimal.so.4")
+    assert serve_load.allocator() == "tcmalloc (LD_PRELOAD)"
+    monkeypatch.delenv("LD_PRELOAD")
+    assert serve_load.allocator() == "the C library's malloc"
