@@ -85,7 +85,7 @@ def one_method(args, label: str, spec: dict | None) -> dict:
         before = after
     warm = [p["seconds"] for p in passes[1:]]
     return {"label": label, "spec": spec, "passes": passes,
-            "cold": passes[0]["seconds"] / (sum(warm) / len(warm)) if warm else None}
+            "cold": passes[0]["seconds"] / (sum(warm) / len(warm))}
 
 
 def markdown(report: dict) -> str:

@@ -65,7 +65,12 @@ A probe drafts for at most ``probe_requests`` requests (the engine picks
 those whose draft state needs the least catch-up; the others count as plain
 rows of the step): a paused EAGLE-3 head must first feed every row it kept,
 which for a probe over the whole batch at batch 64 costs 6% of the step
-time.
+time. Decision: one probe, not ``pause_after`` steps, since a model drafter's
+tree costs several draft passes however few of its nodes are kept; and a
+step whose expected rate with drafting is below ``clear_loss`` times the
+rate without pauses at once: at batch 16 an EAGLE-2 tree of a draft LM
+costs about ten plain steps (measured: 76 ms per request), so waiting for
+``pause_after`` such steps would cost more than a fifth of the run.
 
 Slow start: a model drafter drafts for every request only once it has paid
 over a whole window; until then (from the engine's start, and again after
@@ -78,12 +83,7 @@ of a fresh server through those steps cost its first 100 requests a quarter
 of their time (measured: the hybrid's first pass over 32 prompts 15.2 s, the
 same pass warm 10.6 s, no speculation 11.4 s), and a drafter that pays for
 4 requests pays at least as much per request for more, since they share its
-passes. Decision: one probe, not ``pause_after`` steps, since a model drafter's
-tree costs several draft passes however few of its nodes are kept; and a
-step whose expected rate with drafting is below ``clear_loss`` times the
-rate without pauses at once: at batch 16 an EAGLE-2 tree of a draft LM
-costs about ten plain steps (measured: 76 ms per request), so waiting for
-``pause_after`` such steps would cost more than a fifth of the run.
+passes.
 
 Control steps: the step-cost fit tells a verified tree's own cost (``eta``)
 from the fixed cost ``alpha`` only if it sees decode steps without trees.
@@ -302,7 +302,7 @@ class LoadBudget:
         """How many requests a model drafter may draft for this step:
         ``probe_requests`` on a probe and until drafting has paid over a
         whole window (see "Slow start"), else None (all)."""
-        return None if self._proven and not self._probing else self.probe_requests
+        return None if self._proven else self.probe_requests  # a probe follows a pause, which unproves
 
     def choose(
         self, trees: list[DraftTree], request_ids: list[str] | None = None,
