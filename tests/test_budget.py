@@ -170,7 +170,7 @@ def test_a_cold_start_that_keeps_nodes_is_not_judged_before_the_fit_is_known():
     likely = DraftTree.chain([1, 2])
     likely.q = [0.9, 0.9]
     for _ in range(20):
-        budget.fit.observe(8, 0.03)
+        budget.fit.observe(8 + 16, 0.03)  # every step the same shape: the fit stays unknown
         assert budget.drafts()
         budget.observe_drafting(8, 0.05)
         assert budget.choose([likely] * 8) == [likely] * 8
@@ -483,3 +483,38 @@ def test_nodes_below_the_floor_are_never_kept(fitted):
         if steady:
             assert never_floored.choose(trees, ids, plain=plain) == whole
     assert cut > 100, cut
+
+
+def test_a_step_verifies_at_most_twice_the_rows_the_fit_has_measured():
+    """The step-cost fit is linear in decode rows and only measured where
+    steps were: fitted on batch-8 steps, it would let the first batch-64 step
+    verify every node of 64 trees (2,112 rows for 33-node trees). That step
+    keeps the best nodes over the batch up to twice the rows measured so far,
+    and the limit grows with each step measured at it."""
+    budget = LoadBudget(max_budget=32, half_life=1e9)
+    rng = np.random.default_rng(0)
+    for _ in range(40):  # batch 8, up to 32 nodes kept a step, rows nearly free
+        rows = 8 + int(rng.integers(0, 33))
+        budget.fit.observe(rows, 0.05 + 1e-5 * rows, 0, 8, 0)
+    assert budget.fit.max_rows <= 40
+    trees = []
+    for r in range(64):
+        tree = DraftTree.chain(list(range(32)))
+        tree.q = [0.999 - 0.0002 * r] * 32
+        trees.append(tree)
+    budget.observe_drafting(64, 0.001)
+    kept = [len(t) for t in budget.choose(trees)]
+    room = 2 * budget.fit.max_rows - 64
+    assert sum(kept) == max(room, 32)
+    p = [t.path_probabilities() for t in trees]
+    worst_kept = min(q for ps, k in zip(p, kept) for q in ps[:k])
+    best_left = max(q for ps, k in zip(p, kept) for q in ps[k:])
+    assert worst_kept >= best_left, "the best nodes over the batch"
+    limits = []
+    for _ in range(6):  # each step measured at the limit doubles it
+        rows = 64 + sum(kept)
+        budget.fit.observe(rows, 0.05 + 1e-5 * rows, 0, 64, 0)
+        kept = [len(t) for t in budget.choose(trees)]
+        limits.append(64 + sum(kept))
+    assert limits[:2] == [2 * (64 + max(room, 32)), 4 * (64 + max(room, 32))]
+    assert limits[-1] == 64 * 33, "every node, once the fit has seen steps that large"

@@ -109,6 +109,17 @@ rows only vLLM's kernel does not run at all and the tree path's whole time
 as a chain; until branching trees have been seen ``xi`` is 0, so they are
 tried and then measured.
 
+Trust region: the fit is linear in decode rows and known only over the steps
+it has measured; a step keeps at most as many nodes as bring its decode rows
+to ``ROW_GROWTH`` times the most any measured step had, the best over the
+batch (:meth:`room`), and at least one whole tree (``max_budget`` nodes).
+Decision: a batch that jumps (batch 8 to 64, measured) would otherwise be
+judged by a fit of its smaller steps: a DEAGLE tree for each of 64 requests
+was kept whole, 2,112 rows, one 2.4 s step on the CPU. On a GPU rows are
+close to free up to the device's width and then cost in full, which a line
+through the narrower steps cannot know. Each step at the limit is measured,
+so the limit doubles per step while the nodes pay, like TCP's slow start.
+
 Decision: before ``StepCostFit.MIN_STEPS`` measured steps, or when the fit is degenerate,
 nodes with ``p_hat >= cold_min_p`` are kept (a cautious default). Such a step
 is a trial, not judged: verifying its nodes gives the fit the varied steps it
@@ -122,6 +133,8 @@ unpaused forever.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from vllm_adaptive_spec.step_cost import StepCostFit
@@ -130,6 +143,7 @@ from vllm_adaptive_spec.tree import DraftTree
 MIN_RHO, MAX_RHO = 0.05, 2.0  # the calibration's range
 FLOOR_MARGIN = 0.8
 CONTROL_SPREAD, CONTROL_GAP = 0.02, 16  # see "Control steps"
+ROW_GROWTH = 2  # see "Trust region"
 
 
 def allocate(
@@ -156,6 +170,18 @@ def allocate(
         cost += beta
         kept[owners[index]] += 1
     return kept.tolist()
+
+
+def within(p_hat: list[np.ndarray], kept: list[int], room: int) -> list[int]:
+    """``kept`` cut to the ``room`` best nodes over all requests (each
+    request's first ``kept[r]`` of ``p_hat[r]``, which are in descending
+    order, so every request keeps a prefix of its own)."""
+    if sum(kept) <= room:
+        return list(kept)
+    values = np.concatenate([np.asarray(v[:k], dtype=np.float64) for v, k in zip(p_hat, kept)])
+    owners = np.concatenate([np.full(k, r) for r, k in enumerate(kept)]).astype(np.int64)
+    best = np.argsort(-values, kind="stable")[: max(room, 0)]
+    return np.bincount(owners[best], minlength=len(kept)).tolist()
 
 
 def _at_least(tree: DraftTree, floor: float) -> DraftTree:
@@ -304,6 +330,16 @@ class LoadBudget:
         whole window (see "Slow start"), else None (all)."""
         return None if self._proven else self.probe_requests  # a probe follows a pause, which unproves
 
+    def room(self, requests: int, plain: int = 0) -> int:
+        """How many drafted nodes a step with ``requests`` drafting and
+        ``plain`` other decoding requests may verify: its decode rows stay
+        within ``ROW_GROWTH`` times the most the step-cost fit has measured,
+        and one whole tree (``max_budget`` nodes) is always allowed (see
+        "Trust region"); unbounded before the first measured step."""
+        if self.fit.max_rows <= 0:
+            return sys.maxsize
+        return max(ROW_GROWTH * self.fit.max_rows - requests - plain, self.max_budget)
+
     def choose(
         self, trees: list[DraftTree], request_ids: list[str] | None = None,
         fallback: list[DraftTree] | None = None, plain: int = 0, fallback_budget: LoadBudget | None = None,
@@ -339,7 +375,8 @@ class LoadBudget:
         p_hat = expected(trees, rhos)
         fit = self.fit.solve()
         if fit is None:
-            chosen = [t.keep_best(int((v >= self.cold_min_p).sum())) for t, v in zip(trees, p_hat)]
+            confident = within(p_hat, [int((v >= self.cold_min_p).sum()) for v in p_hat], self.room(len(trees), plain))
+            chosen = [t.keep_best(count) for t, count in zip(trees, confident)]
             step, delta = self.fit.mean_step(), self.draft_cost()
             if trees and not any(len(t) for t in chosen) and step and delta > 0.0:
                 rows = len(trees) + plain
@@ -358,7 +395,7 @@ class LoadBudget:
                 gain = n + plain + sum(float(v[:k].sum()) for v, k in zip(p_hat, kept))
                 return gain / (alpha + delta * n + beta * (n + plain + sum(kept)) + eta * sum(k > 0 for k in kept))
 
-            kept = allocate(p_hat, alpha, beta, delta * n, plain)
+            kept = within(p_hat, allocate(p_hat, alpha, beta, delta * n, plain), self.room(n, plain))
             for _ in range(2):  # drop the trees whose nodes do not pay eta, at the resulting rate
                 rate = expected_rate(kept)
                 kept = [k if float(v[:k].sum()) - beta * k * rate >= eta * rate else 0 for v, k in zip(p_hat, kept)]

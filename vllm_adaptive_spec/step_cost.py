@@ -38,6 +38,7 @@ class StepCostFit:
         self.gram = np.zeros((COLUMNS, COLUMNS))  # decayed X^T X and X^T t
         self.moment = np.zeros(COLUMNS)
         self.steps_seen = 0
+        self.max_rows = 0  # the most decode rows of any measured step
         self._solution: list[float] | None = None
         self._solved_at = -1
 
@@ -49,6 +50,7 @@ class StepCostFit:
         nodes; ``trees`` requests verified a tree, ``branching`` of them a
         branching one), ``seconds`` of wall time."""
         x = np.array([1.0, tokens - prefill_tokens, prefill_tokens, trees, branching])
+        self.max_rows = max(self.max_rows, tokens - prefill_tokens)
         self.gram = self.gram * self.decay + np.outer(x, x)
         self.moment = self.moment * self.decay + x * seconds
         self.steps_seen += 1
