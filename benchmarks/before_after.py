@@ -1,6 +1,8 @@
 """A change to the engine path, before and after, in one interleaved run:
-no speculation, vLLM's ``ngram`` (K = 4), and each ``--spec`` config run
-twice, by the code of ``--before`` and by the code of ``--after`` (two
+no speculation, vLLM's own methods (``--vllm-methods``: ``ngram`` with K = 4
+by default, also ``suffix`` and ``eagle3`` with the project's head, K = 4, as
+``benchmarks/throughput.py`` runs them; each once, by the ``--after``
+checkout), and each ``--spec`` config run twice, by the code of ``--before`` and by the code of ``--after`` (two
 checkouts, e.g. ``git worktree add --detach ../before REV``), every engine up
 at once and taking turns (``benchmarks/engines.py``), so both sides see the
 same drift of the machine. Each engine runs its checkout's own
@@ -22,13 +24,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engines  # noqa: E402
+import throughput  # noqa: E402
 from engines import REPO, fmt  # noqa: E402
+
+VLLM_METHODS = ("ngram", "suffix", "eagle3")
 
 def parse_spec(text: str) -> tuple[str, dict]:
     label, sep, config = text.partition("=")
@@ -71,6 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--after", type=Path, default=REPO, help="checkout of the code after (default: this one)")
     parser.add_argument("--spec", type=parse_spec, action="append", required=True,
                         help="LABEL=JSON, a speculative config (repeatable); a 'model' key is replaced by the head")
+    parser.add_argument("--vllm-methods", default="ngram",
+                        help=f"vLLM's own methods run beside (comma list of {', '.join(VLLM_METHODS)}; '' for none)")
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--prompts-per-batch", default="2,16,64")
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -80,6 +88,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker-timeout", type=float, default=3600)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "before_after")
     args = parser.parse_args(argv)
+    vllm_methods = [m for m in args.vllm_methods.split(",") if m]
+    unknown = sorted(set(vllm_methods) - set(VLLM_METHODS))
+    if unknown:
+        parser.error(f"--vllm-methods: unknown {', '.join(unknown)}; valid: {', '.join(VLLM_METHODS)}")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     counts = [int(n) for n in args.prompts_per_batch.split(",")]
     if len(counts) != len(batch_sizes):
@@ -97,9 +109,18 @@ def main(argv: list[str] | None = None) -> None:
     model = str(ensure_demo_model())
     base_job, prompts = engines.greedy_job(model, engines.interleave_categories(load_prompts(args.prompts)),
                                            "float32", args.max_tokens, batch_sizes, counts)
-    jobs = {"none": {**base_job, "speculative_config": None},
-            "ngram": {**base_job, "speculative_config": engines.NGRAM}}
-    script_of = {"none": scripts["after"], "ngram": scripts["after"]}
+    jobs = {"none": {**base_job, "speculative_config": None}}
+    script_of = {"none": scripts["after"]}
+    settings = argparse.Namespace(ngram_k=4, chain_k=4, head=args.head)
+    for method in vllm_methods:  # the after checkout's throughput worker (it empties suffix's cache per pass)
+        jobs[method] = {**base_job, "speculative_config": throughput.METHODS[method](settings)}
+        script_of[method] = scripts["after"].with_name("throughput.py")
+    env = None
+    if "suffix" in vllm_methods:
+        suffix_dir, suffix_error = engines.suffix_decoding_dir()
+        if suffix_error is not None:
+            parser.error(f"--vllm-methods suffix: {suffix_error}")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [suffix_dir, os.environ.get("PYTHONPATH")]))}
     for label, spec in args.spec:
         if "model" in spec:
             spec = {**spec, "model": args.head}
@@ -108,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
             script_of[f"{label}-{side}"] = scripts[side]
     args.out.mkdir(parents=True, exist_ok=True)
     results = engines.run_interleaved(jobs, args.out / "logs", args.rounds, args.worker_timeout,
+                                      env_for=lambda name: env if name == "suffix" else None,
                                       script_for=script_of.get)
     rows = []
     for b in batch_sizes:
@@ -121,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         "vllm_version": engines.installed_vllm_version(), "machine": engines.machine(),
         "settings": engines.portable_paths({
             "before_rev": git_rev(args.before), "after_rev": git_rev(args.after), "specs": dict(args.spec),
+            "vllm_methods": {m: jobs[m]["speculative_config"] for m in vllm_methods},
             "batch_sizes": batch_sizes, "prompts_per_batch": counts, "max_tokens": args.max_tokens,
             "rounds": args.rounds, "prompts": args.prompts}),
         "rows": rows,

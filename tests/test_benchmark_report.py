@@ -69,6 +69,15 @@ def test_before_after_takes_labelled_configs_and_refuses_others():
             before_after.parse_spec(bad)
 
 
+def test_before_after_refuses_an_unknown_vllm_method_naming_the_valid_ones(capsys):
+    import before_after
+
+    with pytest.raises(SystemExit):
+        before_after.main(["--before", ".", "--spec", "t={}", "--vllm-methods", "ngram,medusa"])
+    said = capsys.readouterr().err
+    assert "--vllm-methods: unknown medusa; valid: ngram, suffix, eagle3" in said
+
+
 def test_serve_load_takes_null_as_a_control_server():
     import serve_load
 
