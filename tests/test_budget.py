@@ -505,7 +505,7 @@ def test_a_step_verifies_at_most_twice_the_rows_the_fit_has_measured():
     budget.observe_drafting(64, 0.001)
     kept = [len(t) for t in budget.choose(trees)]
     room = 2 * budget.fit.max_rows - 64
-    assert sum(kept) == max(room, 32)
+    assert sum(kept) == max(room, 32) and budget.trust_cut
     p = [t.path_probabilities() for t in trees]
     worst_kept = min(q for ps, k in zip(p, kept) for q in ps[:k])
     best_left = max(q for ps, k in zip(p, kept) for q in ps[k:])
@@ -518,3 +518,4 @@ def test_a_step_verifies_at_most_twice_the_rows_the_fit_has_measured():
         limits.append(64 + sum(kept))
     assert limits[:2] == [2 * (64 + max(room, 32)), 4 * (64 + max(room, 32))]
     assert limits[-1] == 64 * 33, "every node, once the fit has seen steps that large"
+    assert not budget.trust_cut

@@ -230,6 +230,7 @@ class LoadBudget:
         self._step_floor = 0.0  # what floor() told this step's drafter; choose() applies and clears it
         self._since_control = 0
         self.control = False  # this step is a control step (drafts nothing)
+        self.trust_cut = False  # the last choose() kept fewer nodes than it would have without the trust region
 
     # -- measurements -------------------------------------------------------
 
@@ -375,7 +376,9 @@ class LoadBudget:
         p_hat = expected(trees, rhos)
         fit = self.fit.solve()
         if fit is None:
-            confident = within(p_hat, [int((v >= self.cold_min_p).sum()) for v in p_hat], self.room(len(trees), plain))
+            wanted = [int((v >= self.cold_min_p).sum()) for v in p_hat]
+            confident = within(p_hat, wanted, self.room(len(trees), plain))
+            self.trust_cut = sum(confident) < sum(wanted)
             chosen = [t.keep_best(count) for t, count in zip(trees, confident)]
             step, delta = self.fit.mean_step(), self.draft_cost()
             if trees and not any(len(t) for t in chosen) and step and delta > 0.0:
@@ -386,23 +389,26 @@ class LoadBudget:
             return chosen
         alpha, beta, _, eta, xi = fit
 
-        def plan(p_hat: list[np.ndarray], delta: float) -> tuple[list[int], float, float]:
-            """Nodes kept per tree, the rate the trees were cut at, and the
-            expected committed tokens per second with the kept nodes."""
+        def plan(p_hat: list[np.ndarray], delta: float) -> tuple[list[int], float, float, bool]:
+            """Nodes kept per tree, the rate the trees were cut at, the
+            expected committed tokens per second with the kept nodes, and
+            whether the trust region cut them."""
             n = len(p_hat)
 
             def expected_rate(kept: list[int]) -> float:
                 gain = n + plain + sum(float(v[:k].sum()) for v, k in zip(p_hat, kept))
                 return gain / (alpha + delta * n + beta * (n + plain + sum(kept)) + eta * sum(k > 0 for k in kept))
 
-            kept = within(p_hat, allocate(p_hat, alpha, beta, delta * n, plain), self.room(n, plain))
+            wanted = allocate(p_hat, alpha, beta, delta * n, plain)
+            kept = within(p_hat, wanted, self.room(n, plain))
+            cut = sum(kept) < sum(wanted)
             for _ in range(2):  # drop the trees whose nodes do not pay eta, at the resulting rate
                 rate = expected_rate(kept)
                 kept = [k if float(v[:k].sum()) - beta * k * rate >= eta * rate else 0 for v, k in zip(p_hat, kept)]
-            return kept, rate, expected_rate(kept)
+            return kept, rate, expected_rate(kept), cut
 
         delta = self.draft_cost()
-        kept, rate, with_drafting = plan(p_hat, delta)
+        kept, rate, with_drafting, self.trust_cut = plan(p_hat, delta)
         chosen = []
         for tree, count, rho in zip(trees, kept, rhos):
             tree = tree.keep_best(count)

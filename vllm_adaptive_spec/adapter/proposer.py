@@ -37,6 +37,7 @@ class TreeStats:
     probes: int = 0  # of the others, steps that drafted to look after a pause (for a few requests)
     leaf_paths: int = 0  # verified trees whose accepted path reached a leaf
     paused_trees: int = 0  # trees drafted while paused (by a drafter's paused part)
+    trust_cuts: int = 0  # steps whose nodes the load budget's trust region cut
     last_step: dict[str, int] = field(default_factory=dict)
 
     def record_step(self, trees: int, nodes: int, accepted: int) -> None:
@@ -60,6 +61,7 @@ class TreeStats:
             "probes": self.probes,
             "leaf_paths": self.leaf_paths,
             "paused_trees": self.paused_trees,
+            "trust_cuts": self.trust_cuts,
             "drafting_share": 1.0 - self.paused / max(self.proposals, 1),
             "tau": 1.0 + self.tokens_accepted / trees,
             "nodes_per_tree": self.nodes_verified / trees,
@@ -267,6 +269,7 @@ class TreeProposer:
             trees = budget.choose(
                 trees, active_ids, fallback=fallback, plain=plain, fallback_budget=self.paused_budget
             )
+            self.stats.trust_cuts += budget.trust_cut
         if not drafting:
             self._from_paused_part.update(active_ids)
             self.stats.paused_trees += sum(1 for tree in trees if len(tree))
