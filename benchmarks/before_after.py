@@ -2,9 +2,9 @@
 no speculation, vLLM's own methods (``--vllm-methods``: ``ngram`` with K = 4
 by default, also ``suffix`` and ``eagle3`` with the project's head, K = 4, as
 ``benchmarks/throughput.py`` runs them; each once, by the ``--after``
-checkout), and each ``--spec`` config run twice, by the code of ``--before`` and by the code of ``--after`` (two
-checkouts, e.g. ``git worktree add --detach ../before REV``), every engine up
-at once and taking turns (``benchmarks/engines.py``), so both sides see the
+checkout), and each ``--spec`` config run twice, by the code of
+``--before`` and by the code of ``--after`` (two checkouts, e.g. ``git
+worktree add --detach ../before REV``), every engine up at once and taking turns (``benchmarks/engines.py``), so both sides see the
 same drift of the machine. Each engine runs its checkout's own
 ``benchmarks/engines.py``, which puts that checkout first on ``sys.path``.
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -120,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         suffix_dir, suffix_error = engines.suffix_decoding_dir()
         if suffix_error is not None:
             parser.error(f"--vllm-methods suffix: {suffix_error}")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [suffix_dir, os.environ.get("PYTHONPATH")]))}
+        env = engines.suffix_env(suffix_dir)
     for label, spec in args.spec:
         if "model" in spec:
             spec = {**spec, "model": args.head}

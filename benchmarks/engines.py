@@ -256,6 +256,12 @@ def suffix_decoding_dir() -> tuple[str | None, str | None]:
                   f"failed ({why})")
 
 
+def suffix_env(suffix_dir: str) -> dict:
+    """This process's environment with ``suffix_dir`` (from
+    :func:`suffix_decoding_dir`) first on ``PYTHONPATH``, for a ``suffix`` engine."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [suffix_dir, os.environ.get("PYTHONPATH")]))}
+
+
 # --------------------------------------------------------------------------- worker side
 
 

@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     def env_for(method: str) -> dict | None:
         if method != "suffix":
             return None
-        return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [suffix_dir, os.environ.get("PYTHONPATH")]))}
+        return engines.suffix_env(suffix_dir)
 
     script = Path(__file__).resolve()
     runnable = [m for m in methods if not (m == "suffix" and suffix_error is not None)]

@@ -158,9 +158,7 @@ def allocate(
     cost = alpha + fixed_cost + beta * (batch + plain)
     if batch == 0:
         return []
-    values = np.concatenate([np.asarray(v, dtype=np.float64) for v in p_hat])
-    owners = np.concatenate([np.full(len(v), r) for r, v in enumerate(p_hat)]).astype(np.int64)
-    order = np.argsort(-values, kind="stable")
+    values, owners, order = _pooled(p_hat)
     kept = np.zeros(batch, dtype=np.int64)
     for index in order:
         value = values[index]
@@ -172,16 +170,22 @@ def allocate(
     return kept.tolist()
 
 
+def _pooled(p_hat: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every request's values in one array, each value's request, and the
+    order of the values from the largest (stable among equals)."""
+    values = np.concatenate([np.asarray(v, dtype=np.float64) for v in p_hat])
+    owners = np.concatenate([np.full(len(v), r) for r, v in enumerate(p_hat)]).astype(np.int64)
+    return values, owners, np.argsort(-values, kind="stable")
+
+
 def within(p_hat: list[np.ndarray], kept: list[int], room: int) -> list[int]:
     """``kept`` cut to the ``room`` best nodes over all requests (each
     request's first ``kept[r]`` of ``p_hat[r]``, which are in descending
     order, so every request keeps a prefix of its own)."""
     if sum(kept) <= room:
         return list(kept)
-    values = np.concatenate([np.asarray(v[:k], dtype=np.float64) for v, k in zip(p_hat, kept)])
-    owners = np.concatenate([np.full(k, r) for r, k in enumerate(kept)]).astype(np.int64)
-    best = np.argsort(-values, kind="stable")[: max(room, 0)]
-    return np.bincount(owners[best], minlength=len(kept)).tolist()
+    _, owners, order = _pooled([v[:k] for v, k in zip(p_hat, kept)])
+    return np.bincount(owners[order[: max(room, 0)]], minlength=len(kept)).tolist()
 
 
 def _at_least(tree: DraftTree, floor: float) -> DraftTree:
