@@ -125,79 +125,157 @@ def self_times(phases: dict) -> dict[str, float]:
     return columns
 
 
+class ProfiledEngine:
+    """One engine's profiled passes, advanced one engine step at a time: a
+    pass keeps ``in_flight`` of ``count`` prompts in the engine; each step's
+    wall time is measured around ``LLMEngine.step``, the worker's phases by
+    the adapter's timers (installed here), and for ``adaptive_tree`` the
+    step is filed by what its proposal did (the plugin's counters read after
+    every step, outside its timing)."""
+
+    def __init__(self, llm, job: dict) -> None:
+        from vllm import SamplingParams
+
+        from vllm_adaptive_spec.adapter import step_profile
+
+        self.llm, self.engine, self.profile = llm, llm.llm_engine, step_profile
+        tokenizer = llm.get_tokenizer()
+        self.prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
+                        for m in job["conversations"]]
+        self.params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
+        self.tree_method = engines.is_tree_method(job)
+        llm.collective_rpc(step_profile.install)
+
+    def start(self, count: int, in_flight: int) -> None:
+        self.llm.reset_prefix_cache()
+        self.llm.collective_rpc(self.profile.reset)
+        self.before = self.counters = engines.tree_counters(self.llm, self.tree_method)
+        self.phases: dict = {}
+        self.by_kind: dict[str, dict] = {}
+        self.waiting, self.in_flight, self.running = list(range(count)), in_flight, 0
+        self.step_seconds: list[float] = []
+        self.token_ids: dict[int, list[int]] = {}
+
+    def busy(self) -> bool:
+        return bool(self.waiting) or self.engine.has_unfinished_requests()
+
+    def step(self) -> None:
+        while self.waiting and self.running < self.in_flight:
+            index = self.waiting.pop(0)
+            self.engine.add_request(f"p{index}-{time.monotonic_ns()}", self.prompts[index % len(self.prompts)],
+                                    self.params)
+            self.running += 1
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        self.step_seconds.append(time.perf_counter() - started)
+        for output in outputs:
+            if output.finished:
+                self.running -= 1
+                self.token_ids[int(output.request_id[1:].split("-")[0])] = list(output.outputs[0].token_ids)
+        if self.tree_method:
+            now, now_phases = engines.tree_counters(self.llm, True), self.llm.collective_rpc(self.profile.report)[0]
+            kind = self.by_kind.setdefault(_kind_of_step(self.counters, now), {"steps": 0, "wall_s": 0.0, "phases": {}})
+            kind["steps"] += 1
+            kind["wall_s"] += self.step_seconds[-1]
+            for key, (seconds, calls) in now_phases.items():
+                old = self.phases.get(key, (0.0, 0))
+                total = kind["phases"].setdefault(key, [0.0, 0])
+                total[0] += seconds - old[0]
+                total[1] += calls - old[1]
+            self.counters, self.phases = now, now_phases
+
+    def result(self) -> dict:
+        after = engines.tree_counters(self.llm, self.tree_method)
+        return {"steps": len(self.step_seconds), "wall_s": sum(self.step_seconds),
+                "tokens": sum(len(ids) for ids in self.token_ids.values()),
+                "phases": self.llm.collective_rpc(self.profile.report)[0],
+                "tree": {k: after[k] - self.before[k] for k in after}, "by_kind": self.by_kind,
+                "token_ids": [self.token_ids[i] for i in sorted(self.token_ids)]}
+
+
+def _kind_of_step(before: dict, after: dict) -> str:
+    """What the step's proposal did: drafted, a probe, paused, or none asked."""
+    for kind in ("probes", "paused"):
+        if after[kind] > before[kind]:
+            return kind.removesuffix("s")
+    return "drafting" if after["drafting_steps"] > before["drafting_steps"] else "no proposal"
+
+
+def _pass_size(job: dict, batch_size: int) -> int:
+    return max(batch_size, job["min_prompts"])
+
+
+def _profile_pass(profiled: ProfiledEngine, count: int, in_flight: int) -> dict:
+    profiled.start(count, in_flight)
+    while profiled.busy():
+        profiled.step()
+    return profiled.result()
+
+
 def worker(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text(encoding="utf-8"))
     # The timers are installed by sending a function to the worker process
     # (collective_rpc), which vLLM only pickles with this set.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    from vllm import SamplingParams
-
-    from vllm_adaptive_spec.adapter import step_profile
-
-    llm = engines.open_engine(job, max(job["batch_sizes"]))
-    engine = llm.llm_engine
-    tokenizer = llm.get_tokenizer()
-    prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in job["conversations"]]
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
-    llm.collective_rpc(step_profile.install)
-
-    tree_method = engines.is_tree_method(job)
-
-    def kind_of_step(before: dict, after: dict) -> str:
-        """What the step's proposal did: drafted, a probe, paused, or none asked."""
-        for kind in ("probes", "paused"):
-            if after[kind] > before[kind]:
-                return kind.removesuffix("s")
-        return "drafting" if after["drafting_steps"] > before["drafting_steps"] else "no proposal"
-
-    def run(count: int, in_flight: int) -> dict:
-        llm.reset_prefix_cache()
-        llm.collective_rpc(step_profile.reset)
-        before = counters = engines.tree_counters(llm, tree_method)
-        phases: dict = {}
-        by_kind: dict[str, dict] = {}
-        waiting = list(range(count))
-        step_seconds, tokens, running = [], 0, 0
-        while waiting or engine.has_unfinished_requests():
-            while waiting and running < in_flight:
-                index = waiting.pop(0)
-                engine.add_request(f"p{index}-{time.monotonic_ns()}", prompts[index % len(prompts)], params)
-                running += 1
-            started = time.perf_counter()
-            outputs = engine.step()
-            step_seconds.append(time.perf_counter() - started)
-            for output in outputs:
-                if output.finished:
-                    running -= 1
-                    tokens += len(output.outputs[0].token_ids)
-            if tree_method:  # each step's phases, by what its proposal did (read outside the timed step)
-                now, now_phases = engines.tree_counters(llm, True), llm.collective_rpc(step_profile.report)[0]
-                kind = by_kind.setdefault(kind_of_step(counters, now), {"steps": 0, "wall_s": 0.0, "phases": {}})
-                kind["steps"] += 1
-                kind["wall_s"] += step_seconds[-1]
-                for key, (seconds, calls) in now_phases.items():
-                    old = phases.get(key, (0.0, 0))
-                    total = kind["phases"].setdefault(key, [0.0, 0])
-                    total[0] += seconds - old[0]
-                    total[1] += calls - old[1]
-                counters, phases = now, now_phases
-        after = engines.tree_counters(llm, tree_method)
-        return {"steps": len(step_seconds), "wall_s": sum(step_seconds), "tokens": tokens,
-                "phases": llm.collective_rpc(step_profile.report)[0],
-                "tree": {k: after[k] - before[k] for k in after}, "by_kind": by_kind}
-
-    run(2, 2)  # warm-up
+    profiled = ProfiledEngine(engines.open_engine(job, max(job["batch_sizes"])), job)
+    _profile_pass(profiled, 2, 2)  # warm-up
     results = []
     for batch_size in job["batch_sizes"]:
-        result = run(max(batch_size, job["min_prompts"]), batch_size)
-        result["batch_size"] = batch_size
-        results.append(result)
+        result = _profile_pass(profiled, _pass_size(job, batch_size), batch_size)
+        del result["token_ids"]
+        results.append({**result, "batch_size": batch_size})
         print(f"[worker] b={batch_size}: {result['steps']} steps, {result['tokens']} tokens", flush=True)
     Path(job["result_path"]).write_text(json.dumps({"runs": results}), encoding="utf-8")
 
 
+def lockstep(jobs: dict[str, dict], batch_sizes: list[int], passes: int) -> list[dict]:
+    """Every method's engine in this one process, stepped in turn (one step
+    each, the order rotating every step), so the machine's drift over
+    minutes falls on every method alike and what is left between two
+    engines is their own work (and their memory placement: compare two
+    engines without speculation). ``adaptive_tree`` engines are opened
+    first: the first makes vLLM's attention backend the tree-aware one for
+    the rest of the process (vLLM caches its choice, so one opened after an
+    engine without speculation would get the stock backend and be refused);
+    the engines after them run the stock kernel behind the tree backend's
+    per-layer check. Returns one row per method,
+    batch size and pass, with greedy equality against the first method."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    order = sorted(jobs, key=lambda name: not engines.is_tree_method(jobs[name]))
+    profiled = {}
+    for name in order:
+        print(f"{name} starts", flush=True)
+        profiled[name] = ProfiledEngine(engines.open_engine({**jobs[name], "engine_layout": "in-process"},
+                                                            max(batch_sizes)), jobs[name])
+    rows = []
+    for count, in_flight, timed in [(2, 2, False)] + [(_pass_size(jobs[order[0]], b), b, True)
+                                                        for b in batch_sizes for _ in range(passes)]:
+        for engine in profiled.values():
+            engine.start(count, in_flight)
+        turn = list(profiled)
+        while any(engine.busy() for engine in profiled.values()):
+            for name in turn:
+                if profiled[name].busy():
+                    profiled[name].step()
+            turn = turn[1:] + turn[:1]
+        if not timed:
+            continue
+        results = {name: engine.result() for name, engine in profiled.items()}
+        first = results[next(iter(jobs))]
+        reference = first["token_ids"]
+        for name in jobs:
+            result = results[name]
+            same = sum(a == b for a, b in zip(result.pop("token_ids"), reference))
+            ratio = (result["tokens"] / result["wall_s"]) / (first["tokens"] / first["wall_s"])
+            rows.append({"method": name, "batch_size": in_flight, "ratio": ratio,
+                         "same": [same, len(reference)], **result})
+            print(f"[lockstep] {name} b={in_flight}: {result['steps']} steps, {result['tokens']} tokens, "
+                  f"{ratio:.3f}x the first method, greedy same {same}/{len(reference)}", flush=True)
+    return rows
+
+
 def table(report: dict) -> str:
-    head = ["method", "b", "tok/s", "tok/step", "ms/step", *COLUMNS, "engine", "leaf", "overlap <="]
+    head = ["method", "b", "tok/s", "vs first", "same", "tok/step", "ms/step", *COLUMNS, "engine", "leaf", "overlap <="]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in report["rows"]:
         if "error" in row:
@@ -207,6 +285,8 @@ def table(report: dict) -> str:
         cols = self_times(row["phases"])
         worker_s = sum(cols.values())
         cells = [row["method"], str(row["batch_size"]), f"{row['tokens'] / row['wall_s']:.1f}",
+                 f"{row['ratio']:.3f}" if "ratio" in row else "",
+                 "{}/{}".format(*row["same"]) if "same" in row else "",
                  f"{row['tokens'] / steps:.2f}", f"{1000 * row['wall_s'] / steps:.1f}"]
         cells += [f"{1000 * cols[c] / steps:.2f}" for c in COLUMNS]
         cells.append(f"{1000 * (row['wall_s'] - worker_s) / steps:.2f}")
@@ -220,7 +300,7 @@ def table(report: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
         for kind, part in (row.get("by_kind") or {}).items():
             cols = self_times(part["phases"])
-            cells = [f"{row['method']} [{kind}]", str(row["batch_size"]), "", f"{part['steps']} steps",
+            cells = [f"{row['method']} [{kind}]", str(row["batch_size"]), "", "", "", f"{part['steps']} steps",
                      f"{1000 * part['wall_s'] / part['steps']:.1f}"]
             cells += [f"{1000 * cols[c] / part['steps']:.2f}" for c in COLUMNS]
             cells += [f"{1000 * (part['wall_s'] - sum(cols.values())) / part['steps']:.2f}", "", ""]
@@ -237,8 +317,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32",
                         help="float32 (default): on CPUs without native bf16 (AVX2 only), bf16 matmuls cost "
                              "the same per row whatever the batch, so no speculation can pay there")
-    parser.add_argument("--engine-layout", choices=("processes", "in-process"), default="processes",
-                        help="as in benchmarks/throughput.py: vLLM's processes, or engine and worker in one process")
+    parser.add_argument("--engine-layout", choices=("processes", "in-process", "lockstep"), default="processes",
+                        help="as in benchmarks/throughput.py: vLLM's processes, or engine and worker in one "
+                             "process, one method after another; lockstep: every method's engine in this process, "
+                             "stepped in turn (ratios between methods without the machine's drift)")
+    parser.add_argument("--passes", type=int, default=2, help="lockstep: timed passes per batch size")
     parser.add_argument("--head", default=str(engines.HEAD), help="EAGLE-3 head (eagle3-N)")
     parser.add_argument("--prompts", help="prompt set JSONL (default: the project's)")
     parser.add_argument("--worker-timeout", type=float, default=1800, help="seconds per engine process")
@@ -258,24 +341,31 @@ def main(argv: list[str] | None = None) -> None:
     conversations = conversations[: max(max(batch_sizes), args.min_prompts)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    jobs = {}
     for method in args.methods.split(","):
         spec = method_config(method)
         if spec is not None and spec.get("tree", {}).get("drafter") in ("eagle3", "hybrid"):
             spec["model"] = args.head
         elif spec is not None and spec.get("tree", {}).get("drafter") == "draft_model":
             spec["model"] = engines.draft_lm_path()
-        job = {"model": model, "dtype": args.dtype, "speculative_config": spec,
-               "batch_sizes": batch_sizes, "max_tokens": args.max_tokens, "min_prompts": args.min_prompts,
-               "max_model_len": engines.needed_model_len(model, conversations, args.max_tokens),
-               "conversations": conversations, "engine_layout": args.engine_layout}
-        print(f"{method} ...", flush=True)
-        result = engines.run_engine(job, out, f"profile-{method}", args.worker_timeout, script=Path(__file__).resolve())
+        name = method if method not in jobs else f"{method} #{sum(n.split(' #')[0] == method for n in jobs) + 1}"
+        jobs[name] = {"model": model, "dtype": args.dtype, "speculative_config": spec,
+                      "batch_sizes": batch_sizes, "max_tokens": args.max_tokens, "min_prompts": args.min_prompts,
+                      "max_model_len": engines.needed_model_len(model, conversations, args.max_tokens),
+                      "conversations": conversations, "engine_layout": args.engine_layout}
+    rows = []
+    if args.engine_layout == "lockstep":
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        rows = lockstep(jobs, batch_sizes, args.passes)
+    for name, job in jobs.items() if args.engine_layout != "lockstep" else ():
+        print(f"{name} ...", flush=True)
+        result = engines.run_engine(job, out, f"profile-{name.replace(' #', '-')}", args.worker_timeout,
+                                    script=Path(__file__).resolve())
         if "error" in result:
-            rows += [{"method": method, "batch_size": b, "error": f"{result['error']}, see {result['log']}"}
+            rows += [{"method": name, "batch_size": b, "error": f"{result['error']}, see {result['log']}"}
                      for b in batch_sizes]
             continue
-        rows += [{"method": method, **r} for r in result["runs"]]
+        rows += [{"method": name, **r} for r in result["runs"]]
     report = {"settings": engines.portable_paths(vars(args)), "rows": rows}
     (out / "step_profile.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     text = table(report)

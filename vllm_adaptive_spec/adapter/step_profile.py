@@ -28,42 +28,50 @@ from collections import defaultdict
 
 
 class _Timer:
+    """One model runner's phase times. Code every engine of the process
+    shares (attention impls, the tree attention function) is timed on the
+    timer of the runner whose step is running (``active``), so engines
+    stepped in turn in one process (``step_profile.py --lockstep``) keep
+    their phases apart."""
+
+    active: _Timer | None = None
+
     def __init__(self) -> None:
         self.stack: list[str] = []
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
 
-    def wrap(self, name: str, fn):
-        def timed(*args, **kwargs):
-            self.stack.append(name)
-            key = "/".join(self.stack)
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[key] += time.perf_counter() - started
-                self.calls[key] += 1
-                self.stack.pop()
-
-        timed._step_profile_wrapped = True
-        return timed
+    def run(self, name: str, fn, args, kwargs):
+        outer, _Timer.active = _Timer.active, self
+        self.stack.append(name)
+        key = "/".join(self.stack)
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.seconds[key] += time.perf_counter() - started
+            self.calls[key] += 1
+            self.stack.pop()
+            _Timer.active = outer
 
 
-_timer: _Timer | None = None
-
-
-def _wrap_method(owner, attribute: str, name: str) -> None:
+def _wrap(owner, attribute: str, name: str, timer: _Timer | None) -> None:
+    """Time ``owner.attribute`` on ``timer``, or (None: code shared by every
+    runner) on the active runner's timer."""
     fn = getattr(owner, attribute, None)
     if fn is None or getattr(fn, "_step_profile_wrapped", False):
         return
-    setattr(owner, attribute, _timer.wrap(name, fn))
+
+    def timed(*args, **kwargs):
+        current = timer or _Timer.active
+        return fn(*args, **kwargs) if current is None else current.run(name, fn, args, kwargs)
+
+    timed._step_profile_wrapped = True
+    setattr(owner, attribute, timed)
 
 
 def install(worker) -> bool:
-    """Wrap ``worker``'s model runner and the attention code of this process."""
-    global _timer
-    if _timer is None:
-        _timer = _Timer()
+    """Wrap ``worker``'s model runner (with a timer of its own) and the attention code of this process."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cuda():
@@ -81,6 +89,9 @@ def install(worker) -> bool:
         stock_impls, tree_function = (CPUAttentionBackendImpl,), "paged_tree_attention"
 
     runner = worker.model_runner
+    if getattr(runner, "_step_timer", None) is not None:
+        return True
+    timer = runner._step_timer = _Timer()
     for attribute, name in (
         ("execute_model", "execute_model"),
         ("_prepare_inputs", "prepare"),
@@ -90,18 +101,18 @@ def install(worker) -> bool:
         ("_after_acceptance", "compaction"),
         ("propose_draft_token_ids", "draft"),
     ):
-        _wrap_method(runner, attribute, name)
+        _wrap(runner, attribute, name, timer)
     for impl in stock_impls:
-        _wrap_method(impl, "forward", "attention")
+        _wrap(impl, "forward", "attention", None)
     proposer = getattr(runner, "_tree_proposer", None)
     if proposer is not None:
-        _wrap_method(proposer, "propose_trees", "grow")
-        _wrap_method(tree_module, tree_function, "tree_attention")
+        _wrap(proposer, "propose_trees", "grow", timer)
+        _wrap(tree_module, tree_function, "tree_attention", None)
     backend = getattr(runner, "_draft_backend", None)
     if backend is not None:
-        _wrap_method(backend, "first_pass", "draft_first_pass")
-        _wrap_method(backend, "feed", "draft_pass")
-        _wrap_method(backend, "_feed_rows", "draft_forward")
+        _wrap(backend, "first_pass", "draft_first_pass", timer)
+        _wrap(backend, "feed", "draft_pass", timer)
+        _wrap(backend, "_feed_rows", "draft_forward", timer)
     if proposer is not None and getattr(runner, "rejection_sampler", None) is not None:
         verifier = runner.rejection_sampler
         verifier.on_accept = runner._after_acceptance
@@ -109,14 +120,17 @@ def install(worker) -> bool:
 
 
 def reset(worker) -> bool:
-    if _timer is not None:
-        _timer.seconds.clear()
-        _timer.calls.clear()
+    timer = getattr(worker.model_runner, "_step_timer", None)
+    if timer is not None:
+        timer.seconds.clear()
+        timer.calls.clear()
     return True
 
 
 def report(worker) -> dict:
     """``{phase path: [seconds, calls]}`` since the last reset."""
-    if _timer is None:
+    timer = getattr(worker.model_runner, "_step_timer", None)
+    if timer is None:
         return {}
-    return {key: [_timer.seconds[key], _timer.calls[key]] for key in _timer.seconds}
+    return {key: [timer.seconds[key], timer.calls[key]] for key in timer.seconds}
+

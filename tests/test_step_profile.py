@@ -1,0 +1,44 @@
+"""The step profile's timers (``vllm_adaptive_spec/adapter/step_profile.py``):
+engines stepped in turn in one process (``step_profile.py --engine-layout
+lockstep``) keep their phases apart, code they share included. Pure logic,
+no engine."""
+
+from vllm_adaptive_spec.adapter.step_profile import _Timer, _wrap
+
+
+class _Attention:
+    """Stands for code every engine of the process shares (an attention impl)."""
+
+    def forward(self) -> int:
+        return 1
+
+
+_FORWARD = _Attention.forward
+
+
+class _Runner:
+    def __init__(self, attention: _Attention) -> None:
+        self.attention = attention
+
+    def execute_model(self) -> int:
+        return self.attention.forward() + self.attention.forward()
+
+
+def test_runners_stepped_in_turn_keep_their_own_phase_times():
+    attention = _Attention()
+    first, second = _Runner(attention), _Runner(attention)
+    timers = _Timer(), _Timer()
+    _wrap(_Attention, "forward", "attention", None)
+    try:
+        for runner, timer in zip((first, second), timers):
+            _wrap(runner, "execute_model", "execute_model", timer)
+        assert first.execute_model() == 2
+        assert second.execute_model() == 2
+        assert first.execute_model() == 2
+        assert attention.forward() == 1  # outside any runner's step: timed on no runner
+        assert dict(timers[0].calls) == {"execute_model": 2, "execute_model/attention": 4}
+        assert dict(timers[1].calls) == {"execute_model": 1, "execute_model/attention": 2}
+        assert timers[0].seconds["execute_model"] >= timers[0].seconds["execute_model/attention"] > 0
+        assert _Timer.active is None
+    finally:
+        _Attention.forward = _FORWARD
