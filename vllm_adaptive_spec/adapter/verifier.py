@@ -84,6 +84,13 @@ class TreeVerifier(torch.nn.Module):
         self.on_accept = on_accept
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
+        if logits.shape[0] == len(metadata.num_draft_tokens) and sampling_metadata.max_num_logprobs is None:
+            # No request has drafts (every step of a paused drafter): vLLM's
+            # sampler alone, without the layout below (0.2 ms a step at batch 8
+            # on the CPU, a fifth of what a paused EAGLE-3 head adds to a step).
+            sampled = self.sampler(logits=logits, sampling_metadata=sampling_metadata, predict_bonus_token=True)
+            tree_step.publish(None)
+            return SamplerOutput(sampled_token_ids=sampled.sampled_token_ids.to(torch.int32), logprobs_tensors=None)
         device = logits.device
         num_drafts = torch.tensor(metadata.num_draft_tokens, dtype=torch.long, device=device)
         rows_per_request = num_drafts + 1
@@ -91,13 +98,10 @@ class TreeVerifier(torch.nn.Module):
         starts = cu_rows - rows_per_request
         batch, width = num_drafts.shape[0], int(num_drafts.max()) + 1
 
-        # A step without drafts has one row per request: no gather (a copy of every row's
-        # logits), unless logprobs are read from ``logits`` after vLLM's sampler, which
-        # processes the rows it is given in place.
-        no_copy = logits.shape[0] == batch and sampling_metadata.max_num_logprobs is None
-        bonus = logits if no_copy else logits[metadata.bonus_logits_indices]
+        # A copy (vLLM's sampler processes the rows it is given in place; logprobs are read
+        # from ``logits`` after it).
         plain = self.sampler(
-            logits=bonus,
+            logits=logits[metadata.bonus_logits_indices],
             sampling_metadata=sampling_metadata,
             predict_bonus_token=True,
         )
