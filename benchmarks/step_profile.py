@@ -238,10 +238,14 @@ def lockstep(jobs: dict[str, dict], batch_sizes: list[int], passes: int) -> list
     the rest of the process (vLLM caches its choice, so one opened after an
     engine without speculation would get the stock backend and be refused);
     the engines after them run the stock kernel behind the tree backend's
-    per-layer check. Returns one row per method,
-    batch size and pass, with greedy equality against the first method."""
+    per-layer check. vLLM's own methods open last: an engine opened after
+    an ``ngram`` engine fails in vLLM's CPU kernel registration
+    (``'_lib_fn_wrapper' object has no attribute 'get'``). Returns one row
+    per method, batch size and pass, with greedy equality against the first
+    method."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    order = sorted(jobs, key=lambda name: not engines.is_tree_method(jobs[name]))
+    order = sorted(jobs, key=lambda name: 0 if engines.is_tree_method(jobs[name])
+                   else 1 if jobs[name]["speculative_config"] is None else 2)
     profiled = {}
     for name in order:
         print(f"{name} starts", flush=True)
