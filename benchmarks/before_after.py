@@ -4,8 +4,9 @@ by default, also ``suffix`` and ``eagle3`` with the project's head, K = 4, as
 ``benchmarks/throughput.py`` runs them; each once, by the ``--after``
 checkout), and each ``--spec`` config run twice, by the code of
 ``--before`` and by the code of ``--after`` (two checkouts, e.g. ``git
-worktree add --detach ../before REV``), every engine up at once and taking turns (``benchmarks/engines.py``), so both sides see the
-same drift of the machine. Each engine runs its checkout's own
+worktree add --detach ../before REV``), every engine up at once and taking
+turns (``benchmarks/engines.py``), so both sides see the same drift of the
+machine. Each engine runs its checkout's own
 ``benchmarks/engines.py``, which puts that checkout first on ``sys.path``.
 
 Per batch size and config: the ratio to no speculation (median of the

@@ -59,6 +59,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -345,31 +346,33 @@ def main(argv: list[str] | None = None) -> None:
     conversations = conversations[: max(max(batch_sizes), args.min_prompts)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    jobs = {}
+    jobs, listed = {}, Counter()
     for method in args.methods.split(","):
         spec = method_config(method)
         if spec is not None and spec.get("tree", {}).get("drafter") in ("eagle3", "hybrid"):
             spec["model"] = args.head
         elif spec is not None and spec.get("tree", {}).get("drafter") == "draft_model":
             spec["model"] = engines.draft_lm_path()
-        name = method if method not in jobs else f"{method} #{sum(n.split(' #')[0] == method for n in jobs) + 1}"
+        listed[method] += 1
+        name = method if listed[method] == 1 else f"{method} #{listed[method]}"
         jobs[name] = {"model": model, "dtype": args.dtype, "speculative_config": spec,
                       "batch_sizes": batch_sizes, "max_tokens": args.max_tokens, "min_prompts": args.min_prompts,
                       "max_model_len": engines.needed_model_len(model, conversations, args.max_tokens),
                       "conversations": conversations, "engine_layout": args.engine_layout}
-    rows = []
     if args.engine_layout == "lockstep":
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         rows = lockstep(jobs, batch_sizes, args.passes)
-    for name, job in jobs.items() if args.engine_layout != "lockstep" else ():
-        print(f"{name} ...", flush=True)
-        result = engines.run_engine(job, out, f"profile-{name.replace(' #', '-')}", args.worker_timeout,
-                                    script=Path(__file__).resolve())
-        if "error" in result:
-            rows += [{"method": name, "batch_size": b, "error": f"{result['error']}, see {result['log']}"}
-                     for b in batch_sizes]
-            continue
-        rows += [{"method": name, **r} for r in result["runs"]]
+    else:
+        rows = []
+        for name, job in jobs.items():
+            print(f"{name} ...", flush=True)
+            result = engines.run_engine(job, out, f"profile-{name.replace(' #', '-')}", args.worker_timeout,
+                                        script=Path(__file__).resolve())
+            if "error" in result:
+                rows += [{"method": name, "batch_size": b, "error": f"{result['error']}, see {result['log']}"}
+                         for b in batch_sizes]
+                continue
+            rows += [{"method": name, **r} for r in result["runs"]]
     report = {"settings": engines.portable_paths(vars(args)), "rows": rows}
     (out / "step_profile.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     text = table(report)

@@ -31,8 +31,8 @@ class _Timer:
     """One model runner's phase times. Code every engine of the process
     shares (attention impls, the tree attention function) is timed on the
     timer of the runner whose step is running (``active``), so engines
-    stepped in turn in one process (``step_profile.py --lockstep``) keep
-    their phases apart."""
+    stepped in turn in one process (``step_profile.py --engine-layout
+    lockstep``) keep their phases apart."""
 
     active: _Timer | None = None
 
@@ -133,4 +133,3 @@ def report(worker) -> dict:
     if timer is None:
         return {}
     return {key: [timer.seconds[key], timer.calls[key]] for key in timer.seconds}
-
