@@ -90,7 +90,7 @@ def record_roots(worker) -> None:
     worker.recorded_roots = recorded = []
 
     def recording(*args, **kwargs):
-        kept = set(backend._stash)
+        kept = {r for r in runner.input_batch.req_ids if backend.paused_rows.rows(r)}
         own_share = first_pass(*args, **kwargs)
         if backend._roots is None:
             return own_share
@@ -127,9 +127,9 @@ def counter(worker, name: str) -> int | None:
 
 def limit_stash(worker, stash_bytes: int) -> None:
     """Bound the EAGLE-3 stash of paused rows and count the steps on which requests give theirs up."""
-    backend = worker.model_runner._draft_backend
-    backend.STASH_BYTES = stash_bytes
-    _count_calls(worker, "stash_drops", backend, "_give_up_largest")
+    paused_rows = worker.model_runner._draft_backend.paused_rows
+    paused_rows.limit_bytes = stash_bytes
+    _count_calls(worker, "stash_drops", paused_rows, "give_up_largest")
 
 
 def limit_pass_rows(worker, rows: int) -> None:

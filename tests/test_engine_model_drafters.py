@@ -114,7 +114,7 @@ def test_eagle3_requests_beyond_the_stash_bound_give_up_the_head(demo_model, pro
     run over them while paused), the others still draft; the output is the
     target's, and nothing is left behind."""
     spec = adaptive("eagle3", HEAD, 24, policy="eagle2", top_k=4, depth=6)
-    row_bytes = 3 * 576 * 4  # three float32 hidden states of the demo model
+    row_bytes = 3 * 576 * 4 + 8  # three float32 hidden states of the demo model and the token
     run = _run(tmp_path, demo_model, prompt_ids, spec, pause_pattern=[1, 8], stash_bytes=40 * row_bytes)
     assert run.token_ids == baseline.token_ids
     assert run.stash_drops > 0 and run.paused_passes == 0

@@ -38,6 +38,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from kernels.draft_distribution import DraftDistribution, draft_distribution
 from vllm_adaptive_spec.adapter import step as tree_step
+from vllm_adaptive_spec.paused_rows import PausedRows
 
 
 class _Committed(NamedTuple):
@@ -50,35 +51,16 @@ class _Committed(NamedTuple):
     drafts: bool
 
 
-class _Stash:
-    """An EAGLE-3 request's rows of paused steps, positions ``start .. end - 1``:
-    each position's input token (the next one) and the target's auxiliary
-    hidden states there."""
-
-    def __init__(self, start: int) -> None:
-        self.start = self.end = start
-        self.tokens: list[torch.Tensor] = []
-        self.aux: list[torch.Tensor] = []
-
-    @property
-    def rows(self) -> int:
-        return self.end - self.start
-
-    def add(self, tokens: torch.Tensor, aux: torch.Tensor) -> None:
-        self.tokens.append(tokens)
-        self.aux.append(aux)
-        self.end += tokens.shape[0]
-
-
 class PagedDraftBackend:
-    # Bytes of paused steps' rows kept for EAGLE-3 (all requests): 9,700 rows
-    # of the demo model (float32, three 576-wide hidden states), 2,700 of an 8B
-    # model in bf16. Beyond it the requests keeping the most rows give theirs
-    # up, and with them the head's drafts for the rest of their lives. Decision:
-    # not fed instead. A head paused that long is one that does not pay, and
-    # feeding the rows anyway would run it over every prompt the server
-    # receives (under load on the CPU, a tenth of the server's time); a request
-    # that finishes while paused is never fed: its rows cost only their copy.
+    # Bytes of paused steps' rows kept for EAGLE-3 (all requests; see
+    # paused_rows.py): 9,700 rows of the demo model (float32, three 576-wide
+    # hidden states), 2,700 of an 8B model in bf16. Beyond it the requests
+    # keeping the most rows give theirs up, and with them the head's drafts for
+    # the rest of their lives. Decision: not fed instead. A head paused that
+    # long is one that does not pay, and feeding the rows anyway would run it
+    # over every prompt the server receives (under load on the CPU, a tenth of
+    # the server's time); a request that finishes while paused is never fed:
+    # its rows cost only their gather.
     STASH_BYTES = 64 << 20
 
     def __init__(self, runner, native, max_nodes: int) -> None:
@@ -94,60 +76,22 @@ class PagedDraftBackend:
         self._root_hidden: dict[int, torch.Tensor] = {}
         self._context: dict[int, tuple[int, int]] = {}  # batch row -> (C, root row position)
         self._behind: dict[str, int] = {}  # draft LM: request -> first position without draft KV
-        self._stash: dict[str, _Stash] = {}  # EAGLE-3: request -> rows of paused steps, not yet fed
-        self._stash_rows = 0
-        self._row_bytes = 0
-        self._given_up: set[str] = set()  # EAGLE-3: requests whose kept rows were dropped (never drafted)
+        self.paused_rows = PausedRows(self.STASH_BYTES)  # EAGLE-3: rows of paused steps, not yet fed
 
     def forget(self, request_ids) -> None:
         for request_id in request_ids:
             self._behind.pop(request_id, None)
-            self._given_up.discard(request_id)
-            stash = self._stash.pop(request_id, None)
-            if stash is not None:
-                self._stash_rows -= stash.rows
+        self.paused_rows.drop(request_ids)
 
     def requests_held(self) -> int:
         """Requests with draft state between steps: where a paused draft LM's
         KV stops, an EAGLE-3 head's kept rows, or that it gave them up."""
-        return len(self._behind) + len(self._stash) + len(self._given_up)
+        return len(self._behind) + self.paused_rows.requests_held()
 
     def can_draft(self, request_id: str) -> bool:
         """Whether the draft model can draft for the request (False once an
         EAGLE-3 head gave up its kept rows: its draft KV would have a hole)."""
-        return request_id not in self._given_up
-
-    def _give_up_largest(self) -> None:
-        """Drop the largest stashes until the kept rows fit ``STASH_BYTES``."""
-        for request_id in sorted(self._stash, key=lambda r: self._stash[r].rows, reverse=True):
-            if self._stash_rows * self._row_bytes <= self.STASH_BYTES:
-                return
-            self._stash_rows -= self._stash.pop(request_id).rows
-            self._given_up.add(request_id)
-
-    def _head_rows(self, request_id: str, p0: int, tokens: torch.Tensor, aux: torch.Tensor, drafting: bool):
-        """EAGLE-3: a request's rows of this step (input tokens and the
-        target's auxiliary hidden states from position ``p0``). Kept while
-        drafting is paused (None); else ``(first position, tokens, aux)``
-        with the kept rows first."""
-        if request_id in self._given_up:  # its stash is gone with it
-            return None
-        stash = self._stash.pop(request_id, None)
-        if stash is not None:
-            self._stash_rows -= stash.rows
-            if stash.end != p0:  # not contiguous (cannot happen in vLLM's step order)
-                stash = None
-        if not drafting:
-            self._row_bytes = aux[0].numel() * aux.element_size()
-            if stash is None:
-                stash = _Stash(p0)
-            stash.add(tokens.clone(), aux.clone())  # not views: they would keep the whole step's rows
-            self._stash[request_id] = stash
-            self._stash_rows += stash.rows
-            return None
-        if stash is None:
-            return p0, tokens, aux
-        return stash.start, torch.cat([*stash.tokens, tokens]), torch.cat([*stash.aux, aux])
+        return request_id not in self.paused_rows.given_up
 
     def least_behind(self, count: int) -> set[int]:
         """The ``count`` batch rows whose draft state needs the fewest rows
@@ -158,10 +102,9 @@ class PagedDraftBackend:
         def behind(i: int) -> int:
             request_id = batch.req_ids[i]
             if self.is_eagle3:
-                if request_id in self._given_up:
+                if request_id in self.paused_rows.given_up:
                     return 1 << 62
-                stash = self._stash.get(request_id)
-                return 0 if stash is None else stash.rows
+                return self.paused_rows.rows(request_id)
             return int(lengths[i]) - self._behind.get(request_id, int(lengths[i]))
 
         return set(sorted(range(batch.num_reqs), key=behind)[:count])
@@ -178,10 +121,10 @@ class PagedDraftBackend:
         ``drafting`` False (the load budget paused drafting): no distribution
         is needed and no pass runs. A draft LM remembers where its KV stops;
         an EAGLE-3 head, which can read the target's hidden states of this
-        step only, keeps their rows (:class:`_Stash`). The next drafting step
-        feeds every token since (batched catch-up passes of at most
+        step only, keeps their rows (:class:`PausedRows`). The next drafting
+        step feeds every token since (batched catch-up passes of at most
         ``max_pass_rows`` rows), so the draft KV is complete when drafting
-        resumes; beyond ``STASH_BYTES`` of kept rows the largest stashes are
+        resumes; beyond ``STASH_BYTES`` of kept rows the largest are
         dropped and their requests never drafted by the head again
         (:meth:`can_draft`). ``only_rows`` (a probe): the batch rows that
         draft; the others are treated as paused.
@@ -201,8 +144,8 @@ class PagedDraftBackend:
             own_rows = self._head_entries(entries, aux_hidden_states, tokens, pos, aux, batch_rows)
         else:
             own_rows = self._lm_entries(entries, tokens, pos, batch_rows)
-        if self._stash_rows * self._row_bytes > self.STASH_BYTES:
-            self._give_up_largest()
+        if self.is_eagle3:
+            self.paused_rows.bound()
         if not batch_rows:
             return 0.0
         own_share = own_rows / sum(len(t) for t in tokens)
@@ -249,38 +192,53 @@ class PagedDraftBackend:
 
     def _head_entries(self, entries, aux_hidden_states, tokens, pos, aux, batch_rows) -> int:
         """EAGLE-3: the step's rows of every request, gathered for the whole
-        batch at once (a paused step's cost is these gathers and a slice per
-        request, not per-request gathers): each row's input token (the next
-        one; the last row's is the token after the chain) and the target's
-        auxiliary hidden states. Paused requests keep theirs
-        (:meth:`_head_rows`); drafting ones are appended to the pass. Returns
-        the rows that are this step's own."""
+        batch at once: each row's input token (the next one; the last row's
+        is the token after the chain) and the target's auxiliary hidden
+        states. Paused requests' rows are kept as one block
+        (:meth:`PausedRows.keep`: a paused step costs these gathers, not an
+        operation per request); drafting ones are appended to the pass, after
+        the rows they kept. Returns the rows that are this step's own."""
         entries = [e for e in entries if e.next_token is not None]
         if not entries:
             return 0
         lengths = [len(e.rows) for e in entries]
         ends = np.cumsum(lengths)
-        rows = torch.from_numpy(np.concatenate([e.rows for e in entries]))
-        input_ids = self.runner.input_ids.gpu
-        ids = input_ids[rows.to(input_ids.device)].to(torch.long)
+        rows = np.concatenate([e.rows for e in entries])
+        if (np.diff(rows) == 1).all():  # no tree verified: the batch's rows in order, sliced
+            index = slice(int(rows[0]), int(rows[0]) + len(rows))
+        else:
+            index = torch.from_numpy(rows).to(self.runner.device)
+        ids = self.runner.input_ids.gpu[index].to(torch.long)
         following = torch.empty_like(ids)
         following[:-1] = ids[1:]
         following[torch.from_numpy(ends - 1).to(ids.device)] = torch.tensor([e.next_token for e in entries],
                                                                              dtype=torch.long, device=ids.device)
-        hidden = torch.cat([h[rows.to(h.device)] for h in aux_hidden_states], dim=-1)
+        hidden = torch.cat([h[index] for h in aux_hidden_states], dim=-1)  # a copy: vLLM reuses its buffers
         own = 0
-        batch = self.runner.input_batch
+        paused = []
+        req_ids = self.runner.input_batch.req_ids
+        given_up = self.paused_rows.given_up
         for (i, _, p0, _, drafts), end, m in zip(entries, ends.tolist(), lengths):
-            fed = self._head_rows(batch.req_ids[i], p0, following[end - m:end], hidden[end - m:end], drafts)
-            if fed is None:
+            request_id = req_ids[i]
+            if request_id in given_up:
                 continue
-            start, head_tokens, head_aux = fed
-            tokens.append(head_tokens)
+            if not drafts:
+                paused.append((request_id, p0, end - m, m))
+                continue
+            step_tokens, step_hidden = following[end - m:end], hidden[end - m:end]
+            kept = self.paused_rows.take(request_id, p0)
+            if kept is None:
+                start = p0
+            else:
+                start, kept_tokens, kept_hidden = kept
+                step_tokens, step_hidden = torch.cat([*kept_tokens, step_tokens]), torch.cat([*kept_hidden, step_hidden])
+            tokens.append(step_tokens)
             pos.append(torch.arange(start, p0 + m))
-            aux.append(head_aux)
+            aux.append(step_hidden)
             self._context[i] = (p0 + m, p0 + m - 1)
             own += m
             batch_rows.append(i)
+        self.paused_rows.keep(following, hidden, paused)
         return own
 
     def _lm_entries(self, entries, tokens, pos, batch_rows) -> int:
