@@ -52,6 +52,7 @@ class EngineRun:
     probes: int | None
     probe_trees: int | None
     paused_passes: int | None
+    draft_free_verifies: int | None
     log: str
 
     @property

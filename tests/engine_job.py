@@ -27,7 +27,8 @@ roots (with record_roots), stash_drops (with stash_bytes), split_passes (with
 max_pass_rows: first passes fed in several), probes (with a pause_pattern's k: probes
 that drafted for fewer requests than the batch held), probe_trees (with k: the most
 trees a probe step drafted), paused_passes (with a pause_pattern and a model
-drafter: draft-model forwards run on paused steps).
+drafter: draft-model forwards run on paused steps), draft_free_verifies (with a
+pause_pattern: steps in which no request had drafts that still went through the tree verifier).
 
 Requests go through ``LLMEngine.add_request``/``step`` so a job can abort some
 of them mid-generation. Each job runs in a fresh process, so engines never
@@ -61,6 +62,8 @@ def pause_drafting(worker, drafting: int, paused: int, probe_requests: int | Non
 
     proposer.drafting_this_step = drafting_this_step
     runner = worker.model_runner
+    _count_calls(worker, "draft_free_verifies", runner.rejection_sampler, "forward",
+                 lambda metadata, *args: not any(metadata.num_draft_tokens))
     if runner._draft_backend is not None:
         _count_calls(worker, "paused_passes", runner._draft_backend, "_run", lambda *args, **kwargs: phase[0] >= drafting)
     if probe_requests is not None:
@@ -254,7 +257,8 @@ def main(job_path: str, out_path: str) -> None:
                 **{key: llm.collective_rpc(functools.partial(counter, name=key))[0] if setting in job else None
                    for key, setting in (("stash_drops", "stash_bytes"), ("split_passes", "max_pass_rows"),
                                         ("probes", "pause_pattern"), ("probe_trees", "pause_pattern"),
-                                        ("paused_passes", "pause_pattern"))},
+                                        ("paused_passes", "pause_pattern"),
+                                        ("draft_free_verifies", "pause_pattern"))},
             },
             handle,
         )

@@ -52,7 +52,10 @@ def _run(tmp_path, demo_model, prompt_ids, spec, pause_pattern=None, **extra):
            "speculative_config": spec, **extra}
     if pause_pattern:
         job["pause_pattern"] = pause_pattern
-    return run_engine_job(tmp_path, job)
+    run = run_engine_job(tmp_path, job)
+    # A step without drafts (a paused one, a prompt's) is sampled as without speculation.
+    assert not pause_pattern or run.draft_free_verifies == 0
+    return run
 
 
 def _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec, pause_pattern=None, **extra):
@@ -69,6 +72,7 @@ def _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec, pause
     assert run.tree_stats["draft_passes"] > 0
     assert run.tau > 1.5, run.tree_stats  # the trained head really drafts (an untrained one gives about 1.0)
     assert set(run.tree_stats["requests_held"].values()) == {0}, run.tree_stats["requests_held"]
+    assert not pause_pattern or run.draft_free_verifies == 0  # as in _run
     return run
 
 

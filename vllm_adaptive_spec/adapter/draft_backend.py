@@ -55,12 +55,12 @@ class PagedDraftBackend:
     # Bytes of paused steps' rows kept for EAGLE-3 (all requests; see
     # paused_rows.py): 9,700 rows of the demo model (float32, three 576-wide
     # hidden states), 2,700 of an 8B model in bf16. Beyond it the requests
-    # keeping the most rows give theirs up, and with them the head's drafts for
-    # the rest of their lives. Decision: not fed instead. A head paused that
-    # long is one that does not pay, and feeding the rows anyway would run it
-    # over every prompt the server receives (under load on the CPU, a tenth of
-    # the server's time); a request that finishes while paused is never fed:
-    # its rows cost only their gather.
+    # keeping the most rows give theirs up (until half of it is left), and
+    # with them the head's drafts for the rest of their lives. Decision: not
+    # fed instead. A head paused that long is one that does not pay, and
+    # feeding the rows anyway would run it over every prompt the server
+    # receives (under load on the CPU, a tenth of the server's time); a request
+    # that finishes while paused is never fed: its rows cost only their gather.
     STASH_BYTES = 64 << 20
 
     def __init__(self, runner, native, max_nodes: int) -> None:

@@ -84,13 +84,6 @@ class TreeVerifier(torch.nn.Module):
         self.on_accept = on_accept
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
-        if logits.shape[0] == len(metadata.num_draft_tokens) and sampling_metadata.max_num_logprobs is None:
-            # No request has drafts (every step of a paused drafter): vLLM's
-            # sampler alone, without the layout below (0.2 ms a step at batch 8
-            # on the CPU, a fifth of what a paused EAGLE-3 head adds to a step).
-            sampled = self.sampler(logits=logits, sampling_metadata=sampling_metadata, predict_bonus_token=True)
-            tree_step.publish(None)
-            return SamplerOutput(sampled_token_ids=sampled.sampled_token_ids.to(torch.int32), logprobs_tensors=None)
         device = logits.device
         num_drafts = torch.tensor(metadata.num_draft_tokens, dtype=torch.long, device=device)
         rows_per_request = num_drafts + 1
