@@ -23,11 +23,14 @@ kept rows, the requests keeping the most give theirs up (``given_up``) and
 with them the head's drafts for the rest of their lives (their draft KV
 would have a hole), until half the bound is left: the compaction that frees
 their rows then comes once per half a bound of new rows, not once a step (at
-batch 64 a copy of the whole bound every step or two cost 2-4 ms a step).
+batch 64 a copy of the whole bound every step or two cost 3.5-5.6 ms a step
+in the engine).
 Between steps the blocks hold at most ``limit_bytes``.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -57,6 +60,12 @@ class _Kept:
     @property
     def rows(self) -> int:
         return self.end - self.start
+
+    def views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Its tokens and hidden states, part by part (views of the blocks)."""
+        tokens = [block.tokens[offset:offset + length] for block, offset, length in self.parts]
+        hidden = [block.hidden[offset:offset + length] for block, offset, length in self.parts]
+        return tokens, hidden
 
 
 class PausedRows:
@@ -94,10 +103,9 @@ class PausedRows:
             index = torch.cat([torch.arange(offset, offset + length) for _, _, offset, length in spans])
             index = index.to(tokens.device)
             tokens, hidden = tokens[index], hidden[index]
-            offsets, spans = 0, list(spans)
-            for k, (request_id, position, _, length) in enumerate(spans):
-                spans[k] = (request_id, position, offsets, length)
-                offsets += length
+            offsets = itertools.accumulate((length for *_, length in spans), initial=0)
+            spans = [(request_id, position, offset, length)
+                     for (request_id, position, _, length), offset in zip(spans, offsets)]
         block = _Block(tokens, hidden)
         self.row_bytes = hidden[0].numel() * hidden.element_size() + tokens.element_size()
         self.block_rows += block.rows
@@ -123,9 +131,7 @@ class PausedRows:
         self._release(kept)
         if kept.end != position:
             return None
-        tokens = [block.tokens[offset:offset + length] for block, offset, length in kept.parts]
-        hidden = [block.hidden[offset:offset + length] for block, offset, length in kept.parts]
-        return kept.start, tokens, hidden
+        return kept.start, *kept.views()
 
     def drop(self, request_ids) -> None:
         """Forget finished or preempted requests."""
@@ -166,9 +172,9 @@ class PausedRows:
         everyone = list(self._kept.values())
         if not everyone:
             return
-        parts = [part for kept in everyone for part in kept.parts]
-        block = _Block(torch.cat([b.tokens[offset:offset + length] for b, offset, length in parts]),
-                       torch.cat([b.hidden[offset:offset + length] for b, offset, length in parts]))
+        views = [kept.views() for kept in everyone]
+        block = _Block(torch.cat([t for tokens, _ in views for t in tokens]),
+                       torch.cat([h for _, hidden in views for h in hidden]))
         block.holders = len(everyone)
         offset = 0
         for kept in everyone:
