@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import shutil
@@ -58,7 +59,8 @@ def prepare(out: Path) -> None:
         (part / f"{GGUF_FILE}.{index}").write_bytes(data[index * size:(index + 1) * size])
     first = out / "part1"
     shutil.copytree(_package_dir("gguf"), first / "gguf", ignore=shutil.ignore_patterns("__pycache__"))
-    (first / "manifest.json").write_text(json.dumps({"parts": PARTS, "sha256": hashlib.sha256(data).hexdigest()}))
+    (first / "manifest.json").write_text(json.dumps({"parts": PARTS, "sha256": hashlib.sha256(data).hexdigest(),
+                                                     "gguf_version": importlib.metadata.version("gguf")}))
     for part in sorted(out.iterdir()):
         mib = sum(f.stat().st_size for f in part.rglob("*") if f.is_file()) / (1 << 20)
         print(f"{part}: {mib:.1f} MiB")
@@ -94,6 +96,10 @@ def unpack(part: Path, dest: Path) -> bool:
     package.mkdir(parents=True, exist_ok=True)
     (package / GGUF_FILE).write_bytes(data)
     (package / "__init__.py").write_text("")
+    # transformers reads the gguf package's version from its distribution metadata.
+    gguf_dist = site / f"gguf-{manifest['gguf_version']}.dist-info"
+    gguf_dist.mkdir(exist_ok=True)
+    (gguf_dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: gguf\nVersion: {manifest['gguf_version']}\n")
     repo = Path(__file__).resolve().parent.parent
     dist = site / "vllm_adaptive_spec-0.1.0.dist-info"
     dist.mkdir(exist_ok=True)

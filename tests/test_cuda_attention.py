@@ -1,15 +1,15 @@
-"""The CUDA backends' tree path, run here on CPU tensors.
+"""The CUDA backends' tree path, on a GPU where there is one, else on CPU tensors.
 
 vLLM's Python source is the same in its CPU and CUDA builds, so the plugin's
 ``FLASH_ATTN`` and ``TRITON_ATTN`` impls are built here as on a GPU. Each
-layer's cache is written by the backend's own ``do_kv_cache_update`` (its
-writer replaced by the writer's documented contract, since vLLM's CUDA op and
-Triton kernel do not run on a CPU), in both physical stride orders vLLM may
-allocate, then the rows of a branching tree go through the impl's
-``forward``: with the torch reference, and with the project's Triton kernel
-under the interpreter. Both must equal the reference computed from the raw
-keys and values, which pins the layout the tree path reads to the one each
-backend writes.
+layer's cache is written by the backend's own ``do_kv_cache_update`` (on a
+GPU with vLLM's own writer; on a CPU with the writer's documented contract,
+since vLLM's CUDA op and Triton kernel do not run there), in both physical
+stride orders vLLM may allocate, then the rows of a branching tree go through
+the impl's ``forward``: with the torch reference, and with the project's
+Triton kernel (under the interpreter on a CPU). Both must equal the reference
+computed from the raw keys and values, which pins the layout the tree path
+reads to the one each backend writes.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ from vllm_adaptive_spec.adapter.cudagraphs import graph_modes
 from vllm_adaptive_spec.adapter.tree_impl import check_tree_backends
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 16
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The tree path's kernel, as ``kernels.tree_attention``'s dispatch is called (the reference takes no host bounds).
+KERNELS = {"reference": lambda *args, max_query_len=None, max_seq_len=None: tree_attention_reference(*args),
+           "triton": tree_attention_triton}
 WRITERS = {
     TreeFlashAttentionImpl: (flash_attn, "reshape_and_cache_flash"),
     TreeTritonAttentionImpl: (triton_attn, "triton_reshape_and_cache_flash"),
@@ -108,8 +112,11 @@ def make_case(dtype: torch.dtype, seed: int = 0):
         query, key_cache, value_cache, block_table, rows.query_start_loc, metadata.seq_lens, rows.query_mask,
         HEAD_DIM**-0.5, rows.window_lens,
     )
-    return SimpleNamespace(num_blocks=num_blocks, slots=slots, keys=keys, values=values, query=query, rows=rows,
-                           metadata=metadata, expected=expected)
+    rows = tree_step.DraftStep(**{k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in vars(rows).items()})
+    metadata = SimpleNamespace(**{k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in vars(metadata).items()})
+    return SimpleNamespace(num_blocks=num_blocks, slots=slots.to(DEVICE), keys=keys.to(DEVICE),
+                           values=values.to(DEVICE), query=query.to(DEVICE), rows=rows, metadata=metadata,
+                           expected=expected.to(DEVICE))
 
 
 def make_impl(cls, **overrides):
@@ -125,13 +132,13 @@ def make_impl(cls, **overrides):
 @pytest.mark.parametrize("cls", [TreeFlashAttentionImpl, TreeTritonAttentionImpl], ids=["FLASH_ATTN", "TRITON_ATTN"])
 def test_tree_rows_read_the_cache_the_backend_wrote(monkeypatch, cls, dtype, order, kernel):
     case = make_case(dtype)
-    module, writer = WRITERS[cls]
-    monkeypatch.setattr(module, writer, write_by_contract, raising=False)  # the CPU build imports no CUDA writer
-    if kernel == "triton":
-        monkeypatch.setattr(attention_cuda, "tree_attention", tree_attention_triton)
+    if DEVICE == "cpu":
+        module, writer = WRITERS[cls]
+        monkeypatch.setattr(module, writer, write_by_contract, raising=False)  # the CPU build imports no CUDA writer
+    monkeypatch.setattr(attention_cuda, "tree_attention", KERNELS[kernel])
     impl = make_impl(cls)
-    layer = SimpleNamespace(_k_scale=torch.ones(()), _v_scale=torch.ones(()))
-    kv_cache = layer_cache(case.num_blocks, order, dtype)
+    layer = SimpleNamespace(_k_scale=torch.ones((), device=DEVICE), _v_scale=torch.ones((), device=DEVICE))
+    kv_cache = layer_cache(case.num_blocks, order, dtype).to(DEVICE)
     impl.do_kv_cache_update(layer, case.keys, case.values, kv_cache, case.slots)
 
     key_view, value_view = cache_views(kv_cache)
@@ -139,7 +146,7 @@ def test_tree_rows_read_the_cache_the_backend_wrote(monkeypatch, cls, dtype, ord
     assert torch.equal(key_view[case.slots // BLOCK, case.slots % BLOCK], case.keys)
     assert torch.equal(value_view[case.slots // BLOCK, case.slots % BLOCK], case.values)
 
-    output = torch.zeros(case.query.shape[0], HEADS * HEAD_DIM, dtype=dtype)
+    output = torch.zeros(case.query.shape[0], HEADS * HEAD_DIM, dtype=dtype, device=DEVICE)
     tree_step.publish(case.rows)
     try:
         impl.forward(layer, case.query, None, None, kv_cache, case.metadata, output)
@@ -155,10 +162,10 @@ def test_the_test_sees_a_wrong_layout(monkeypatch):
     monkeypatch.setattr(triton_attn, "triton_reshape_and_cache_flash", write_by_contract)
     monkeypatch.setattr(attention_cuda, "cache_views", lambda kv: tuple(reversed(cache_views(kv))))
     impl = make_impl(TreeTritonAttentionImpl)
-    layer = SimpleNamespace(_k_scale=torch.ones(()), _v_scale=torch.ones(()))
-    kv_cache = layer_cache(case.num_blocks, "LBNHC", torch.float32)
+    layer = SimpleNamespace(_k_scale=torch.ones((), device=DEVICE), _v_scale=torch.ones((), device=DEVICE))
+    kv_cache = layer_cache(case.num_blocks, "LBNHC", torch.float32).to(DEVICE)
     impl.do_kv_cache_update(layer, case.keys, case.values, kv_cache, case.slots)
-    output = torch.zeros(case.query.shape[0], HEADS * HEAD_DIM)
+    output = torch.zeros(case.query.shape[0], HEADS * HEAD_DIM, device=DEVICE)
     tree_step.publish(case.rows)
     try:
         impl.forward(layer, case.query, None, None, kv_cache, case.metadata, output)

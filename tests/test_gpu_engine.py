@@ -70,16 +70,25 @@ def _job(demo_model, prompt_ids, backend, spec=None, **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def baselines(demo_model, prompt_ids, tmp_path_factory):
-    return {backend: run_engine_job(tmp_path_factory.mktemp(f"plain-{backend}"), _job(demo_model, prompt_ids, backend))
-            for backend in DTYPES}
+def baseline(demo_model, prompt_ids, tmp_path_factory):
+    """vLLM without speculation on one backend, run when a test first needs it
+    (so a process running one backend's tests starts no engine for the other)."""
+    runs: dict[str, object] = {}
+
+    def run(backend: str):
+        if backend not in runs:
+            runs[backend] = run_engine_job(tmp_path_factory.mktemp(f"plain-{backend}"),
+                                           _job(demo_model, prompt_ids, backend))
+        return runs[backend]
+
+    return run
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("backend", list(DTYPES))
-def test_greedy_equals_no_speculation_on_gpu(backend, config, demo_model, prompt_ids, baselines, tmp_path):
+def test_greedy_equals_no_speculation_on_gpu(backend, config, demo_model, prompt_ids, baseline, tmp_path):
     run = run_engine_job(tmp_path, _job(demo_model, prompt_ids, backend, CONFIGS[config]()))
-    plain = baselines[backend]
+    plain = baseline(backend)
     assert run.token_ids[:SERIAL_PROMPTS] == plain.token_ids[:SERIAL_PROMPTS], "batch 1"
     assert run.token_ids[SERIAL_PROMPTS:] == plain.token_ids[SERIAL_PROMPTS:], f"batch {BATCH}"
     assert run.tree_stats["trees_verified"] > 0, run.tree_stats

@@ -26,6 +26,8 @@ from pathlib import Path
 
 MARGIN = 0.10
 MIB = 1 << 20
+# The share of a CUDA device an engine asks vLLM for at startup (its KV cache is sized explicitly).
+DEVICE_SHARE = 0.1
 # vLLM's default block size on the CPU platform; on a GPU it is 16, so this
 # overestimates there (whole blocks of 128 round up more).
 DEFAULT_BLOCK_SIZE = 128
@@ -119,7 +121,8 @@ def engine_kwargs(
     """``LLM(...)`` settings for a small offline engine of this project, with
     the KV cache sized explicitly. On the CPU the engine runs eagerly (vLLM's
     compilation costs more than it saves there); with CUDA vLLM's default
-    compilation and CUDA graphs stay on. ``attention_backend``: vLLM's choice
+    compilation and CUDA graphs stay on, and the engine asks vLLM for only
+    ``DEVICE_SHARE`` of the device at startup. ``attention_backend``: vLLM's choice
     when None (CUDA only; the CPU platform always uses ``CPU_ATTN``)."""
     import torch
 
@@ -142,6 +145,10 @@ def engine_kwargs(
         disable_log_stats=False,
         speculative_config=speculative_config,
     )
+    if torch.cuda.is_available():
+        # vLLM refuses to start unless this share of the device is free; with the
+        # cache sized above it asks for nothing else, so several engines share a GPU.
+        kwargs["gpu_memory_utilization"] = DEVICE_SHARE
     if block_size is not None:
         kwargs["block_size"] = block_size
     if attention_backend is not None:
