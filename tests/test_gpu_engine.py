@@ -2,9 +2,14 @@
 
 Every drafter, in both CUDA attention backends with tree paths, with vLLM's
 compilation and CUDA graphs on (FULL graphs for steps without a branching
-tree, PIECEWISE for the others): greedy output equals vLLM without
-speculation on the same backend and dtype, token for token, one engine
+tree, PIECEWISE for the others), drafting full trees every step (the fixed
+load budget): greedy output equals vLLM without speculation on the same
+backend, dtype and model runner (V1, the one the plugin runs on), one engine
 running 4 prompts one at a time (batch 1), then 32 together (batch 32).
+vLLM's GPU kernels are not batch-invariant, so equal means up to the
+target's own near-ties (``tests/greedy_ties.py``): every answer equals the
+reference or first departs from it where the reference's two tokens lie
+within ``TIES`` of each other, and most answers are equal outright.
 ``TRITON_ATTN`` runs in float32, ``FLASH_ATTN`` (FlashAttention 3: 16-bit
 only) in bfloat16. Sampling at temperature 1 keeps the target's law.
 The project's Triton kernels are tested on CUDA tensors by ``tests/kernels``
@@ -15,11 +20,13 @@ Run on a GPU machine with ``python -m pytest -m gpu tests/test_gpu_engine.py``.
 
 from __future__ import annotations
 
+import importlib.util
 
 import pytest
 import torch
 
 from conftest import HEAD, chat_token_ids, run_engine_job
+from greedy_ties import tie_problems
 from test_engine_tree import SAMPLED_TREES, _homogeneity_pvalue
 from vllm_adaptive_spec.prompts import load_prompts
 
@@ -32,10 +39,21 @@ MAX_TOKENS = 64
 SERIAL_PROMPTS = 4
 BATCH = 32
 DTYPES = {"TRITON_ATTN": "float32", "FLASH_ATTN": "bfloat16"}
+# The largest gap between the reference's logprobs of its token and of the
+# speculative answer's at their first difference: float32 (vLLM's Triton
+# attention multiplies in TF32, the tree kernel in full float32) and bfloat16.
+TIES = {"float32": 0.1, "bfloat16": 0.5}
+MIN_EXACT = 0.75
+# vLLM runs its V2 model runner without speculation and the V1 runner with the
+# plugin; the reference runs on V1 too, so only speculation differs (and, as the
+# plugin does, with V1's FlashInfer sampler off where FlashInfer is not installed).
+V1_RUNNER = {"VLLM_USE_V2_MODEL_RUNNER": "0",
+             **({"VLLM_USE_FLASHINFER_SAMPLER": "0"} if importlib.util.find_spec("flashinfer") is None else {})}
 
 
 def adaptive(drafter: str, budget: int, model: str | None = None, **tree) -> dict:
-    spec = {"method": "adaptive_tree", "num_speculative_tokens": budget, "tree": {"drafter": drafter, **tree}}
+    spec = {"method": "adaptive_tree", "num_speculative_tokens": budget,
+            "tree": {"drafter": drafter, "load_budget": "fixed", **tree}}
     return spec if model is None else {**spec, "model": model}
 
 
@@ -78,7 +96,7 @@ def baseline(demo_model, prompt_ids, tmp_path_factory):
     def run(backend: str):
         if backend not in runs:
             runs[backend] = run_engine_job(tmp_path_factory.mktemp(f"plain-{backend}"),
-                                           _job(demo_model, prompt_ids, backend))
+                                           _job(demo_model, prompt_ids, backend, logprobs=5), env=V1_RUNNER)
         return runs[backend]
 
     return run
@@ -89,8 +107,8 @@ def baseline(demo_model, prompt_ids, tmp_path_factory):
 def test_greedy_equals_no_speculation_on_gpu(backend, config, demo_model, prompt_ids, baseline, tmp_path):
     run = run_engine_job(tmp_path, _job(demo_model, prompt_ids, backend, CONFIGS[config]()))
     plain = baseline(backend)
-    assert run.token_ids[:SERIAL_PROMPTS] == plain.token_ids[:SERIAL_PROMPTS], "batch 1"
-    assert run.token_ids[SERIAL_PROMPTS:] == plain.token_ids[SERIAL_PROMPTS:], f"batch {BATCH}"
+    problems = tie_problems(run.token_ids, plain.token_ids, plain.logprobs, TIES[DTYPES[backend]], MIN_EXACT)
+    assert not problems, "\n".join(problems)
     assert run.tree_stats["trees_verified"] > 0, run.tree_stats
     assert run.tau > 1.2, run.tree_stats
 
@@ -102,7 +120,7 @@ def test_sampling_distribution_unchanged_on_gpu(demo_model, demo_tokenizer, tmp_
     job = {"model": demo_model, "prompt_token_ids": [chat_token_ids(demo_tokenizer, prompt.messages)] * 300,
            "seeds": list(range(300)), "temperature": 1.0, "max_tokens": 3, "max_num_seqs": 64,
            "dtype": "float32", "attention_backend": "TRITON_ATTN"}
-    plain = run_engine_job(tmp_path / "plain", job)
+    plain = run_engine_job(tmp_path / "plain", job, env=V1_RUNNER)
     spec, _ = SAMPLED_TREES["retrieval-32"]
     run = run_engine_job(tmp_path / "tree", {**job, "seeds": list(range(1000, 1300)), "speculative_config": spec})
     assert run.metrics["vllm:spec_decode_num_accepted_tokens"] > 30, "the trees were rarely accepted"
