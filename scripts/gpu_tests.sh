@@ -19,6 +19,12 @@ END=$(( $(date +%s) + ${2:-900} ))
 mkdir -p "$LOG"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# vLLM's samplers import FlashInfer on CUDA unless told not to; its CUDA wheel
+# depends on FlashInfer, a carried vLLM (the kit) has none.
+if ! python3 -c "import flashinfer" 2>/dev/null; then
+    echo "no FlashInfer here: VLLM_USE_FLASHINFER_SAMPLER=0"
+    export VLLM_USE_FLASHINFER_SAMPLER=0
+fi
 
 python3 -c "
 from vllm_adaptive_spec.demo_model import ensure_demo_model

@@ -20,8 +20,6 @@ Run on a GPU machine with ``python -m pytest -m gpu tests/test_gpu_engine.py``.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -45,10 +43,8 @@ DTYPES = {"TRITON_ATTN": "float32", "FLASH_ATTN": "bfloat16"}
 TIES = {"float32": 0.1, "bfloat16": 0.5}
 MIN_EXACT = 0.75
 # vLLM runs its V2 model runner without speculation and the V1 runner with the
-# plugin; the reference runs on V1 too, so only speculation differs (and, as the
-# plugin does, with V1's FlashInfer sampler off where FlashInfer is not installed).
-V1_RUNNER = {"VLLM_USE_V2_MODEL_RUNNER": "0",
-             **({"VLLM_USE_FLASHINFER_SAMPLER": "0"} if importlib.util.find_spec("flashinfer") is None else {})}
+# plugin; the reference runs on V1 too, so only speculation differs.
+V1_RUNNER = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 
 def adaptive(drafter: str, budget: int, model: str | None = None, **tree) -> dict:

@@ -26,7 +26,6 @@ vLLM's ``disable_eagle_block_drop`` unless the user's config sets it.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 
 from vllm_adaptive_spec.adapter import CUDA_TREE_BACKENDS, engine_hooks, missing_hooks
@@ -94,10 +93,6 @@ def install() -> None:
         self.async_scheduling = False
         # The tree hooks live in the V1 model runner; every process must agree.
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-        if platform == "cuda" and importlib.util.find_spec("flashinfer") is None:
-            # V1's sampler imports FlashInfer on CUDA unless its sampler is off
-            # (V2, vLLM's default, does not); vLLM without FlashInfer still runs.
-            os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         return result
 
     create_speculative_config._adaptive_tree_wrapper = True
