@@ -51,7 +51,8 @@ SPEC_COUNTERS = {
     "draft_tokens": "vllm:spec_decode_num_draft_tokens",
     "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
 }
-TREE_COUNTERS = ("draft_passes", "drafting_steps", "trees_verified", "leaf_paths", "paused", "probes", "trust_cuts")
+TREE_COUNTERS = ("draft_passes", "drafting_steps", "trees_verified", "tokens_accepted", "leaf_paths", "paused", "probes",
+                 "trust_cuts")
 SUFFIX_BUILD_SCRIPT = REPO / "scripts" / "build_suffix_decoding.sh"
 EXCEPTION_LINE = re.compile(r"^\s*[\w.]*(Error|Exception|Interrupt)\b.*:")
 
@@ -300,13 +301,15 @@ def spec_counters(llm) -> dict[str, int]:
 
 def tree_counters(llm, tree_method: bool) -> dict[str, int]:
     """The plugin's counters so far (``adaptive_tree_stats``): draft passes,
-    drafting and paused steps, probes, verified trees and those accepted
-    down to a leaf, steps cut by the load budget's trust region."""
+    drafting and paused steps, probes, verified trees, their accepted tokens
+    and the trees accepted down to a leaf, steps cut by the load budget's
+    trust region."""
     if not tree_method:
         return {}
     stats = llm.collective_rpc("adaptive_tree_stats")[0]
     return {"draft_passes": stats["draft_passes"], "drafting_steps": stats["proposals"] - stats["paused"],
-            "trees_verified": stats["trees_verified"], "leaf_paths": stats["leaf_paths"],
+            "trees_verified": stats["trees_verified"], "tokens_accepted": stats["tokens_accepted"],
+            "leaf_paths": stats["leaf_paths"],
             "paused": stats["paused"], "probes": stats["probes"], "trust_cuts": stats["trust_cuts"]}
 
 

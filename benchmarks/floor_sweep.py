@@ -25,6 +25,13 @@ also runs a second ``none`` engine, the *control*, whose ratio to the first
 is the group's noise floor: on a 2-core machine two engine processes doing
 the same work differ by several percent for their whole lives (memory
 placement), so a cell's ratio is read against its group's control.
+``--engine-layout lockstep`` instead opens a group's engines in this one
+process and steps them in turn, one engine step each
+(``benchmarks/step_profile.py``'s lockstep; a round is then a pass of every
+engine at a batch size, its ratio over the same span of time as none's), so
+the machine's drift over minutes falls on every engine alike; about 4 GiB
+an engine at batch 64, so at most five (a group of 3 and two ``none``) on a
+24 GiB machine.
 
 Per cell and batch size: the ratio (median of the rounds'), the share of
 drafting steps that verified a tree ("verified": trees / drafting request
@@ -39,12 +46,15 @@ at three batch sizes about 10 minutes)::
     .venv/bin/python benchmarks/floor_sweep.py
     .venv/bin/python benchmarks/floor_sweep.py --drafters eagle3 --policies talon,eagle2-D18 --budgets 32
     .venv/bin/python benchmarks/floor_sweep.py --cells eagle3/talon/N32,hybrid/eagle2/N32,retrieval/retrieval/N16
+    .venv/bin/python benchmarks/floor_sweep.py --engine-layout lockstep --cells eagle3/talon/N32,eagle3/chain/N32
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 import time
 from datetime import datetime, timezone
@@ -52,6 +62,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engines  # noqa: E402
+import step_profile  # noqa: E402
 from engines import REPO, fmt  # noqa: E402
 
 HELDOUT = REPO / "benchmarks" / "data" / "heldout_prompts.jsonl"
@@ -91,6 +102,24 @@ def cells(drafters: list[str], policies: list[str] | None, budgets: list[int], h
     return out
 
 
+def lockstep_row(passes: list[dict]) -> dict:
+    """A cell's lockstep passes at one batch size as ``engines.compare``'s
+    row: the median of the passes' ratios to none (each over the same
+    steps' span), greedy equality with none's answers in the same pass, the
+    plugin's counters summed; "verified" is trees over request steps (every
+    request step commits one token plus its accepted drafts)."""
+    tree: dict[str, int] = {}
+    for run in passes:
+        for key, value in run["tree"].items():
+            tree[key] = tree.get(key, 0) + value
+    tokens, wall_s = sum(run["tokens"] for run in passes), sum(run["wall_s"] for run in passes)
+    ratios = [run["ratio"] for run in passes]
+    return {"ratio_vs_none": statistics.median(ratios), "ratio_per_round": ratios,
+            "same_as_none": [sum(run["same"][0] for run in passes), sum(run["same"][1] for run in passes)],
+            "tok_per_s": tokens / wall_s, "tree": tree,
+            "drafting_share": tree.get("trees_verified", 0) / max(tokens - tree.get("tokens_accepted", 0), 1)}
+
+
 def summarize(cell: str, row: dict) -> dict:
     """A table row: the comparison with none, and the plugin's counters."""
     tree = row.get("tree") or {}
@@ -108,7 +137,8 @@ def markdown(report: dict) -> str:
     s = report["settings"]
     lines = [
         "# Floor sweep", "",
-        f"held-out prompts, greedy, max_tokens={s['max_tokens']}, dtype={s['dtype']}, rounds={s['rounds']}, "
+        f"held-out prompts, greedy, max_tokens={s['max_tokens']}, dtype={s['dtype']}, "
+        f"engines {s.get('engine_layout', 'interleaved')}, rounds={s['rounds']}, "
         f"prompts per batch size {s['prompts_per_batch']}; vLLM {report['vllm_version']}, "
         f"{engines.machine_line(report['machine'])}; {report['timestamp']}", "",
         "ratio: tok/s over no speculation's (median of the rounds, each against none's pass in the same round); "
@@ -172,6 +202,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="cells interleaved with one none engine; every engine of a group is up at once with "
                              "its own KV cache (3.5 GiB for a draft LM with DEAGLE's depth 18 at batch 64), so "
                              "lower it where vLLM refuses to start for lack of memory")
+    parser.add_argument("--engine-layout", choices=("interleaved", "lockstep"), default="interleaved",
+                        help="interleaved: each engine in its own process, the engines taking turns by passes; "
+                             "lockstep: a group's engines in this process, stepped in turn "
+                             "(benchmarks/step_profile.py), so the machine's drift falls on all alike")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--head", default=str(engines.HEAD))
     parser.add_argument("--draft-lm", help="draft LM directory (default: `vllm-adaptive-spec draft-lm`'s)")
@@ -212,6 +246,9 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"unknown cell(s) {missing}; policies: {', '.join(MODEL_POLICIES)} (retrieval: retrieval, chain)")
     if not grid:
         parser.error("no cell matches --drafters and --policies")
+    if args.engine_layout == "lockstep":
+        # The step profile's timers reach vLLM's worker as a function, which it pickles only with this set.
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     model = str(ensure_demo_model())
     base_job, prompts = engines.greedy_job(model, engines.interleave_categories(load_prompts(args.prompts)),
                                            args.dtype, args.max_tokens, batch_sizes, counts)
@@ -226,14 +263,20 @@ def main(argv: list[str] | None = None) -> None:
         jobs = {label.replace("/", "_"): {**base_job, "speculative_config": spec} for label, spec in labels.items()}
         work = out / "logs" / f"group{index}"
         work.mkdir(parents=True, exist_ok=True)
-        results = engines.run_interleaved(jobs, work, args.rounds, args.worker_timeout, log=log)
-        base_runs = results["none"]["runs"]
+        if args.engine_layout == "lockstep":
+            steps = step_profile.lockstep(jobs, batch_sizes, args.rounds, counts)
+        else:
+            results = engines.run_interleaved(jobs, work, args.rounds, args.worker_timeout, log=log)
+            base_runs = results["none"]["runs"]
         for name in [control, *group]:
-            result = results[name.replace("/", "_")]
             for b in batch_sizes:
-                passes = [run for run in result["runs"] if run["batch_size"] == b]
-                base = [run for run in base_runs if run["batch_size"] == b]
-                row = engines.compare(name, True, passes, base, result.get("error"), [p.id for p in prompts])
+                if args.engine_layout == "lockstep":
+                    row = lockstep_row([r for r in steps if r["method"] == name.replace("/", "_") and r["batch_size"] == b])
+                else:
+                    result = results[name.replace("/", "_")]
+                    passes = [run for run in result["runs"] if run["batch_size"] == b]
+                    base = [run for run in base_runs if run["batch_size"] == b]
+                    row = engines.compare(name, True, passes, base, result.get("error"), [p.id for p in prompts])
                 row["batch_size"] = b
                 rows.append(summarize(name, row))
                 r = rows[-1]
@@ -245,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
             "vllm_version": engines.installed_vllm_version(), "machine": engines.machine(),
             "settings": engines.portable_paths({
                 "cells": grid, "batch_sizes": batch_sizes, "prompts_per_batch": counts, "rounds": args.rounds,
+                "engine_layout": args.engine_layout,
                 "max_tokens": args.max_tokens, "dtype": args.dtype, "prompts": args.prompts,
                 "prompt_ids": [p.id for p in prompts]}),
             "rows": rows, "elapsed_s": time.perf_counter() - t0,

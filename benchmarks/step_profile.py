@@ -229,7 +229,7 @@ def worker(job_path: str) -> None:
     Path(job["result_path"]).write_text(json.dumps({"runs": results}), encoding="utf-8")
 
 
-def lockstep(jobs: dict[str, dict], batch_sizes: list[int], passes: int) -> list[dict]:
+def lockstep(jobs: dict[str, dict], batch_sizes: list[int], passes: int, counts: list[int] | None = None) -> list[dict]:
     """Every method's engine in this one process, stepped in turn (one step
     each, the order rotating every step), so the machine's drift over
     minutes falls on every method alike and what is left between two
@@ -243,7 +243,8 @@ def lockstep(jobs: dict[str, dict], batch_sizes: list[int], passes: int) -> list
     an ``ngram`` engine fails in vLLM's CPU kernel registration
     (``'_lib_fn_wrapper' object has no attribute 'get'``). Returns one row
     per method, batch size and pass, with greedy equality against the first
-    method."""
+    method. ``counts``: prompts of a pass at each batch size (default: the
+    batch size, at least the first job's ``min_prompts``)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     order = sorted(jobs, key=lambda name: 0 if engines.is_tree_method(jobs[name])
                    else 1 if jobs[name]["speculative_config"] is None else 2)
@@ -253,8 +254,9 @@ def lockstep(jobs: dict[str, dict], batch_sizes: list[int], passes: int) -> list
         profiled[name] = ProfiledEngine(engines.open_engine({**jobs[name], "engine_layout": "in-process"},
                                                             max(batch_sizes)), jobs[name])
     rows = []
-    for count, in_flight, timed in [(2, 2, False)] + [(_pass_size(jobs[order[0]], b), b, True)
-                                                        for b in batch_sizes for _ in range(passes)]:
+    counts = counts or [_pass_size(jobs[order[0]], b) for b in batch_sizes]
+    for count, in_flight, timed in [(2, 2, False)] + [(n, b, True) for b, n in zip(batch_sizes, counts)
+                                                        for _ in range(passes)]:
         for engine in profiled.values():
             engine.start(count, in_flight)
         turn = list(profiled)

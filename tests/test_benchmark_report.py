@@ -58,6 +58,25 @@ def test_floor_sweep_reports_each_groups_control_without_a_floor():
     assert "| eagle3/c2t/N32 | 8 | 0.94 | 0.95 | **no** | 0% | 2 | 1022 | 8 | 32/32 |" in lines
 
 
+def test_floor_sweep_reads_lockstep_passes_as_one_row():
+    """Lockstep passes of a cell at one batch size: the median of the passes'
+    ratios, greedy equality summed over passes, the plugin's counters summed,
+    and the share of request steps that verified a tree."""
+    import floor_sweep
+
+    def run(ratio, same, trees, accepted):
+        return {"ratio": ratio, "same": [same, 8], "tokens": 100, "wall_s": 2.0,
+                "tree": {"trees_verified": trees, "tokens_accepted": accepted, "probes": 1, "paused": 40}}
+
+    row = floor_sweep.lockstep_row([run(0.97, 8, 10, 20), run(1.01, 7, 30, 20), run(0.99, 8, 0, 0)])
+    assert row["ratio_vs_none"] == pytest.approx(0.99) and row["ratio_per_round"] == [0.97, 1.01, 0.99]
+    assert row["same_as_none"] == [23, 24] and row["tok_per_s"] == pytest.approx(50.0)
+    assert row["tree"] == {"trees_verified": 40, "tokens_accepted": 40, "probes": 3, "paused": 120}
+    assert row["drafting_share"] == pytest.approx(40 / (300 - 40))
+    cell = floor_sweep.summarize("eagle3/talon/N32", {**row, "batch_size": 8})
+    assert (cell["ratio"], cell["probes"], cell["paused_steps"], cell["same"]) == (pytest.approx(0.99), 3, 120, [23, 24])
+
+
 def test_before_after_takes_labelled_configs_and_refuses_others():
     import argparse
 
