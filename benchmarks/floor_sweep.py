@@ -30,8 +30,8 @@ process and steps them in turn, one engine step each
 (``benchmarks/step_profile.py``'s lockstep; a round is then a pass of every
 engine at a batch size, its ratio over the same span of time as none's), so
 the machine's drift over minutes falls on every engine alike; about 4 GiB
-an engine at batch 64, so at most five (a group of 3 and two ``none``) on a
-24 GiB machine.
+an engine at batch 64 (a draft LM's more), so on a 24 GiB machine a group of
+3 EAGLE-3 or retrieval cells and two ``none``, and groups of 2 with a draft LM.
 
 Per cell and batch size: the ratio (median of the rounds'), the share of
 drafting steps that verified a tree ("verified": trees / drafting request
