@@ -55,6 +55,7 @@ Reproduce (about 12 minutes on 2 CPU cores; writes ``step_profile.{json,md}``)::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -156,6 +157,12 @@ class ProfiledEngine:
         self.waiting, self.in_flight, self.running = list(range(count)), in_flight, 0
         self.step_seconds: list[float] = []
         self.token_ids: dict[int, list[int]] = {}
+
+    def close(self) -> None:
+        """Shut the engine down and drop it, so a next group of engines in
+        this process finds its memory free."""
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = self.engine = None
 
     def busy(self) -> bool:
         return bool(self.waiting) or self.engine.has_unfinished_requests()
@@ -278,6 +285,10 @@ def lockstep(jobs: dict[str, dict], batch_sizes: list[int], passes: int, counts:
                          "same": [same, len(reference)], **result})
             print(f"[lockstep] {name} b={in_flight}: {result['steps']} steps, {result['tokens']} tokens, "
                   f"{ratio:.3f}x the first method, greedy same {same}/{len(reference)}", flush=True)
+    for engine in profiled.values():
+        engine.close()
+    profiled.clear()
+    gc.collect()
     return rows
 
 
