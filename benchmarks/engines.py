@@ -306,11 +306,9 @@ def tree_counters(llm, tree_method: bool) -> dict[str, int]:
     trust region."""
     if not tree_method:
         return {}
-    stats = llm.collective_rpc("adaptive_tree_stats")[0]
-    return {"draft_passes": stats["draft_passes"], "drafting_steps": stats["proposals"] - stats["paused"],
-            "trees_verified": stats["trees_verified"], "tokens_accepted": stats["tokens_accepted"],
-            "leaf_paths": stats["leaf_paths"],
-            "paused": stats["paused"], "probes": stats["probes"], "trust_cuts": stats["trust_cuts"]}
+    stats = {**llm.collective_rpc("adaptive_tree_stats")[0]}
+    stats["drafting_steps"] = stats["proposals"] - stats["paused"]
+    return {key: stats[key] for key in TREE_COUNTERS}
 
 
 def generate(llm, conversations, params, in_flight: int, max_num_seqs: int):
