@@ -47,6 +47,13 @@ at three batch sizes about 10 minutes)::
     .venv/bin/python benchmarks/floor_sweep.py --drafters eagle3 --policies talon,eagle2-D18 --budgets 32
     .venv/bin/python benchmarks/floor_sweep.py --cells eagle3/talon/N32,hybrid/eagle2/N32,retrieval/retrieval/N16
     .venv/bin/python benchmarks/floor_sweep.py --engine-layout lockstep --cells eagle3/talon/N32,eagle3/chain/N32
+
+A sweep run in several invocations (draft-LM groups one per invocation, see
+above) is read as one table and plot with ``--merge``: the runs' rows
+together, each group's control named after its run, refused where the runs'
+workloads differ::
+
+    .venv/bin/python benchmarks/floor_sweep.py --merge results/fs_a results/fs_b --out results/floor_sweep
 """
 
 from __future__ import annotations
@@ -189,6 +196,43 @@ def plot(report: dict, path: Path) -> bool:
     return True
 
 
+# Settings that make two runs' ratios one workload; a merge refuses runs that differ in any.
+WORKLOAD = ("batch_sizes", "prompts_per_batch", "max_tokens", "dtype", "prompt_ids", "engine_layout", "rounds")
+
+
+def merge(reports: dict[str, dict]) -> dict:
+    """Several runs' reports (run name -> report) as one: their rows in
+    order, each group's control renamed ``control/RUN/groupK`` (every run
+    numbers its groups from 1), their cells together. Raises ``ValueError``
+    naming the setting where two runs' workloads differ."""
+    (first_name, first), *rest = reports.items()
+    for name, report in rest:
+        for key in WORKLOAD:
+            if report["settings"].get(key) != first["settings"].get(key):
+                raise ValueError(f"runs {first_name!r} and {name!r} differ in {key!r}: "
+                                 f"{first['settings'].get(key)!r} against {report['settings'].get(key)!r}")
+    rows, grid = [], {}
+    for name, report in reports.items():
+        grid.update(report["settings"]["cells"])
+        for row in report["rows"]:
+            cell = row["cell"]
+            if cell.startswith("control/"):
+                cell = f"control/{name}/{cell.split('/', 1)[1]}"
+            rows.append({**row, "cell": cell})
+    return {
+        "timestamp": max(report["timestamp"] for report in reports.values()),
+        "vllm_version": first["vllm_version"], "machine": first["machine"],
+        "settings": {**first["settings"], "cells": grid, "merged_runs": list(reports)},
+        "rows": rows, "elapsed_s": sum(report["elapsed_s"] for report in reports.values()),
+    }
+
+
+def write(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "floor_sweep.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (out / "floor_sweep.md").write_text(markdown(report), encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafters", default="retrieval,eagle3,draft_model,hybrid")
@@ -214,7 +258,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", default=str(HELDOUT))
     parser.add_argument("--worker-timeout", type=float, default=3600)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "floor_sweep"))
+    parser.add_argument("--merge", nargs="+", metavar="RUN_DIR",
+                        help="instead of measuring: read these runs' floor_sweep.json as one table and plot in --out")
     args = parser.parse_args(argv)
+    if args.merge:
+        reports = {}
+        for run in args.merge:
+            path = Path(run) / "floor_sweep.json"
+            if not path.is_file():
+                parser.error(f"--merge: {path} not found (a floor sweep's --out directory holds it)")
+            reports[Path(run).name] = json.loads(path.read_text(encoding="utf-8"))
+        if len(reports) != len(args.merge):
+            parser.error("--merge: two runs have the same directory name; each names its controls")
+        try:
+            report = merge(reports)
+        except ValueError as error:
+            parser.error(f"--merge: {error}")
+        write(report, Path(args.out))
+        print(markdown(report))
+        if plot(report, Path(args.out) / "floor_sweep.png"):
+            print(f"plot: {Path(args.out) / 'floor_sweep.png'}")
+        return
 
     from vllm_adaptive_spec.demo_model import ensure_demo_model
     from vllm_adaptive_spec.prompts import load_prompts
@@ -295,9 +359,7 @@ def main(argv: list[str] | None = None) -> None:
                 "prompt_ids": [p.id for p in prompts]}),
             "rows": rows, "elapsed_s": time.perf_counter() - t0,
         }
-        # Written after every group, so an interrupted sweep keeps what it measured.
-        (out / "floor_sweep.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        (out / "floor_sweep.md").write_text(markdown(report), encoding="utf-8")
+        write(report, out)  # after every group, so an interrupted sweep keeps what it measured
     print(markdown(report))
     if plot(report, out / "floor_sweep.png"):
         print(f"plot: {out / 'floor_sweep.png'}")

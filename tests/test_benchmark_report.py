@@ -77,6 +77,34 @@ def test_floor_sweep_reads_lockstep_passes_as_one_row():
     assert (cell["ratio"], cell["probes"], cell["paused_steps"], cell["same"]) == (pytest.approx(0.99), 3, 120, [23, 24])
 
 
+def test_floor_sweep_runs_merge_into_one_table_and_refuse_different_workloads():
+    """Runs of one sweep in several invocations read as one report: every
+    row kept, each run's group controls told apart by the run's name, the
+    cells together; runs whose workloads differ are refused, naming the
+    setting."""
+    import floor_sweep
+
+    def report(cell, ratio, max_tokens=256):
+        settings = {"cells": {cell: {"method": "adaptive_tree"}}, "batch_sizes": [1, 8], "prompts_per_batch": [2, 16],
+                    "rounds": 2, "engine_layout": "lockstep", "max_tokens": max_tokens, "dtype": "float32",
+                    "prompt_ids": ["a", "b"]}
+        rows = [floor_sweep.summarize("control/group1", {"batch_size": 1, "ratio_vs_none": 1.01, "same_as_none": [2, 2]}),
+                floor_sweep.summarize(cell, {"batch_size": 1, "ratio_vs_none": ratio, "same_as_none": [2, 2]})]
+        return {"timestamp": "t", "vllm_version": "0.32.0", "machine": {"cpu_model": "cpu", "nproc": 2},
+                "settings": settings, "rows": rows, "elapsed_s": 10.0}
+
+    merged = floor_sweep.merge({"fs_a": report("eagle3/talon/N8", 0.97), "fs_b": report("retrieval/chain/N60", 1.2)})
+    assert [r["cell"] for r in merged["rows"]] == ["control/fs_a/group1", "eagle3/talon/N8",
+                                                   "control/fs_b/group1", "retrieval/chain/N60"]
+    assert set(merged["settings"]["cells"]) == {"eagle3/talon/N8", "retrieval/chain/N60"}
+    assert merged["elapsed_s"] == 20.0
+    lines = floor_sweep.markdown(merged).splitlines()
+    assert "| control/fs_b/group1 | 1 | 1.01 | | | | | | | 2/2 |" in lines
+    assert "| retrieval/chain/N60 | 1 | 1.20 | 0.97 | yes | 0% | 0 | 0 | 0 | 2/2 |" in lines
+    with pytest.raises(ValueError, match="'fs_a' and 'fs_c' differ in 'max_tokens': 256 against 128"):
+        floor_sweep.merge({"fs_a": report("eagle3/talon/N8", 0.97), "fs_c": report("eagle3/talon/N60", 0.97, 128)})
+
+
 def test_before_after_takes_labelled_configs_and_refuses_others():
     import argparse
 
