@@ -105,6 +105,15 @@ def test_floor_sweep_runs_merge_into_one_table_and_refuse_different_workloads():
         floor_sweep.merge({"fs_a": report("eagle3/talon/N8", 0.97), "fs_c": report("eagle3/talon/N60", 0.97, 128)})
 
 
+def test_floor_sweep_merge_refuses_a_directory_without_a_sweep(tmp_path, capsys):
+    import floor_sweep
+
+    with pytest.raises(SystemExit):
+        floor_sweep.main(["--merge", str(tmp_path / "fs_a"), "--out", str(tmp_path / "merged")])
+    assert f"--merge: {tmp_path / 'fs_a' / 'floor_sweep.json'} not found" in capsys.readouterr().err
+    assert not (tmp_path / "merged").exists()
+
+
 def test_before_after_takes_labelled_configs_and_refuses_others():
     import argparse
 
