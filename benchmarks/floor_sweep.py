@@ -183,15 +183,22 @@ def plot(report: dict, path: Path) -> bool:
     rows = [r for r in report["rows"] if r["ratio"] is not None]
     names = list(dict.fromkeys(r["cell"] for r in rows))
     batch_sizes = sorted({r["batch_size"] for r in rows})
-    fig, ax = plt.subplots(figsize=(max(8, 0.35 * len(names) + 2), 4.5))
-    width = 0.8 / max(len(batch_sizes), 1)
+    fig, ax = plt.subplots(figsize=(max(8, 0.3 * len(names) + 2), 6.5))
+    # Points on a log scale: the cells near a floor stay readable beside the 2x ones.
+    width = 0.6 / max(len(batch_sizes), 1)
     for k, b in enumerate(batch_sizes):
         values = {r["cell"]: r["ratio"] for r in rows if r["batch_size"] == b}
-        ax.bar([i + k * width for i in range(len(names))], [values.get(n, 0.0) for n in names], width, label=f"b={b}")
+        xs = [i + (k - (len(batch_sizes) - 1) / 2) * width for i, n in enumerate(names) if n in values]
+        ax.plot(xs, [values[n] for n in names if n in values], "o", markersize=4, label=f"b={b}")
     for floor, style in ((0.95, "--"), (0.97, ":")):
         ax.axhline(floor, color="black", linestyle=style, linewidth=0.8, label=f"floor {floor}")
-    ax.set_xticks([i + width * (len(batch_sizes) - 1) / 2 for i in range(len(names))], names, rotation=70,
-                  ha="right", fontsize=7)
+    ax.axhline(1.0, color="grey", linewidth=0.5)
+    ax.set_yscale("log")
+    ax.set_ylim(min(0.85, min(r["ratio"] for r in rows) * 0.97), max(1.1, max(r["ratio"] for r in rows) * 1.05))
+    ax.set_yticks([0.9, 0.95, 1.0, 1.1, 1.25, 1.5, 2.0], ["0.9", "0.95", "1", "1.1", "1.25", "1.5", "2"])
+    ax.minorticks_off()
+    ax.set_xticks(range(len(names)), names, rotation=70, ha="right", fontsize=7)
+    ax.grid(axis="x", linewidth=0.3)
     engines.save_ratio_plot(plt, fig, ax, path)
     return True
 
