@@ -240,6 +240,13 @@ def write(report: dict, out: Path) -> None:
     (out / "floor_sweep.md").write_text(markdown(report), encoding="utf-8")
 
 
+def show(report: dict, out: Path) -> None:
+    """Print the table and draw the plot beside the written report."""
+    print(markdown(report))
+    if plot(report, out / "floor_sweep.png"):
+        print(f"plot: {out / 'floor_sweep.png'}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafters", default="retrieval,eagle3,draft_model,hybrid")
@@ -282,9 +289,7 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as error:
             parser.error(f"--merge: {error}")
         write(report, Path(args.out))
-        print(markdown(report))
-        if plot(report, Path(args.out) / "floor_sweep.png"):
-            print(f"plot: {Path(args.out) / 'floor_sweep.png'}")
+        show(report, Path(args.out))
         return
 
     from vllm_adaptive_spec.demo_model import ensure_demo_model
@@ -367,9 +372,7 @@ def main(argv: list[str] | None = None) -> None:
             "rows": rows, "elapsed_s": time.perf_counter() - t0,
         }
         write(report, out)  # after every group, so an interrupted sweep keeps what it measured
-    print(markdown(report))
-    if plot(report, out / "floor_sweep.png"):
-        print(f"plot: {out / 'floor_sweep.png'}")
+    show(report, out)
 
 
 if __name__ == "__main__":
