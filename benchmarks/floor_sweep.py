@@ -40,8 +40,10 @@ steps), the probe steps and draft passes, and greedy equality. Outputs in
 (``pip install -e .[bench]``), ``floor_sweep.png`` (every cell's ratio per
 batch size, the floors drawn).
 
-Reproduce (the whole grid is about 4 hours on 2 CPU cores; a group of 3 cells
-at three batch sizes about 10 minutes)::
+Reproduce (on 2 CPU cores, at three batch sizes: interleaved, about 10 minutes a
+group of 3 cells; in lockstep, about 15 minutes a group of 3 EAGLE-3 or
+retrieval cells and 12 a pair with a draft LM, so about 6.5 hours for the
+whole grid, best run as several invocations read back with ``--merge``)::
 
     .venv/bin/python benchmarks/floor_sweep.py
     .venv/bin/python benchmarks/floor_sweep.py --drafters eagle3 --policies talon,eagle2-D18 --budgets 32
