@@ -292,13 +292,13 @@ def test_drafting_that_loses_on_balance_pauses_though_it_wins_every_other_step()
     assert all(_alternating(worth_trees=3)), "a net gain should keep drafting"
 
 
-def _after_a_lucky_streak(accepted: list[int]) -> list[bool]:
+def _after_a_lucky_streak(accepted: list[int], realized: bool = True) -> list[bool]:
     """Batch 1: a 3-node chain (``p`` .8 .64 .51) whose calibration still
     carries a lucky streak (200 trees accepted in full: ``rho`` 1.54), so
     every step expects 4 tokens for 0.064 s (+150% over 0.041 s a token);
     the step commits ``1 + accepted[step % len(accepted)]``. Whether each of
     24 steps drafted."""
-    budget = LoadBudget(max_budget=8, pause_after=8, pause_steps=64, half_life=1e9)
+    budget = LoadBudget(max_budget=8, pause_after=8, pause_steps=64, half_life=1e9, realized=realized)
     _feed_steps(budget, alpha=0.04, beta=0.001)
     chain = DraftTree.chain([1, 2, 3])
     chain.q = [0.8, 0.8, 0.8]
@@ -319,10 +319,13 @@ def test_drafting_judged_by_what_it_commits_with_a_margin_not_by_what_it_expects
     """A drafter that expects +150% a step and commits 1.6 tokens a step
     (+2.5% over no drafting by the modelled costs, -6% with what drafting
     adds taken 1.25 times) breaks even at best: its first window pauses it.
-    Committing 2 tokens a step (+18% with the margin) it drafts on."""
+    Committing 2 tokens a step (+18% with the margin) it drafts on. A
+    retrieval drafter's windows (``realized`` False) are judged on the
+    expectation: the same steps never pause it."""
     break_even = _after_a_lucky_streak([1, 1, 0, 1, 0])
     assert all(break_even[:8]) and not any(break_even[8:]), break_even
     assert all(_after_a_lucky_streak([1]))
+    assert all(_after_a_lucky_streak([1, 1, 0, 1, 0], realized=False))
 
 
 def test_a_drafter_that_spends_nearly_nothing_is_not_paused_for_the_steps_it_keeps_nothing():

@@ -107,6 +107,7 @@ def test_the_retrieval_trie_has_a_budget_of_its_own():
     proposer = proposer_for(TreeConfig("hybrid", "dynatree", 8, {"l_max": 2, "evidence_prior": 0.0}, {"window": 1}))
     model, trie = proposer.load_budget, proposer.paused_budget
     assert trie is not None and trie is not model
+    assert model.realized and not trie.realized  # the model's windows on committed tokens, the trie's on expected
     proposer.observe_step(10, 0.05, 0)  # one step, one fit: both budgets read the same step costs
     assert model.fit is trie.fit and model.fit.steps_seen == 1
     model._paused = 3

@@ -106,7 +106,10 @@ class TreeProposer:
         self.max_model_len = vllm_config.model_config.max_model_len
         self.trees: dict[str, DraftTree] = {}
         self.stats = TreeStats()
-        self.load_budget = LoadBudget(self.config.budget) if self.config.load_budget == "adaptive" else None
+        self.load_budget = (
+            LoadBudget(self.config.budget, realized=getattr(self.drafter, "is_model", False))
+            if self.config.load_budget == "adaptive" else None
+        )
         self.recorder = None  # called with each verified tree and its accepted nodes (c2t-collect)
         # The clock reading the load budget acts on (the engine's runner makes
         # it rank 0's under tensor parallelism, see ``runner.rank0_reading``).
@@ -122,7 +125,7 @@ class TreeProposer:
         # its trees calibrate its own rho rather than the model's; the step-cost fit
         # is shared.
         self.paused_budget = (
-            LoadBudget(self.config.budget, self.load_budget.fit)
+            LoadBudget(self.config.budget, self.load_budget.fit, realized=False)
             if self.load_budget is not None and self._paused_part[0] is not None
             else None
         )
