@@ -212,14 +212,17 @@ WORKLOAD = ("batch_sizes", "prompts_per_batch", "max_tokens", "dtype", "prompt_i
 def merge(reports: dict[str, dict]) -> dict:
     """Several runs' reports (run name -> report) as one: their rows in
     order, each group's control renamed ``control/RUN/groupK`` (every run
-    numbers its groups from 1), their cells together. Raises ``ValueError``
-    naming the setting where two runs' workloads differ."""
+    numbers its groups from 1), their cells together; a cell measured by
+    several runs keeps the last run's rows (a rerun, of newer code, replaces
+    the earlier one). Raises ``ValueError`` naming the setting where two
+    runs' workloads differ."""
     (first_name, first), *rest = reports.items()
     for name, report in rest:
         for key in WORKLOAD:
             if report["settings"].get(key) != first["settings"].get(key):
                 raise ValueError(f"runs {first_name!r} and {name!r} differ in {key!r}: "
                                  f"{first['settings'].get(key)!r} against {report['settings'].get(key)!r}")
+    last_run = {row["cell"]: name for name, report in reports.items() for row in report["rows"]}
     rows, grid = [], {}
     for name, report in reports.items():
         grid.update(report["settings"]["cells"])
@@ -227,6 +230,8 @@ def merge(reports: dict[str, dict]) -> dict:
             cell = row["cell"]
             if cell.startswith("control/"):
                 cell = f"control/{name}/{cell.split('/', 1)[1]}"
+            elif last_run[cell] != name:
+                continue
             rows.append({**row, "cell": cell})
     return {
         "timestamp": max(report["timestamp"] for report in reports.values()),

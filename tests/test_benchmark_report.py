@@ -80,8 +80,8 @@ def test_floor_sweep_reads_lockstep_passes_as_one_row():
 def test_floor_sweep_runs_merge_into_one_table_and_refuse_different_workloads():
     """Runs of one sweep in several invocations read as one report: every
     row kept, each run's group controls told apart by the run's name, the
-    cells together; runs whose workloads differ are refused, naming the
-    setting."""
+    cells together, a cell measured again replaced by the later run's rows;
+    runs whose workloads differ are refused, naming the setting."""
     import floor_sweep
 
     def report(cell, ratio, max_tokens=256):
@@ -101,6 +101,9 @@ def test_floor_sweep_runs_merge_into_one_table_and_refuse_different_workloads():
     lines = floor_sweep.markdown(merged).splitlines()
     assert "| control/fs_b/group1 | 1 | 1.01 | | | | | | | 2/2 |" in lines
     assert "| retrieval/chain/N60 | 1 | 1.20 | 0.97 | yes | 0% | 0 | 0 | 0 | 2/2 |" in lines
+    rerun = floor_sweep.merge({"fs_a": report("eagle3/talon/N8", 0.97), "fs_b": report("eagle3/talon/N8", 1.01)})
+    assert [(r["cell"], r["ratio"]) for r in rerun["rows"]] == [
+        ("control/fs_a/group1", 1.01), ("control/fs_b/group1", 1.01), ("eagle3/talon/N8", 1.01)]
     with pytest.raises(ValueError, match="'fs_a' and 'fs_c' differ in 'max_tokens': 256 against 128"):
         floor_sweep.merge({"fs_a": report("eagle3/talon/N8", 0.97), "fs_c": report("eagle3/talon/N60", 0.97, 128)})
 
