@@ -55,7 +55,11 @@ does not pay pauses again at once, for twice as long (up to ``max_pause``).
 A window pauses before its end once its losses add up to what one clear loss
 costs (below, ``1 - clear_loss`` of a step): a model drafter that loses 15%
 of every step at batch 1 pauses after 4 steps, not 16. Decision: a window,
-not ``pause_after`` losing steps in a row.
+not ``pause_after`` losing steps in a row. Where the gain hovers around zero,
+wins and losses alternate step by step (measured: the hybrid's trie at batch
+32 lost on 83 of 138 steps, never 16 in a row) and a run-length rule never
+pauses a drafter that loses on balance; its real cost then also carries what
+the fit does not see (at batch 32, 10% of the step time for 2% more tokens).
 
 A model drafter's window (``realized``) is judged on the tokens its steps
 committed, not on those they were expected to commit: each step's realized
@@ -63,11 +67,15 @@ rate, ``B`` plus its trees' accepted nodes over the step's modelled cost, is
 known once its trees are verified (:meth:`observe_tree`), and the window pays
 only if the realized relative gains sum to at least zero, with what drafting
 adds to the modelled cost (drafting, the trees' rows and their own costs)
-taken ``1 + margin`` times. Decision: the expectation is biased upward where it picks nodes. A node is kept when its ``p_hat`` is
-high, and ``p_hat`` is high after lucky trees (a request's own record) as
-often as for good ones: an EAGLE-3 head with C2T at batch 1 on the CPU
-expected +10.6% per drafting step and realized -8% to 0% of the engine
-without speculation (1.78 tokens a step expected, 1.65 committed), though its
+taken ``1 + margin`` times. The early decisions (a probe, a clear loss,
+losses adding up to one) stay on the expectation: they must be taken when
+the step is chosen, and a drafter that expects to lose does.
+
+Decision: the expectation is biased upward where it picks nodes. A node is
+kept when its ``p_hat`` is high, and ``p_hat`` is high after lucky trees (a
+request's own record) as often as for good ones: an EAGLE-3 head with C2T at
+batch 1 on the CPU expected +10.6% per drafting step and realized -8% to 0%
+of the engine without speculation (1.78 tokens a step expected, 1.65 committed), though its
 calibration over the run was right (176.6 nodes predicted, 179 accepted).
 ``margin`` (25%) covers what the model of the step misses: there a plain
 step was fitted at 44.4 ms while a step of the engine without speculation
@@ -87,13 +95,8 @@ drafted, and its gains come in bursts (a prompt repeated, a list continued)
 that a pause of up to ``max_pause`` steps misses. Judged on its committed
 tokens it paused more at batch 1 (trees on 41% of request steps, not 52%)
 and ran 1.95x of no speculation instead of 2.07x (three retrieval cells,
-two passes each); a model drafter's lost window costs its draft passes. The early decisions (a probe, a clear loss, losses
-adding up to one) stay on the expectation: they must be taken when the step
-is chosen, and a drafter that expects to lose does. Where the gain hovers around zero, wins and losses alternate step by
-step (measured: the hybrid's trie at batch 32 lost on 83 of 138 steps, never
-16 in a row) and a run-length rule never pauses a drafter that loses on
-balance; its real cost then also carries what the fit does not see (at
-batch 32, 10% of the step time for 2% more tokens).
+two passes each); a model drafter's lost window costs its draft passes.
+
 A probe drafts for at most ``probe_requests`` requests (the engine picks
 those whose draft state needs the least catch-up; the others count as plain
 rows of the step): a paused EAGLE-3 head must first feed every row it kept,
@@ -429,8 +432,8 @@ class LoadBudget:
             chosen = [t.keep_best(count) for t, count in zip(trees, confident)]
             step, delta = self.fit.mean_step(), self.draft_cost()
             if trees and not any(len(t) for t in chosen) and step and delta > 0.0:
-                rows = len(trees) + plain
-                self._account(rows / (step + delta * len(trees)), rows / step, rows, step + delta * len(trees), step)
+                rows, drafting_step = len(trees) + plain, step + delta * len(trees)
+                self._account(rows / drafting_step, rows / step, rows, drafting_step, step)
             else:
                 self._account(None, 0.0)
             return chosen
@@ -466,14 +469,16 @@ class LoadBudget:
                 if net < xi * rate:
                     tree = path
             chosen.append(tree)
-        without = (len(trees) + plain) / (alpha + beta * (len(trees) + plain))
+        plain_seconds = alpha + beta * (len(trees) + plain)
+        without = (len(trees) + plain) / plain_seconds
         if fallback is not None:
             scorer = fallback_budget or self
             without = max(without, plan(expected(fallback, [scorer.calibration(r) for r in ids]), 0.0)[2])
         measurable = bool(trees) and delta > 0.0
-        plain_seconds = alpha + beta * (len(trees) + plain)
-        seconds = (plain_seconds + delta * len(trees) + beta * sum(len(t) for t in chosen)
-                   + eta * sum(1 for t in chosen if len(t)) + xi * sum(1 for t in chosen if t.branches()))
+        seconds = 0.0
+        if self.realized:  # the step's modelled cost, for judging it on what it commits (_settle)
+            seconds = (plain_seconds + delta * len(trees) + beta * sum(len(t) for t in chosen)
+                       + eta * sum(1 for t in chosen if len(t)) + xi * sum(1 for t in chosen if t.branches()))
         self._account(with_drafting if measurable else None, without, len(trees) + plain, seconds, plain_seconds)
         return chosen
 
@@ -509,9 +514,8 @@ class LoadBudget:
     def _settle(self) -> None:
         """Judge the last measured step by its realized relative gain once its
         trees' acceptances are in, what drafting added to its modelled cost
-        taken ``1 + margin`` times; at the end of a window of ``pause_after``
-        steps, pause drafting if the window's realized gains sum below zero,
-        else draft on (for every request: proven)."""
+        taken ``1 + margin`` times, and close the window on the realized
+        gains (:meth:`_close_window`)."""
         if self._pending is None:
             return
         tokens, seconds, plain_seconds, without = self._pending
