@@ -46,6 +46,17 @@ if sys.path[0] != str(REPO):  # before benchmarks/, whose kernels.py would shado
 HEAD = REPO / "heads" / "smollm2-135m-eagle3"
 # vLLM's n-gram drafter as the benchmarks compare against it (K = 4).
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+# A model drafter's policy settings by name: each policy at its defaults, and at its largest documented
+# depth (eagle2 also at depth 18); the floor sweep's cells and the step profile's ``@POLICY`` use them.
+MODEL_POLICIES = {
+    "chain": ("chain", {}),
+    "eagle2": ("eagle2", {}),
+    "eagle2-D18": ("eagle2", {"depth": 18}),
+    "talon": ("talon", {"max_depth": 32}),
+    "deagle": ("deagle", {"depth": 18}),
+    "dynatree": ("dynatree", {}),
+    "c2t": ("c2t", {"max_depth": 10}),
+}
 SPEC_COUNTERS = {
     "drafts": "vllm:spec_decode_num_drafts",
     "draft_tokens": "vllm:spec_decode_num_draft_tokens",

@@ -78,16 +78,7 @@ from engines import REPO, fmt  # noqa: E402
 
 HELDOUT = REPO / "benchmarks" / "data" / "heldout_prompts.jsonl"
 FLOORS = {"retrieval": 0.97, "eagle3": 0.95, "draft_model": 0.95, "hybrid": 0.95}
-# Policy settings per cell: each policy at its defaults, eagle2 also at depth 18.
-MODEL_POLICIES = {
-    "chain": ("chain", {}),
-    "eagle2": ("eagle2", {}),
-    "eagle2-D18": ("eagle2", {"depth": 18}),
-    "talon": ("talon", {"max_depth": 32}),
-    "deagle": ("deagle", {"depth": 18}),
-    "dynatree": ("dynatree", {}),
-    "c2t": ("c2t", {"max_depth": 10}),
-}
+MODEL_POLICIES = engines.MODEL_POLICIES
 RETRIEVAL_POLICIES = {"retrieval": ("retrieval", {}), "chain": ("chain", {})}
 
 

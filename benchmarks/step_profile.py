@@ -71,8 +71,9 @@ MAX_LEN = 64  # l_max = l_min = 64: the suffix never matches, no tree is drafted
 
 
 def method_config(name: str) -> dict | None:
-    """The speculative config of a method name; ``NAME@POLICY`` picks a
-    model drafter's policy (default ``eagle2``; e.g. ``eagle3-adaptive-32@talon``)."""
+    """The speculative config of a method name; ``NAME@POLICY`` picks a model drafter's
+    policy (default ``eagle2``; e.g. ``eagle3-adaptive-32@talon``), with the settings the
+    floor sweep gives it (``engines.MODEL_POLICIES``: ``@eagle2-D18`` is eagle2 at depth 18)."""
     name, _, policy = name.partition("@")
     if name == "none":
         return None
@@ -88,8 +89,9 @@ def method_config(name: str) -> dict | None:
     for prefix, drafter in (("eagle3-", "eagle3"), ("draft-lm-", "draft_model"), ("hybrid-", "hybrid")):
         if name.startswith(prefix):
             adaptive = name.startswith(prefix + "adaptive-")
+            policy, params = engines.MODEL_POLICIES.get(policy or "eagle2", (policy, {}))
             return {"method": "adaptive_tree", "num_speculative_tokens": int(name.rsplit("-", 1)[1]),
-                    "tree": {"drafter": drafter, "policy": policy or "eagle2",
+                    "tree": {"drafter": drafter, "policy": policy, **params,
                              "load_budget": "adaptive" if adaptive else "fixed"}}
     raise ValueError(f"unknown method {name!r}: none, ngram, tree-N, tree-adaptive-N, eagle3-N, eagle3-adaptive-N, "
                      "draft-lm-N, draft-lm-adaptive-N, hybrid-N, hybrid-adaptive-N")
