@@ -252,6 +252,33 @@ def test_drafting_that_costs_far_more_than_a_step_pauses_at_once():
     assert cheap.drafts()
 
 
+def _first_pause(seconds: float) -> int:
+    """Steps of the first pause of a drafter whose 16 trees of unlikely nodes
+    take ``seconds`` to draft, a plain step taking 0.066 s."""
+    budget = LoadBudget(max_budget=16, pause_after=16, pause_steps=16, half_life=1e9)
+    _feed_steps(budget, alpha=0.05, beta=0.001)
+    weak = DraftTree.chain([1, 2, 3])
+    weak.q = [0.01, 0.01, 0.01]
+    while budget.drafts():
+        budget.observe_drafting(16, seconds)
+        budget.choose([weak] * 16)
+    paused = 1
+    while not budget.drafts():
+        paused += 1
+    return paused
+
+
+def test_a_drafter_whose_probe_costs_many_steps_is_probed_rarely():
+    """A pause lasts until one more drafting step like the last costs at most
+    1% of the paused time: a draft LM whose trees take 16 plain steps to
+    draft (the probe of a depth-18 EAGLE-2 tree at batch 8 on the CPU) is
+    paused for 1,600 steps, not the doubling schedule's 16; a drafter
+    spending a tenth of a step keeps the schedule."""
+    assert abs(_first_pause(16 * 0.066) - 1600) <= 1
+    assert _first_pause(0.0066) == 16
+    assert _first_pause(1000.0) == 8192  # max_probe_pause
+
+
 def _verify(budget: LoadBudget, chosen: list[DraftTree], accepted: int | None = None) -> None:
     """The engine's verification of the chosen chains: each accepts its first
     ``accepted`` nodes (all of them when None)."""
