@@ -116,9 +116,9 @@ at most ``probe_share`` (1%) to the paused steps' time: the pause is the
 longer of the doubling schedule and the last drafting step's seconds over
 ``probe_share`` of a plain step, up to ``max_probe_pause`` steps. Measured
 (batch 8, CPU, 78 ms steps): a draft LM's probe with EAGLE-2 at depth 18
-took 1.26 s, at depth 8 0.73 s, so one probe every ``max_pause`` = 512
-steps cost the paused engine 3.1% and 1.8%; it now comes every 1,600 and
-940 steps. Decision: a share of the paused time, not a longer
+took 1.26 s, at depth 8 0.73 s: one probe every ``max_pause`` = 512
+steps costs the paused engine 3.1% and 1.8%, one every 1,600 and 940 steps
+(this rule) 1%. Decision: a share of the paused time, not a longer
 ``max_pause`` for every drafter, since a cheap drafter (an EAGLE-3 head's
 probe, a retrieval trie's) should look again soon: its load may have
 fallen to where it pays.
