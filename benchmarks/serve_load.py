@@ -338,15 +338,19 @@ def counters(metrics_text: str) -> dict[str, float]:
 
 def run_servers(specs: dict[str, dict | None], args_of: dict[str, list[str]], model: str, jobs: list[Job],
                 concurrency: int, blocks: int, out: Path) -> dict[str, dict]:
-    """Start every server, then drive the workload block by block, the
+    """Start every server (together: a startup is mostly one process importing
+    vLLM, one core's work), then drive the workload block by block, the
     servers taking turns (the order rotating), sampling every server's
     memory each second; then read each one's counters (and the plugin's
     state once idle) and stop them all."""
     servers: dict[str, Server] = {}
     try:
-        for label, spec in specs.items():  # one at a time: startups would compete for the cores
-            servers[label] = Server(model, free_port(), spec, args_of[label], out / f"server_{label}.log")
-            servers[label].wait_healthy()
+        ports: list[int] = []
+        for label, spec in specs.items():
+            ports.append(next(port for port in iter(free_port, None) if port not in ports))
+            servers[label] = Server(model, ports[-1], spec, args_of[label], out / f"server_{label}.log")
+        for server in servers.values():
+            server.wait_healthy()
         memory: dict[str, list[tuple[float, int, int]]] = {label: [] for label in servers}
         done = threading.Event()
 

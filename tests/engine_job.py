@@ -1,11 +1,12 @@
 """Run one real vLLM engine job in its own process and write the results as JSON.
 
 Usage: python tests/engine_job.py JOB.json OUT.json
+       python tests/engine_job.py --serve   (a fork server, see ``serve``)
 
 JOB keys: model, prompt_token_ids (list of lists), max_tokens; optional:
 dtype, speculative_config, temperature, top_p, top_k, seeds (one per prompt),
 stop, ignore_eos, max_model_len, max_num_seqs, max_num_batched_tokens, attention_backend,
-num_gpu_blocks_override, tensor_parallel_size (needs processes), block_size, abort_after_steps ({prompt index: engine steps}),
+num_gpu_blocks_override, tensor_parallel_size, block_size, abort_after_steps ({prompt index: engine steps}),
 pause_pattern ([d, p] or [d, p, k]: the plugin drafts d steps, then pauses p steps, as
 the load budget does when drafting does not pay; repeated; with k, the first drafting
 step of each cycle is a probe that drafts for k requests), record_roots (a model drafter's
@@ -31,13 +32,15 @@ drafter: draft-model forwards run on paused steps), draft_free_verifies (with a
 pause_pattern: steps in which no request had drafts that still went through the tree verifier).
 
 Requests go through ``LLMEngine.add_request``/``step`` so a job can abort some
-of them mid-generation. Each job runs in a fresh process, so engines never
-share state.
+of them mid-generation. Each job runs in a fresh process (a fresh
+interpreter, or a child forked by ``serve`` from one that has only imported
+vLLM), so engines never share state.
 The engine runs in this process (vLLM's in-process engine core and its
-single-process executor: the same scheduler, worker and model runner), which
-saves the two interpreters vLLM would otherwise start and import itself into
-(about 30 s of a 2-core machine per engine); ``processes: true`` keeps vLLM's
-default layout (an EngineCore process and a worker process).
+single-process executor: the same scheduler, worker and model runner; with
+tensor parallelism its multiprocess executor, a worker process per rank),
+which saves the interpreters vLLM would otherwise start and import itself
+into (about 14 s of a 2-core machine each); ``processes: true`` keeps vLLM's
+default layout (an EngineCore process and its worker processes).
 """
 
 import functools
@@ -171,7 +174,10 @@ def main(job_path: str, out_path: str) -> None:
             attention_backend=job.get("attention_backend"),
         ),
         **extra,
-        **({"distributed_executor_backend": "uni"} if in_process else {}),
+        # In this process, the engine core drives one worker in it, or several
+        # tensor-parallel workers in processes of their own.
+        **({"distributed_executor_backend": "mp" if job.get("tensor_parallel_size", 1) > 1 else "uni"}
+           if in_process else {}),
     )
     if "pause_pattern" in job:
         llm.collective_rpc(functools.partial(
@@ -264,5 +270,58 @@ def main(job_path: str, out_path: str) -> None:
         )
 
 
+def serve() -> None:
+    """Import vLLM once, then run each job in a child forked from this process.
+
+    Importing vLLM costs about 14 s of a 2-core machine and an engine job
+    about 20 s in all, so the suite's engine jobs spend most of their time
+    importing; a forked child starts with the imports done and nothing else
+    (no engine, no vLLM state: vLLM reads its environment variables lazily
+    until an engine starts). One request per line on stdin, JSON with keys
+    job, out, log (the child's stdout and stderr) and env (variables set in
+    the child); two JSON lines answer it: ``{"pid": ...}`` at the fork and
+    ``{"returncode": ...}`` when the child has exited. Used only where no
+    CUDA device is visible: a CUDA driver initialized before a fork is not
+    usable in the child."""
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever vLLM logs goes to stderr, the answers alone to stdout
+    import vllm  # noqa: F401  (the import every child shares)
+    from vllm import LLM, SamplingParams  # noqa: F401
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        answers.flush()
+        pid = os.fork()
+        if pid == 0:
+            answers.close()
+            _run_forked(request)
+        print(json.dumps({"pid": pid}), file=answers, flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), file=answers, flush=True)
+
+
+def _run_forked(request: dict) -> None:
+    """The forked child: the job's environment and log, then exit (normally,
+    so vLLM's exit handlers stop any processes the engine started)."""
+    os.environ.update(request.get("env", {}))
+    sys.stdin.close()
+    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    try:
+        main(request["job"], request["out"])
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        sys.exit(1)
+    sys.exit(0)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        main(sys.argv[1], sys.argv[2])

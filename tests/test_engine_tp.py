@@ -49,7 +49,7 @@ def tiny_llama(demo_model, tmp_path_factory) -> str:
 
 def _job(model: str, spec: dict | None = None) -> dict:
     job = {"model": model, "prompt_token_ids": PROMPTS, "max_tokens": MAX_TOKENS, "max_num_seqs": 4,
-           "ignore_eos": True, "tensor_parallel_size": 2, "processes": True}
+           "ignore_eos": True, "tensor_parallel_size": 2}
     return job if spec is None else {**job, "speculative_config": spec}
 
 

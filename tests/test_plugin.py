@@ -87,7 +87,10 @@ def test_loads_in_engine_processes_and_changes_nothing_unselected(demo_model, de
         "processes": True,
     }
     with_plugin = run_engine_job(tmp_path / "with", job)
-    without_plugin = run_engine_job(tmp_path / "without", job, env={"VLLM_PLUGINS": "none-but-stock"})
+    # vLLM's default layout is what must load the plugin; the run it is compared
+    # with needs no processes of its own (the engine computes the same either way).
+    without_plugin = run_engine_job(tmp_path / "without", {**job, "processes": False},
+                                    env={"VLLM_PLUGINS": "none-but-stock"})
 
     processes = {name for name, _ in REGISTERED.findall(with_plugin.log)}
     assert {"EngineCore", "VllmWorker-0"} <= processes, f"registered only in {processes}"
