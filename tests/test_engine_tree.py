@@ -254,3 +254,27 @@ def test_seeded_request_with_a_chunked_prompt(demo_model, prompts, prompt_ids, t
     whole = run_engine_job(tmp_path / "whole", {**job, "max_num_batched_tokens": 4096})
     assert chunked.token_ids == whole.token_ids
     assert chunked.tree_stats["trees_verified"] > 0
+
+
+def test_a_request_admitted_with_one_token_left_keeps_its_penalties(demo_model, prompt_ids, tmp_path):
+    """vLLM 0.32 pads a request admitted with one token left to compute (its
+    prompt in the prefix cache up to the last token, as after a preemption)
+    with placeholder drafts; its token must still be sampled with its
+    penalties. The same prompt twice, one after the other, with penalties
+    (so the plugin drafts for neither): the second is admitted from the
+    prefix cache with one token left, and both answer as without
+    speculation."""
+    block = 32
+    # A prompt that repeats itself, so that its greedy continuation is a token of
+    # the prompt, one the penalties push down.
+    start = max(prompt_ids, key=len)[: block + 1]
+    prompt = start + start[:block]
+    job = {"model": demo_model, "prompt_token_ids": [prompt, prompt], "max_tokens": 12, "max_num_seqs": 2,
+           "block_size": block, "serial_first": 2,
+           "penalties": {"repetition_penalty": 1.5, "presence_penalty": 0.5, "frequency_penalty": 0.5}}
+    plain = run_engine_job(tmp_path / "plain", job)
+    run = run_engine_job(tmp_path / "tree", {**job, "speculative_config": TREE})
+    assert plain.token_ids[0] == plain.token_ids[1]
+    assert run.token_ids == plain.token_ids
+    # vLLM's placeholders reached the verifier (they count as drafts), and no tree was drafted.
+    assert run.metrics["vllm:spec_decode_num_drafts"] > 0 and run.tree_stats["trees_verified"] == 0

@@ -42,6 +42,17 @@ from vllm_adaptive_spec.verify import Acceptance, path_moves
 SUPPORTED_LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
 
 
+def placeholder_drafts(drafts: list[int]) -> bool:
+    """Whether a request's scheduled drafts are vLLM's padding, not ours.
+    vLLM 0.32's scheduler gives a request it admits or resumes with one
+    token left to compute (the rest in the prefix cache, as after a
+    preemption) ``num_speculative_tokens`` drafts of -1, so that the step's
+    rows stay uniform for CUDA graphs; they are never accepted. Verifying
+    them as a tree would take the request's token from its first row
+    without vLLM's penalties, bad words or logits processors."""
+    return drafts[0] < 0
+
+
 def rank0_reading(seconds: float) -> float:
     """Tensor-parallel rank 0's clock reading, on every rank. Decision: the
     load budget's pauses, probes and tree sizes follow measured times; ranks
@@ -161,6 +172,10 @@ class TreeRunnerMixin:
             generators.update(restored)
 
     def _layout_trees(self, scheduler_output, num_scheduled_tokens) -> tree_step.TreeStep | None:
+        """The step's trees, one per request with real drafts. A request with
+        vLLM's placeholder drafts (:func:`placeholder_drafts`) gets none: its
+        committed row is its first, which the verifier samples as vLLM's
+        sampler would without speculation."""
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         if not scheduled:
             return None
@@ -170,6 +185,10 @@ class TreeRunnerMixin:
             if not drafts:
                 continue
             index = self.input_batch.req_id_to_index[req_id]
+            if placeholder_drafts(drafts):
+                first = int(query_start[index])
+                self._accepted_rows[index] = list(range(first, first + int(num_scheduled_tokens[index]) - len(drafts)))
+                continue
             stored = self.tree_proposer.trees.get(req_id)
             tree = stored.prefix(len(drafts)) if stored is not None else None
             if tree is None or tree.tokens != list(drafts):
@@ -254,7 +273,7 @@ class TreeRunnerMixin:
         other_tokens = max(step_tokens - len(scheduler_output.num_scheduled_tokens) - spec_tokens, 0)
         self.tree_proposer.observe_step(step_tokens, self.tree_proposer.agree(time.perf_counter() - self._step_started),
                                         other_tokens,
-                                        sum(1 for d in drafts if d), self._branching_trees)
+                                        sum(1 for d in drafts if d and not placeholder_drafts(d)), self._branching_trees)
         drafting = self.tree_proposer.drafting_this_step()
         first_pass_seconds = 0.0
         probe_rows = None

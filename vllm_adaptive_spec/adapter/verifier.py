@@ -5,7 +5,8 @@ accepted path, the bonus token, then -1), so vLLM's bookkeeping and scheduler
 stay untouched. Each request has ``1 + n`` logits rows (root, then its nodes).
 
 * Requests without a tree keep vLLM's own sampler (penalties, bad words and
-  every other processor apply exactly as without speculation).
+  every other processor apply exactly as without speculation); so do
+  requests with vLLM's placeholder drafts, sampled from their first row.
 * Tree rows are processed as vLLM's sampler processes a row (allowed-token
   mask, temperature, then top-k and top-p through vLLM's own
   ``apply_top_k_top_p``), then each row draws its target token
@@ -21,6 +22,7 @@ stay untouched. Each request has ``1 + n`` logits rows (root, then its nodes).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -91,17 +93,17 @@ class TreeVerifier(torch.nn.Module):
         starts = cu_rows - rows_per_request
         batch, width = num_drafts.shape[0], int(num_drafts.max()) + 1
 
+        step = tree_step.current()
         # A copy (vLLM's sampler processes the rows it is given in place; logprobs are read
         # from ``logits`` after it).
         plain = self.sampler(
-            logits=logits[metadata.bonus_logits_indices],
-            sampling_metadata=sampling_metadata,
+            logits=logits[self._plain_rows(metadata, starts, step)],
+            sampling_metadata=self._without_placeholders(sampling_metadata, metadata, step),
             predict_bonus_token=True,
         )
         output = torch.full((batch, width), PAD, dtype=torch.int32, device=device)
         output[:, 0] = plain.sampled_token_ids[:, 0].to(torch.int32)
 
-        step = tree_step.current()
         if step is not None and step.trees:
             tree_batch = step.tree_batch
             indices = step.batch_indices
@@ -126,6 +128,37 @@ class TreeVerifier(torch.nn.Module):
             logprobs = self._logprobs(logits, starts, output, step, acceptance, sampling_metadata.max_num_logprobs)
         tree_step.publish(None)
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
+
+    @staticmethod
+    def _padded(metadata, step) -> list[int]:
+        """Requests with drafts but no tree: vLLM's placeholder drafts
+        (``runner.placeholder_drafts``)."""
+        trees = set() if step is None or not step.trees else set(step.host_batch_indices)
+        return [i for i, n in enumerate(metadata.num_draft_tokens) if n and i not in trees]
+
+    def _plain_rows(self, metadata, starts, step) -> torch.Tensor:
+        """The row vLLM's sampler samples for each request: the bonus row,
+        except for a request with placeholder drafts, whose token comes from
+        its first row (the rows after it were fed the placeholders)."""
+        padded = self._padded(metadata, step)
+        if not padded:
+            return metadata.bonus_logits_indices
+        rows = metadata.bonus_logits_indices.clone()
+        index = torch.tensor(padded, dtype=torch.long, device=rows.device)
+        rows[index] = starts[index].to(rows.dtype)
+        return rows
+
+    def _without_placeholders(self, sampling_metadata, metadata, step):
+        """``sampling_metadata`` with no spec tokens for requests with
+        placeholder drafts: vLLM's sampler appends a request's spec tokens to
+        its output history for penalties and bad words, and a request whose
+        token comes from its first row has no history after it."""
+        padded = self._padded(metadata, step)
+        spec = sampling_metadata.spec_token_ids
+        if not padded or not spec:
+            return sampling_metadata
+        cleared = set(padded)
+        return replace(sampling_metadata, spec_token_ids=[[] if i in cleared else s for i, s in enumerate(spec)])
 
     def _logprobs(self, logits, starts, output, step, acceptance, num_logprobs):
         """Logprobs of every output slot, from the row that emitted it: slot 0
