@@ -19,6 +19,11 @@ hits), through the chat and completions APIs, streamed and not:
 * a KV cache of ``--kv-sequences`` full-length sequences, fewer than the
   requests in flight, so vLLM preempts.
 
+Before the measured run each server answers ``--warmup`` requests (48) one
+at a time, prompts of distinct lengths, so that vLLM's CPU matmul primitive
+caches are full before memory is read (see ``warmup_jobs``); the report
+gives each server's memory once up and after the warm-up, then over the run.
+
 Interleaved: the workload is cut into ``--blocks`` consecutive blocks, and
 the servers take turns on each block (the order rotating), one server busy
 at a time; a server's tok/s is its tokens over its own blocks' time, and the
@@ -187,6 +192,24 @@ def workload(count: int, seed: int, max_model_len: int, model: str, max_tokens_c
     return jobs
 
 
+def warmup_jobs(count: int, max_model_len: int, model: str) -> list[Job]:
+    """``count`` greedy completions of random token ids, each prompt a length
+    of its own from 8 to half the model's length, 4 tokens each: sent one at
+    a time before the measured run, they give every weight of vLLM's CPU
+    build ``count`` row counts. That build keeps a oneDNN matmul primitive
+    for each of the last 32 row counts a weight has seen, so with ``count``
+    above 32 those caches are full before memory is read; without it a
+    server's memory grows for the first thousands of seconds of a run with
+    or without speculation (``docs/benchmarking.md``)."""
+    rng = random.Random(-1)
+    top = max_model_len // 2
+    lengths = [8 + (top - 8) * i // max(count - 1, 1) for i in range(count)]
+    return [Job(-1 - i, "warmup", "completions",
+                {"model": model, "prompt": [rng.randrange(100, 40000) for _ in range(length)], "max_tokens": 4,
+                 "temperature": 0.0, "return_token_ids": True}, False, None)
+            for i, length in enumerate(lengths)]
+
+
 # -- the client -----------------------------------------------------------------------
 async def _send(session, base: str, job: Job) -> Outcome:
     import aiohttp
@@ -337,9 +360,10 @@ def counters(metrics_text: str) -> dict[str, float]:
 
 
 def run_servers(specs: dict[str, dict | None], args_of: dict[str, list[str]], model: str, jobs: list[Job],
-                concurrency: int, blocks: int, out: Path) -> dict[str, dict]:
+                concurrency: int, blocks: int, out: Path, warmup: list[Job] = ()) -> dict[str, dict]:
     """Start every server (together: a startup is mostly one process importing
-    vLLM, one core's work), then drive the workload block by block, the
+    vLLM, one core's work), send each the ``warmup`` requests one at a time
+    (not measured), then drive the workload block by block, the
     servers taking turns (the order rotating), sampling every server's
     memory each second; then read each one's counters (and the plugin's
     state once idle) and stop them all."""
@@ -349,8 +373,15 @@ def run_servers(specs: dict[str, dict | None], args_of: dict[str, list[str]], mo
         for label, spec in specs.items():
             ports.append(next(port for port in iter(free_port, None) if port not in ports))
             servers[label] = Server(model, ports[-1], spec, args_of[label], out / f"server_{label}.log")
-        for server in servers.values():
+        ready, warm = {}, {}
+        for label, server in servers.items():
             server.wait_healthy()
+        for label, server in servers.items():
+            ready[label] = server.memory_bytes()[0]
+            refused = [o for o in asyncio.run(drive(server.base, list(warmup), 1)) if o.status != 200]
+            if refused:
+                raise RuntimeError(f"{label}: warm-up request refused: {refused[0].error}")
+            warm[label] = server.memory_bytes()[0]
         memory: dict[str, list[tuple[float, int, int]]] = {label: [] for label in servers}
         done = threading.Event()
 
@@ -392,7 +423,8 @@ def run_servers(specs: dict[str, dict | None], args_of: dict[str, list[str]], mo
                            "block_tokens": block_tokens[label], "started": started,
                            "outcomes": [asdict(o) for o in outcomes[label]],
                            "counters": counters(server.get("/metrics")),
-                           "memory": [(t - started, total, api) for t, total, api in memory[label]]}
+                           "memory": [(t - started, total, api) for t, total, api in memory[label]],
+                           "warmup_requests": len(warmup), "memory_ready": ready[label], "memory_warm": warm[label]}
             if spec is not None and spec.get("method") == "adaptive_tree":
                 runs[label]["tree_stats"] = server.rpc("adaptive_tree_stats")
         return runs
@@ -443,6 +475,8 @@ def summarize(run: dict, jobs: list[Job]) -> dict:
         "tokens": tokens, "tok_per_s": tokens / run["wall_s"],
         "ttft_s": _percentiles([o.first_token - o.started for o in outcomes if o.first_token]),
         "itl_s": _percentiles(itl), "e2e_s": _percentiles([o.finished - o.started for o in outcomes if o.status == 200]),
+        "warmup_requests": run["warmup_requests"], "memory_gib_ready": run["memory_ready"] / 2**30,
+        "memory_gib_warm": run["memory_warm"] / 2**30,
         "memory_gib_after_100": at_100, "memory_gib_half": at_half, "memory_gib_end": at_end,
         "api_server_gib_after_100": api_100, "api_server_gib_half": api_half, "api_server_gib_end": api_end,
         "counters": run["counters"], "tree_stats": run.get("tree_stats"),
@@ -486,6 +520,8 @@ def markdown(report: dict) -> str:
     for metric in ("ttft_s", "itl_s", "e2e_s"):
         row(f"{metric[:-2]} p50 / p90 / p99, s",
             lambda s, m=metric: " / ".join(f"{s[m].get(q, float('nan')):.3f}" for q in ("p50", "p90", "p99")))
+    row("memory once up / after the warm-up requests, GiB",
+        lambda s: f"{s['memory_gib_ready']:.2f} / {s['memory_gib_warm']:.2f} ({s['warmup_requests']} requests)")
     row("memory after its 100th answer / half its answers / at the end, GiB",
         lambda s: f"{s['memory_gib_after_100'] or 0:.2f} / {s['memory_gib_half'] or 0:.2f} / {s['memory_gib_end'] or 0:.2f}")
     row("of which the API server process, GiB",
@@ -555,7 +591,7 @@ def server_args(model: str, max_model_len: int, kv_sequences: int, dtype: str, s
 
 def compare(model: str, specs: dict[str, dict], requests: int, concurrency: int, seed: int, max_model_len: int,
             kv_sequences: int, dtype: str, out: Path, max_tokens_cap: int = 512, blocks: int = 10,
-            chunked_spec: bool = False) -> dict:
+            chunked_spec: bool = False, warmup: int = 0) -> dict:
     """Every server on one workload, interleaved; the whole report. ``specs``:
     label -> speculative config, each served beside no speculation. Each
     server's KV cache holds ``kv_sequences`` full-length sequences of its own
@@ -572,7 +608,8 @@ def compare(model: str, specs: dict[str, dict], requests: int, concurrency: int,
     args_of = {label: server_args(model, max_model_len, kv_sequences, dtype, spec,
                                   chunked=not cpu or (spec is not None and chunked_spec))
                for label, spec in all_specs.items()}
-    runs = run_servers(all_specs, args_of, model, jobs, concurrency, blocks, out)
+    runs = run_servers(all_specs, args_of, model, jobs, concurrency, blocks, out,
+                       warmup_jobs(warmup, max_model_len, model) if warmup else [])
     plain = runs[PLAIN]
     ratios = {}
     for label in specs:
@@ -592,7 +629,8 @@ def compare(model: str, specs: dict[str, dict], requests: int, concurrency: int,
     if cpu:
         note += f"; memory allocator: {allocator()}"
     report = {
-        "requests": requests, "concurrency": concurrency, "seed": seed, "blocks": blocks, "spec_configs": specs,
+        "requests": requests, "concurrency": concurrency, "seed": seed, "blocks": blocks, "warmup": warmup,
+        "spec_configs": specs,
         "note": note, "servers": summaries, "ratios": ratios,
         "greedy": {label: greedy_comparison(plain, runs[label], jobs) for label in specs},
     }
@@ -635,6 +673,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-sequences", type=int, default=6,
                         help="the KV cache holds this many full-length sequences (fewer than in flight: preemption)")
+    parser.add_argument("--warmup", type=int, default=48,
+                        help="requests of distinct prompt lengths each server answers, one at a time, before the "
+                             "measured run (fills vLLM's CPU matmul primitive caches; 0: none)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-tokens", type=int, default=512, help="the largest max_tokens drawn")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "serve_load"))
@@ -650,7 +691,8 @@ def main(argv: list[str] | None = None) -> None:
         if spec and spec.get("model") and not Path(spec["model"]).is_absolute() and (REPO / spec["model"]).exists():
             spec["model"] = str(REPO / spec["model"])
     report = compare(args.model, specs, args.requests, args.concurrency, args.seed, args.max_model_len,
-                     args.kv_sequences, args.dtype, Path(args.out), args.max_tokens, args.blocks, args.chunked_spec)
+                     args.kv_sequences, args.dtype, Path(args.out), args.max_tokens, args.blocks, args.chunked_spec,
+                     args.warmup)
     print(markdown(report))
 
 

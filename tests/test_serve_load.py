@@ -23,7 +23,7 @@ def test_server_loses_nothing_and_changes_no_greedy_answer(demo_model, tmp_path)
     # lookahead slots make it preempt (with two, one run in many saw no preemption at all).
     report = serve_load.compare(demo_model, {"retrieval": spec}, requests=64, concurrency=16, seed=3,
                                 max_model_len=1024, kv_sequences=1, dtype="float32", out=tmp_path, max_tokens_cap=48,
-                                blocks=2, chunked_spec=True)
+                                blocks=2, chunked_spec=True, warmup=2)
     jobs = serve_load.workload(64, 3, 1024, demo_model, 48)
     kinds = {job.kind for job in jobs}
     assert kinds == {*serve_load.MIX, "greedy"}, kinds
@@ -32,6 +32,7 @@ def test_server_loses_nothing_and_changes_no_greedy_answer(demo_model, tmp_path)
         assert summary["requests"] == 64 and summary["alive"], label
         assert summary["lost"] == [] and summary["server_errors"] == [] and summary["incomplete"] == [], summary
         assert summary["bad_requests_accepted"] == [], summary
+        assert summary["warmup_requests"] == 2 and summary["memory_gib_warm"] > 0, summary
     spec_side = report["servers"]["retrieval"]
     assert spec_side["counters"].get("vllm:num_preemptions_total", 0) > 0, "the KV cache was never short"
     assert spec_side["counters"].get("vllm:spec_decode_num_accepted_tokens_total", 0) > 0
