@@ -19,7 +19,7 @@ hits), through the chat and completions APIs, streamed and not:
 * a KV cache of ``--kv-sequences`` full-length sequences, fewer than the
   requests in flight, so vLLM preempts.
 
-Before the measured run each server answers ``--warmup`` requests (48) one
+Before the measured run each server answers ``--warmup`` requests (40) one
 at a time, prompts of distinct lengths, so that vLLM's CPU matmul primitive
 caches are full before memory is read (see ``warmup_jobs``); the report
 gives each server's memory once up and after the warm-up, then over the run.
@@ -194,7 +194,9 @@ def workload(count: int, seed: int, max_model_len: int, model: str, max_tokens_c
 
 def warmup_jobs(count: int, max_model_len: int, model: str) -> list[Job]:
     """``count`` greedy completions of random token ids, each prompt a length
-    of its own from 8 to half the model's length, 4 tokens each: sent one at
+    of its own from 8 to a quarter of the model's length (where the
+    workload's prompts and decode batches mostly lie; longer ones cost the
+    warm-up more than they show), 4 tokens each: sent one at
     a time before the measured run, they give every weight of vLLM's CPU
     build ``count`` row counts. That build keeps a oneDNN matmul primitive
     for each of the last 32 row counts a weight has seen, so with ``count``
@@ -202,7 +204,7 @@ def warmup_jobs(count: int, max_model_len: int, model: str) -> list[Job]:
     server's memory grows for the first thousands of seconds of a run with
     or without speculation (``docs/benchmarking.md``)."""
     rng = random.Random(-1)
-    top = max_model_len // 2
+    top = max_model_len // 4
     lengths = [8 + (top - 8) * i // max(count - 1, 1) for i in range(count)]
     return [Job(-1 - i, "warmup", "completions",
                 {"model": model, "prompt": [rng.randrange(100, 40000) for _ in range(length)], "max_tokens": 4,
@@ -673,7 +675,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-sequences", type=int, default=6,
                         help="the KV cache holds this many full-length sequences (fewer than in flight: preemption)")
-    parser.add_argument("--warmup", type=int, default=48,
+    parser.add_argument("--warmup", type=int, default=40,
                         help="requests of distinct prompt lengths each server answers, one at a time, before the "
                              "measured run (fills vLLM's CPU matmul primitive caches; 0: none)")
     parser.add_argument("--dtype", default="float32")

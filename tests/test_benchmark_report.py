@@ -169,10 +169,10 @@ def test_serve_load_names_the_servers_allocator(monkeypatch):
 def test_serve_load_warmup_gives_every_weight_more_row_counts_than_its_cache_keeps():
     import serve_load
 
-    jobs = serve_load.warmup_jobs(48, 2048, "model")
+    jobs = serve_load.warmup_jobs(40, 2048, "model")
     lengths = [len(job.body["prompt"]) for job in jobs]
-    assert len(set(lengths)) == 48 > 32  # vLLM's CPU build keeps 32 primitives a weight
-    assert min(lengths) == 8 and max(lengths) == 1024
+    assert len(set(lengths)) == 40 > 32  # vLLM's CPU build keeps 32 primitives a weight
+    assert min(lengths) == 8 and max(lengths) == 512
     # No two prompts share a first block, so no prefix-cache hit shortens a prefill.
-    assert len({tuple(job.body["prompt"][:8]) for job in jobs}) == 48
+    assert len({tuple(job.body["prompt"][:8]) for job in jobs}) == 40
     assert all(job.kind == "warmup" and not job.stream and job.body["temperature"] == 0.0 for job in jobs)
