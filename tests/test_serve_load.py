@@ -1,5 +1,5 @@
 """``vllm serve`` with trees under load and faults (a CI-sized run of
-``benchmarks/serve_load.py``): 48 requests, 16 at a time, mixing every
+``benchmarks/serve_load.py``): 64 requests, 16 at a time, mixing every
 sampling option the benchmark sends, streamed and not, with clients that
 disconnect mid-stream, deliberately bad requests and a KV cache so small
 that vLLM preempts; the same requests without speculation are the
@@ -21,15 +21,15 @@ def test_server_loses_nothing_and_changes_no_greedy_answer(demo_model, tmp_path)
     spec = {"method": "adaptive_tree", "num_speculative_tokens": 12, "tree": {"drafter": "retrieval"}}
     # KV for one full-length sequence: the smallest vLLM starts with, so the speculative server's
     # lookahead slots make it preempt (with two, one run in many saw no preemption at all).
-    report = serve_load.compare(demo_model, {"retrieval": spec}, requests=48, concurrency=16, seed=3,
+    report = serve_load.compare(demo_model, {"retrieval": spec}, requests=64, concurrency=16, seed=3,
                                 max_model_len=1024, kv_sequences=1, dtype="float32", out=tmp_path, max_tokens_cap=48,
                                 blocks=2, chunked_spec=True, warmup=2)
-    jobs = serve_load.workload(48, 3, 1024, demo_model, 48)
+    jobs = serve_load.workload(64, 3, 1024, demo_model, 48)
     kinds = {job.kind for job in jobs}
     assert kinds == {*serve_load.MIX, "greedy"}, kinds
     assert any(job.disconnect_after for job in jobs) and any(job.stream for job in jobs)
     for label, summary in report["servers"].items():
-        assert summary["requests"] == 48 and summary["alive"], label
+        assert summary["requests"] == 64 and summary["alive"], label
         assert summary["lost"] == [] and summary["server_errors"] == [] and summary["incomplete"] == [], summary
         assert summary["bad_requests_accepted"] == [], summary
         assert summary["warmup_requests"] == 2 and summary["memory_gib_warm"] > 0, summary
