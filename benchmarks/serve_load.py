@@ -376,7 +376,7 @@ def run_servers(specs: dict[str, dict | None], args_of: dict[str, list[str]], mo
             ports.append(next(port for port in iter(free_port, None) if port not in ports))
             servers[label] = Server(model, ports[-1], spec, args_of[label], out / f"server_{label}.log")
         ready, warm = {}, {}
-        for label, server in servers.items():
+        for server in servers.values():
             server.wait_healthy()
         for label, server in servers.items():
             ready[label] = server.memory_bytes()[0]

@@ -94,11 +94,12 @@ class TreeVerifier(torch.nn.Module):
         batch, width = num_drafts.shape[0], int(num_drafts.max()) + 1
 
         step = tree_step.current()
+        padded = self._padded(metadata, step)
         # A copy (vLLM's sampler processes the rows it is given in place; logprobs are read
         # from ``logits`` after it).
         plain = self.sampler(
-            logits=logits[self._plain_rows(metadata, starts, step)],
-            sampling_metadata=self._without_placeholders(sampling_metadata, metadata, step),
+            logits=logits[self._plain_rows(metadata, starts, padded)],
+            sampling_metadata=self._without_placeholders(sampling_metadata, padded),
             predict_bonus_token=True,
         )
         output = torch.full((batch, width), PAD, dtype=torch.int32, device=device)
@@ -136,11 +137,11 @@ class TreeVerifier(torch.nn.Module):
         trees = set() if step is None or not step.trees else set(step.host_batch_indices)
         return [i for i, n in enumerate(metadata.num_draft_tokens) if n and i not in trees]
 
-    def _plain_rows(self, metadata, starts, step) -> torch.Tensor:
+    @staticmethod
+    def _plain_rows(metadata, starts, padded: list[int]) -> torch.Tensor:
         """The row vLLM's sampler samples for each request: the bonus row,
         except for a request with placeholder drafts, whose token comes from
         its first row (the rows after it were fed the placeholders)."""
-        padded = self._padded(metadata, step)
         if not padded:
             return metadata.bonus_logits_indices
         rows = metadata.bonus_logits_indices.clone()
@@ -148,12 +149,12 @@ class TreeVerifier(torch.nn.Module):
         rows[index] = starts[index].to(rows.dtype)
         return rows
 
-    def _without_placeholders(self, sampling_metadata, metadata, step):
+    @staticmethod
+    def _without_placeholders(sampling_metadata, padded: list[int]):
         """``sampling_metadata`` with no spec tokens for requests with
         placeholder drafts: vLLM's sampler appends a request's spec tokens to
         its output history for penalties and bad words, and a request whose
         token comes from its first row has no history after it."""
-        padded = self._padded(metadata, step)
         spec = sampling_metadata.spec_token_ids
         if not padded or not spec:
             return sampling_metadata
