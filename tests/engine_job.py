@@ -15,7 +15,8 @@ EAGLE-3 head's bound on kept rows of paused steps; the out key stash_drops count
 steps on which requests gave theirs up), max_pass_rows (the most rows of a model drafter's forward; longer
 first passes are fed in several), processes (default false),
 serial_first (k: the first k prompts run one at a time, batch size 1, before the
-others are submitted together).
+others are submitted together), submit_after_steps ({prompt index: k}: that prompt is
+submitted k engine steps after the others instead of with them).
 
 max_model_len defaults to the longest prompt plus max_tokens plus 128 (so
 drafting is never cut near the end), rounded up to a multiple of 128. The KV
@@ -206,12 +207,14 @@ def main(job_path: str, out_path: str) -> None:
         engine.add_request(str(index), {"prompt_token_ids": prompts[index]}, params)
 
     aborts = {str(k): v for k, v in job.get("abort_after_steps", {}).items()}
+    later = {int(k): v for k, v in job.get("submit_after_steps", {}).items()}
     finished = {}
     steps = 0
+    pending = {}  # prompt index -> the step count at which it is submitted
 
     def drain() -> None:
         nonlocal steps
-        while engine.has_unfinished_requests():
+        while engine.has_unfinished_requests() or pending:
             for output in engine.step():
                 if output.finished:
                     finished[output.request_id] = output.outputs[0]
@@ -219,13 +222,19 @@ def main(job_path: str, out_path: str) -> None:
             due = [rid for rid, at in aborts.items() if at == steps and rid not in finished]
             if due:
                 engine.abort_request(due)
+            for index in [i for i, at in pending.items() if at == steps]:
+                del pending[index]
+                submit(index)
 
     serial = min(job.get("serial_first", 0), len(prompts))
     for index in range(serial):
         submit(index)
         drain()
     for index in range(serial, len(prompts)):
-        submit(index)
+        if index in later:
+            pending[index] = steps + later[index]
+        else:
+            submit(index)
     drain()
     # The workers learn which requests finished with the next step's schedule;
     # vLLM's server loop runs that step on its own, an offline loop must ask.

@@ -278,3 +278,22 @@ def test_a_request_admitted_with_one_token_left_keeps_its_penalties(demo_model, 
     assert run.token_ids == plain.token_ids
     # vLLM's placeholders reached the verifier (they count as drafts), and no tree was drafted.
     assert run.metrics["vllm:spec_decode_num_drafts"] > 0 and run.tree_stats["trees_verified"] == 0
+
+
+def test_placeholder_drafts_beside_smaller_trees(demo_model, prompt_ids, tmp_path):
+    """A request admitted with one token left carries ``num_speculative_tokens``
+    placeholder drafts, more than the trees drafted beside it in the same step
+    may hold; the step's output is as wide as the placeholders. A prompt of 2
+    blocks + 1 token runs, then an answer that repeats its input decodes with
+    trees while that prompt is admitted again, from the prefix cache, every
+    other step; all answer as without speculation."""
+    block = 32
+    again = max(prompt_ids, key=len)[: 2 * block + 1]
+    job = {"model": demo_model, "prompt_token_ids": [again, prompt_ids[0]] + [again] * 6, "max_tokens": 32,
+           "max_num_seqs": 8, "block_size": block, "serial_first": 1,
+           "submit_after_steps": {2 + k: 2 * (k + 1) for k in range(6)}}
+    plain = run_engine_job(tmp_path / "plain", job)
+    run = run_engine_job(tmp_path / "tree", {**job, "speculative_config": TREE})
+    assert run.token_ids == plain.token_ids
+    assert run.tree_stats["trees_verified"] > 0
+    assert run.metrics["vllm:prefix_cache_hits"] >= 6 * 2 * block

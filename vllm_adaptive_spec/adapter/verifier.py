@@ -119,7 +119,8 @@ class TreeVerifier(torch.nn.Module):
             offsets = torch.arange(tree_batch.width + 1, device=device)
             local = torch.minimum(offsets.unsqueeze(0), (counts - 1).unsqueeze(1))
             acceptance = accept(tree_batch, targets[first.unsqueeze(1) + local], step.ancestors)
-            output[indices] = acceptance.output_tokens.to(torch.int32)
+            # A step's widest drafts may be a placeholder request's, wider than every tree.
+            output[indices, : tree_batch.width + 1] = acceptance.output_tokens.to(torch.int32)
             self.on_accept(step, acceptance)
         else:
             acceptance = None
