@@ -7,6 +7,8 @@ against the exact processed target law, false-alarm rate alpha = 1e-3.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -68,12 +70,13 @@ def committed_pairs(row_logits: torch.Tensor, trials: int, temperature: float, t
     """Run the adapter's row sampling and acceptance on ``trials`` identical
     requests; return the first committed token and the second (or -1 when the
     first left the tree, where the second would come from a later step)."""
-    from vllm_adaptive_spec.adapter.verifier import row_target_tokens
+    from vllm_adaptive_spec.adapter.verifier import tree_row_targets
 
     rows = row_logits.shape[0]
     logits = row_logits.repeat(trials, 1)
-    request_of_row = torch.arange(trials).repeat_interleave(rows)
-    tokens = row_target_tokens(logits, request_of_row, sampling_metadata(trials, temperature, top_k, top_p))
+    # Drawn in chunks, as the verifier draws a large step.
+    tokens = tree_row_targets(logits, list(range(0, trials * rows, rows)), list(range(trials)), [rows] * trials,
+                              sampling_metadata(trials, temperature, top_k, top_p), max_rows=4096)
     result = accept(TreeBatch.from_trees([TREE] * trials), tokens.view(trials, rows))
     first = result.output_tokens[:, 0]
     second = torch.where(result.num_accepted >= 1, result.output_tokens[:, 1], -1)
@@ -137,3 +140,49 @@ def test_the_test_detects_a_wrong_temperature():
     laws = [processed_law(row, 1.0, VOCAB, 1.0) for row in row_logits]
     first, second = committed_pairs(row_logits, 60_000, 0.8, VOCAB, 1.0)
     assert chi_square_pvalue(first, second, expected_pairs(laws)) < ALPHA
+
+
+def test_row_chunks_keep_requests_whole_and_within_the_bound():
+    from vllm_adaptive_spec.adapter.verifier import row_chunks
+
+    assert row_chunks([], 8) == []
+    assert row_chunks([3, 3, 3], 8) == [range(0, 2), range(2, 3)]
+    assert row_chunks([3, 5, 9, 1, 8], 8) == [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]
+    counts = torch.randint(1, 18, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    chunks = row_chunks(counts, 40)
+    assert [k for chunk in chunks for k in chunk] == list(range(200))
+    assert all(sum(counts[k] for k in chunk) <= 40 for chunk in chunks)
+    # Each chunk is full: the next request would not have fitted.
+    assert all(sum(counts[k] for k in chunk) + counts[chunk[-1] + 1] > 40 for chunk in chunks[:-1])
+
+
+def test_chunked_draws_equal_one_draw():
+    """Seeded, unseeded-greedy and sampled requests of one step, some
+    without trees: drawn in chunks of at most 10 rows, every row gets the
+    token a single draw over all rows gives, seeded rows included (a
+    request's noise comes from its generator in one call either way)."""
+    from vllm_adaptive_spec.adapter.verifier import row_chunks, row_target_tokens, tree_row_targets
+
+    gen = torch.Generator().manual_seed(1)
+    batch, vocab = 9, 50
+    counts_all = torch.randint(1, 7, (batch,), generator=gen).tolist()
+    starts = [sum(counts_all[:i]) for i in range(batch)]
+    logits = torch.randn(sum(counts_all), vocab, generator=gen) * 2
+    requests = [0, 2, 3, 5, 6, 8]  # the requests with trees
+    counts = [counts_all[r] for r in requests]
+
+    def metadata():
+        meta = sampling_metadata(batch, 0.9, 20, 0.95)
+        meta.temperature[[2, 6]] = 0.0  # greedy
+        return replace(meta, all_random=False,
+                       generators={r: torch.Generator().manual_seed(100 + r) for r in (0, 3, 5, 8)})
+
+    chunked = tree_row_targets(logits, starts, requests, counts, metadata(), max_rows=10)
+    rows = torch.tensor([starts[r] + j for r in requests for j in range(counts_all[r])])
+    owners = torch.tensor(requests).repeat_interleave(torch.tensor(counts))
+    whole = row_target_tokens(logits[rows], owners, metadata())
+    assert len(row_chunks(counts, 10)) > 1
+    assert torch.equal(chunked, whole)
+    greedy = torch.isin(owners, torch.tensor([2, 6]))
+    assert torch.equal(chunked[greedy], logits[rows][greedy].argmax(-1))
+

@@ -16,12 +16,15 @@ stay untouched. Each request has ``1 + n`` logits rows (root, then its nodes).
   vLLM's vectorised kernel, 2-3x faster than ``torch.argmax`` over the
   vocabulary), so a tree row's greedy token is the one vLLM would pick; and
   only the tree requests' own rows are gathered, since padding every tree to
-  the widest would take the argmax of copied rows too.
+  the widest would take the argmax of copied rows too. They are gathered and
+  drawn in chunks of whole requests (``MAX_CHUNK_ROWS``), so the step's
+  scratch memory does not grow with the batch or the trees.
 * Logprobs of a committed token come from its parent's row.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from typing import Callable
 
@@ -37,11 +40,60 @@ from vllm_adaptive_spec.verify import PAD, Acceptance, accept, sample_with_noise
 _GREEDY_BELOW = 1e-5  # vLLM's sampler treats smaller temperatures as greedy
 
 
-def row_target_tokens(logits: torch.Tensor, request_of_row: torch.Tensor, sampling_metadata) -> torch.Tensor:
+MAX_CHUNK_ROWS = 256
+"""Tree rows whose target tokens are drawn at once. The sampled path holds a
+few float32 copies of its rows' logits (the processed rows, top-k / top-p's
+sort, the probabilities, the race's noise), so a step's scratch is bounded by
+this many rows whatever the batch and the trees: 256 rows x 49,152 tokens x 4 B
+= 50 MB a copy for the demo model, where a whole step of 64 requests x 17 rows
+would be 214 MB a copy, memory vLLM's profiling run never saw."""
+
+
+def row_chunks(counts: list[int], max_rows: int) -> list[range]:
+    """Consecutive requests (``counts``: each one's rows) grouped into chunks
+    of at most ``max_rows`` rows, as ranges of their positions. A request is
+    never split, so a seeded request draws all its noise in one call; one with
+    more rows than ``max_rows`` is a chunk of its own."""
+    chunks, begin, rows = [], 0, 0
+    for position, count in enumerate(counts):
+        if rows and rows + count > max_rows:
+            chunks.append(range(begin, position))
+            begin, rows = position, 0
+        rows += count
+    if counts:
+        chunks.append(range(begin, len(counts)))
+    return chunks
+
+
+def tree_row_targets(
+    logits: torch.Tensor,
+    starts: list[int],
+    requests: list[int],
+    counts: list[int],
+    sampling_metadata,
+    max_rows: int = MAX_CHUNK_ROWS,
+) -> torch.Tensor:
+    """The target token of every row of ``requests`` (batch positions; each
+    owns ``counts[k]`` consecutive logits rows from ``starts[request]``),
+    request after request, drawn chunk by chunk (``row_chunks``)."""
+    device = logits.device
+    pieces = []
+    for chunk in row_chunks(counts, max_rows):
+        owners, sizes = [requests[k] for k in chunk], [counts[k] for k in chunk]
+        rows = torch.tensor([starts[r] + j for r, n in zip(owners, sizes) for j in range(n)], device=device)
+        request_of_row = torch.tensor([r for r, n in zip(owners, sizes) for _ in range(n)], device=device)
+        pieces.append(row_target_tokens(logits[rows], request_of_row, sampling_metadata, set(owners)))
+    return torch.cat(pieces)
+
+
+def row_target_tokens(
+    logits: torch.Tensor, request_of_row: torch.Tensor, sampling_metadata, present: set[int] | None = None
+) -> torch.Tensor:
     """One target token per logits row ``[R, V]`` (``request_of_row`` [R]: the
-    row's request in the batch): vLLM's greedy argmax of the row for greedy
-    requests, a sample from the processed distribution otherwise. A greedy
-    batch is one argmax."""
+    row's request in the batch; ``present``: those requests, when known, so
+    the seeded ones are found without a look at the device): vLLM's greedy
+    argmax of the row for greedy requests, a sample from the processed
+    distribution otherwise. A greedy batch is one argmax."""
     mask = sampling_metadata.allowed_token_ids_mask
     if sampling_metadata.all_greedy and mask is None:
         return Sampler.greedy_sample(logits.to(torch.float32))  # vLLM's CPU argmax takes float32 only
@@ -63,6 +115,8 @@ def row_target_tokens(logits: torch.Tensor, request_of_row: torch.Tensor, sampli
     probs = processed.softmax(dim=-1, dtype=torch.float32)
     noise = torch.empty_like(probs).exponential_()
     for request, generator in sampling_metadata.generators.items():
+        if present is not None and request not in present:
+            continue
         rows = (request_of_row == request).nonzero().squeeze(1)
         if rows.numel():
             noise[rows] = torch.empty(rows.numel(), probs.shape[1], device=probs.device).exponential_(
@@ -109,12 +163,11 @@ class TreeVerifier(torch.nn.Module):
             tree_batch = step.tree_batch
             indices = step.batch_indices
             # The tree requests' own rows, request after request.
+            host_counts = [metadata.num_draft_tokens[i] + 1 for i in step.host_batch_indices]
+            host_starts = list(itertools.accumulate((n + 1 for n in metadata.num_draft_tokens), initial=0))
+            targets = tree_row_targets(logits, host_starts, step.host_batch_indices, host_counts, sampling_metadata)
             counts = rows_per_request[indices]
             first = torch.cumsum(counts, 0) - counts
-            request_of_row = indices.repeat_interleave(counts)
-            within = torch.arange(int(counts.sum()), device=device) - first.repeat_interleave(counts)
-            rows = starts[request_of_row] + within
-            targets = row_target_tokens(logits[rows], request_of_row, sampling_metadata)
             # [trees, width + 1] for acceptance; a tree's padding repeats its last row's target.
             offsets = torch.arange(tree_batch.width + 1, device=device)
             local = torch.minimum(offsets.unsqueeze(0), (counts - 1).unsqueeze(1))
