@@ -5,7 +5,7 @@ Usage: python tests/engine_job.py JOB.json OUT.json
 
 JOB keys: model, prompt_token_ids (list of lists), max_tokens; optional:
 dtype, speculative_config, temperature, top_p, top_k, seeds (one per prompt),
-stop, ignore_eos, penalties (presence_penalty, frequency_penalty and repetition_penalty for every request), max_model_len, max_num_seqs, max_num_batched_tokens, attention_backend,
+stop, ignore_eos, penalties (presence_penalty, frequency_penalty and repetition_penalty, for every request or, with penalized, for those prompt indices only), max_model_len, max_num_seqs, max_num_batched_tokens, attention_backend,
 num_gpu_blocks_override, tensor_parallel_size, block_size, abort_after_steps ({prompt index: engine steps}),
 pause_pattern ([d, p] or [d, p, k]: the plugin drafts d steps, then pauses p steps, as
 the load budget does when drafting does not pay; repeated; with k, the first drafting
@@ -202,7 +202,7 @@ def main(job_path: str, out_path: str) -> None:
             stop=job.get("stop"),
             ignore_eos=job.get("ignore_eos", False),
             logprobs=job.get("logprobs"),
-            **job.get("penalties", {}),
+            **(job.get("penalties", {}) if index in job.get("penalized", [index]) else {}),
         )
         engine.add_request(str(index), {"prompt_token_ids": prompts[index]}, params)
 

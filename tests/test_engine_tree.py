@@ -256,44 +256,29 @@ def test_seeded_request_with_a_chunked_prompt(demo_model, prompts, prompt_ids, t
     assert chunked.tree_stats["trees_verified"] > 0
 
 
-def test_a_request_admitted_with_one_token_left_keeps_its_penalties(demo_model, prompt_ids, tmp_path):
+def test_requests_admitted_with_one_token_left_beside_trees(demo_model, prompt_ids, tmp_path):
     """vLLM 0.32 pads a request admitted with one token left to compute (its
     prompt in the prefix cache up to the last token, as after a preemption)
-    with placeholder drafts; its token must still be sampled with its
-    penalties. The same prompt twice, one after the other, with penalties
-    (so the plugin drafts for neither): the second is admitted from the
-    prefix cache with one token left, and both answer as without
-    speculation."""
+    with ``num_speculative_tokens`` placeholder drafts. Its token must still
+    be sampled with its penalties, and the step's output is as wide as the
+    placeholders, wider than the trees drafted beside them. A prompt of 2
+    blocks + 1 token that repeats itself (its greedy continuation is a token
+    of the prompt, one the penalties push down) runs once with penalties;
+    then two copies without penalties decode with trees while copies with
+    penalties (no tree is drafted for them) are admitted from the prefix
+    cache, one a step. All answer as without speculation."""
     block = 32
-    # A prompt that repeats itself, so that its greedy continuation is a token of
-    # the prompt, one the penalties push down.
     start = max(prompt_ids, key=len)[: block + 1]
-    prompt = start + start[:block]
-    job = {"model": demo_model, "prompt_token_ids": [prompt, prompt], "max_tokens": 12, "max_num_seqs": 2,
-           "block_size": block, "serial_first": 2,
-           "penalties": {"repetition_penalty": 1.5, "presence_penalty": 0.5, "frequency_penalty": 0.5}}
+    again = start + start[:block]
+    penalized = [0, *range(3, 9)]
+    job = {"model": demo_model, "prompt_token_ids": [again] * 9, "max_tokens": 24, "max_num_seqs": 9,
+           "block_size": block, "serial_first": 1, "submit_after_steps": {i: i - 1 for i in range(3, 9)},
+           "penalties": {"repetition_penalty": 1.5, "presence_penalty": 0.5, "frequency_penalty": 0.5},
+           "penalized": penalized}
     plain = run_engine_job(tmp_path / "plain", job)
     run = run_engine_job(tmp_path / "tree", {**job, "speculative_config": TREE})
-    assert plain.token_ids[0] == plain.token_ids[1]
-    assert run.token_ids == plain.token_ids
-    # vLLM's placeholders reached the verifier (they count as drafts), and no tree was drafted.
-    assert run.metrics["vllm:spec_decode_num_drafts"] > 0 and run.tree_stats["trees_verified"] == 0
-
-
-def test_placeholder_drafts_beside_smaller_trees(demo_model, prompt_ids, tmp_path):
-    """A request admitted with one token left carries ``num_speculative_tokens``
-    placeholder drafts, more than the trees drafted beside it in the same step
-    may hold; the step's output is as wide as the placeholders. A prompt of 2
-    blocks + 1 token runs, then an answer that repeats its input decodes with
-    trees while that prompt is admitted again, from the prefix cache, every
-    other step; all answer as without speculation."""
-    block = 32
-    again = max(prompt_ids, key=len)[: 2 * block + 1]
-    job = {"model": demo_model, "prompt_token_ids": [again, prompt_ids[0]] + [again] * 6, "max_tokens": 32,
-           "max_num_seqs": 8, "block_size": block, "serial_first": 1,
-           "submit_after_steps": {2 + k: 2 * (k + 1) for k in range(6)}}
-    plain = run_engine_job(tmp_path / "plain", job)
-    run = run_engine_job(tmp_path / "tree", {**job, "speculative_config": TREE})
+    assert all(plain.token_ids[i] == plain.token_ids[0] for i in penalized)
+    assert plain.token_ids[1] == plain.token_ids[2] != plain.token_ids[0]
     assert run.token_ids == plain.token_ids
     assert run.tree_stats["trees_verified"] > 0
-    assert run.metrics["vllm:prefix_cache_hits"] >= 6 * 2 * block
+    assert run.metrics["vllm:prefix_cache_hits"] >= 8 * 2 * block

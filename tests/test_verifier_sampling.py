@@ -160,7 +160,8 @@ def test_chunked_draws_equal_one_draw():
     """Seeded, unseeded-greedy and sampled requests of one step, some
     without trees: drawn in chunks of at most 10 rows, every row gets the
     token a single draw over all rows gives, seeded rows included (a
-    request's noise comes from its generator in one call either way)."""
+    request's noise comes from its generator in one call either way); a
+    greedy batch gets each tree row's argmax."""
     from vllm_adaptive_spec.adapter.verifier import row_chunks, row_target_tokens, tree_row_targets
 
     gen = torch.Generator().manual_seed(1)
@@ -185,4 +186,8 @@ def test_chunked_draws_equal_one_draw():
     assert torch.equal(chunked, whole)
     greedy = torch.isin(owners, torch.tensor([2, 6]))
     assert torch.equal(chunked[greedy], logits[rows][greedy].argmax(-1))
+    # A greedy batch: one argmax over every row, the tree rows' kept.
+    all_greedy = replace(sampling_metadata(batch, 0.0, vocab, 1.0), all_greedy=True, all_random=False)
+    assert torch.equal(tree_row_targets(logits, starts, requests, counts, all_greedy, max_rows=10),
+                       logits[rows].argmax(-1))
 

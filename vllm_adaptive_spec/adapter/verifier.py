@@ -14,9 +14,9 @@ stay untouched. Each request has ``1 + n`` logits rows (root, then its nodes).
   seeded) and ``verify.accept`` walks the tree (ALGORITHMS.md section 1).
   Decision: the argmax is vLLM's ``Sampler.greedy_sample`` (on the CPU
   vLLM's vectorised kernel, 2-3x faster than ``torch.argmax`` over the
-  vocabulary), so a tree row's greedy token is the one vLLM would pick; and
-  only the tree requests' own rows are gathered, since padding every tree to
-  the widest would take the argmax of copied rows too. They are gathered and
+  vocabulary), so a tree row's greedy token is the one vLLM would pick. A
+  greedy batch takes it over all the step's rows in place, since copying the
+  tree rows out cost more than the argmax; sampled rows are gathered and
   drawn in chunks of whole requests (``MAX_CHUNK_ROWS``), so the step's
   scratch memory does not grow with the batch or the trees.
 * Logprobs of a committed token come from its parent's row.
@@ -40,13 +40,14 @@ from vllm_adaptive_spec.verify import PAD, Acceptance, accept, sample_with_noise
 _GREEDY_BELOW = 1e-5  # vLLM's sampler treats smaller temperatures as greedy
 
 
-MAX_CHUNK_ROWS = 256
-"""Tree rows whose target tokens are drawn at once. The sampled path holds a
-few float32 copies of its rows' logits (the processed rows, top-k / top-p's
-sort, the probabilities, the race's noise), so a step's scratch is bounded by
-this many rows whatever the batch and the trees: 256 rows x 49,152 tokens x 4 B
-= 50 MB a copy for the demo model, where a whole step of 64 requests x 17 rows
-would be 214 MB a copy, memory vLLM's profiling run never saw."""
+MAX_CHUNK_ROWS = 64
+"""Tree rows whose targets are sampled at once. Sampling holds about six
+float32 copies of its rows' logits (the gathered rows, the processed rows,
+top-k / top-p's sort, the probabilities, the race's noise), so a step's
+scratch is bounded by this many rows whatever the batch and the trees: 64 rows
+x 49,152 tokens x 4 B = 12.6 MB a copy for the demo model, where 32 requests
+x 17 rows at once held 0.67 GB (memory vLLM's profiling run never sees, and
+an allocator keeps)."""
 
 
 def row_chunks(counts: list[int], max_rows: int) -> list[range]:
@@ -75,13 +76,24 @@ def tree_row_targets(
 ) -> torch.Tensor:
     """The target token of every row of ``requests`` (batch positions; each
     owns ``counts[k]`` consecutive logits rows from ``starts[request]``),
-    request after request, drawn chunk by chunk (``row_chunks``)."""
+    request after request. A greedy batch takes one argmax over all the
+    step's rows and keeps the tree rows' (no copy of them: on the CPU copying
+    a large step's rows cost 5x the argmax, and the rows of requests without
+    trees are one each); otherwise the rows are gathered and sampled chunk by
+    chunk (``row_chunks``)."""
     device = logits.device
+
+    def rows_of(positions) -> list[int]:
+        return [starts[requests[k]] + j for k in positions for j in range(counts[k])]
+
+    if sampling_metadata.all_greedy and sampling_metadata.allowed_token_ids_mask is None:
+        every_row = Sampler.greedy_sample(logits.to(torch.float32))  # vLLM's CPU argmax takes float32 only
+        return every_row[torch.tensor(rows_of(range(len(requests))), device=device)]
     pieces = []
     for chunk in row_chunks(counts, max_rows):
-        owners, sizes = [requests[k] for k in chunk], [counts[k] for k in chunk]
-        rows = torch.tensor([starts[r] + j for r, n in zip(owners, sizes) for j in range(n)], device=device)
-        request_of_row = torch.tensor([r for r, n in zip(owners, sizes) for _ in range(n)], device=device)
+        owners = [requests[k] for k in chunk]
+        request_of_row = torch.tensor([requests[k] for k in chunk for _ in range(counts[k])], device=device)
+        rows = torch.tensor(rows_of(chunk), device=device)
         pieces.append(row_target_tokens(logits[rows], request_of_row, sampling_metadata, set(owners)))
     return torch.cat(pieces)
 
@@ -93,10 +105,8 @@ def row_target_tokens(
     row's request in the batch; ``present``: those requests, when known, so
     the seeded ones are found without a look at the device): vLLM's greedy
     argmax of the row for greedy requests, a sample from the processed
-    distribution otherwise. A greedy batch is one argmax."""
+    distribution otherwise."""
     mask = sampling_metadata.allowed_token_ids_mask
-    if sampling_metadata.all_greedy and mask is None:
-        return Sampler.greedy_sample(logits.to(torch.float32))  # vLLM's CPU argmax takes float32 only
     processed = logits.to(torch.float32, copy=True)
     if mask is not None:
         processed.masked_fill_(mask[request_of_row], float("-inf"))
