@@ -295,8 +295,13 @@ class Server:
             command += ["--speculative-config", json.dumps(spec)]
         self.base = f"http://127.0.0.1:{port}"
         self.log = log
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+        if "uni" in args:
+            # The worker in the engine core's process: vLLM's CPU platform keeps the
+            # uni executor only with this off (the API server spawns its engine core either way).
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.proc = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
+                                     env=env)
 
     def wait_healthy(self, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
@@ -572,13 +577,15 @@ def plot(report: dict, runs: dict, path: Path) -> None:
 
 
 def server_args(model: str, max_model_len: int, kv_sequences: int, dtype: str, spec: dict | None,
-                chunked: bool) -> list[str]:
-    from vllm_adaptive_spec.kv_cache_size import kv_cache_bytes
+                chunked: bool, block_size: int | None = None) -> list[str]:
+    from vllm_adaptive_spec.kv_cache_size import DEFAULT_BLOCK_SIZE, kv_cache_bytes
 
     kv = kv_cache_bytes(model, max_model_len=max_model_len, max_num_seqs=kv_sequences, dtype=dtype,
-                        speculative_config=spec)
+                        speculative_config=spec, block_size=block_size or DEFAULT_BLOCK_SIZE)
     args = ["--dtype", dtype, "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv),
             "--max-num-seqs", "64", "--seed", "0"]
+    if block_size:
+        args += ["--block-size", str(block_size)]
     try:
         import torch
 
@@ -593,11 +600,20 @@ def server_args(model: str, max_model_len: int, kv_sequences: int, dtype: str, s
 
 def compare(model: str, specs: dict[str, dict], requests: int, concurrency: int, seed: int, max_model_len: int,
             kv_sequences: int, dtype: str, out: Path, max_tokens_cap: int = 512, blocks: int = 10,
-            chunked_spec: bool = False, warmup: int = 0) -> dict:
+            chunked_spec: bool = False, warmup: int = 0, reference_kv_sequences: int | None = None,
+            block_size: int | None = None, extra_args: list[str] = ()) -> dict:
     """Every server on one workload, interleaved; the whole report. ``specs``:
     label -> speculative config, each served beside no speculation. Each
     server's KV cache holds ``kv_sequences`` full-length sequences of its own
-    config (lookahead slots and draft layers included)."""
+    config (lookahead slots and draft layers included); the server without
+    speculation ``reference_kv_sequences`` where given (a reference that does
+    not preempt answers sooner; its tok/s then compares unlike settings).
+    ``block_size``: vLLM's KV block size (its platform's default when None;
+    smaller blocks make a request need a new one more often, so a small KV
+    cache preempts more). ``extra_args`` go to every server's ``vllm serve`` (with
+    ``--distributed-executor-backend uni`` each server's worker runs in its
+    engine core process instead of one of its own: one vLLM import fewer to
+    start)."""
     out.mkdir(parents=True, exist_ok=True)
     jobs = workload(requests, seed, max_model_len, model, max_tokens_cap)
     try:
@@ -607,8 +623,10 @@ def compare(model: str, specs: dict[str, dict], requests: int, concurrency: int,
     except ImportError:
         cpu = True
     all_specs = {PLAIN: None, **specs}
-    args_of = {label: server_args(model, max_model_len, kv_sequences, dtype, spec,
-                                  chunked=not cpu or (spec is not None and chunked_spec))
+    args_of = {label: server_args(model, max_model_len,
+                                  reference_kv_sequences if label == PLAIN and reference_kv_sequences else kv_sequences,
+                                  dtype, spec, chunked=not cpu or (spec is not None and chunked_spec),
+                                  block_size=block_size) + list(extra_args)
                for label, spec in all_specs.items()}
     runs = run_servers(all_specs, args_of, model, jobs, concurrency, blocks, out,
                        warmup_jobs(warmup, max_model_len, model) if warmup else [])
@@ -628,6 +646,8 @@ def compare(model: str, specs: dict[str, dict], requests: int, concurrency: int,
                 "0.32 alone crashes on a seeded request whose prompt is chunked): tok/s compares unlike settings")
     else:
         note = "CPU: every server without chunked prefill (vLLM 0.32 alone crashes on a chunked seeded prompt)"
+    if reference_kv_sequences:
+        note += f"; the server without speculation with KV for {reference_kv_sequences} sequences, the others {kv_sequences}"
     if cpu:
         note += f"; memory allocator: {allocator()}"
     report = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 # Triton kernels run under the interpreter on machines without an NVIDIA GPU;
@@ -22,6 +23,9 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 # The project's committed EAGLE-3 head for the demo model.
 HEAD = str(TESTS.parent / "heads" / "smollm2-135m-eagle3")
+# The plugin's line on registering, in a vLLM log whose prefix names the process:
+# "(EngineCore pid=...)", "(VllmWorker-0 pid=...)", "(MainProcess pid=...)".
+REGISTERED = re.compile(r"\(([\w-]+) pid=(\d+)\).*vllm-adaptive-spec \S+ registered")
 
 
 @pytest.fixture(scope="session")
@@ -55,6 +59,7 @@ class EngineRun:
     probe_trees: int | None
     paused_passes: int | None
     draft_free_verifies: int | None
+    plugin_registered: bool
     log: str
 
     @property

@@ -13,7 +13,7 @@ step of each cycle is a probe that drafts for k requests), record_roots (a model
 root draft distribution at every drafting step, see ``record_roots``), stash_bytes (an
 EAGLE-3 head's bound on kept rows of paused steps; the out key stash_drops counts the
 steps on which requests gave theirs up), max_pass_rows (the most rows of a model drafter's forward; longer
-first passes are fed in several), processes (default false),
+first passes are fed in several),
 serial_first (k: the first k prompts run one at a time, batch size 1, before the
 others are submitted together), submit_after_steps ({prompt index: k}: that prompt is
 submitted k engine steps after the others instead of with them).
@@ -30,7 +30,8 @@ max_pass_rows: first passes fed in several), probes (with a pause_pattern's k: p
 that drafted for fewer requests than the batch held), probe_trees (with k: the most
 trees a probe step drafted), paused_passes (with a pause_pattern and a model
 drafter: draft-model forwards run on paused steps), draft_free_verifies (with a
-pause_pattern: steps in which no request had drafts that still went through the tree verifier).
+pause_pattern: steps in which no request had drafts that still went through the tree verifier),
+plugin_registered (whether the plugin registered itself in the engine's process).
 
 Requests go through ``LLMEngine.add_request``/``step`` so a job can abort some
 of them mid-generation. Each job runs in a fresh process (a fresh
@@ -40,8 +41,7 @@ The engine runs in this process (vLLM's in-process engine core and its
 single-process executor: the same scheduler, worker and model runner; with
 tensor parallelism its multiprocess executor, a worker process per rank),
 which saves the interpreters vLLM would otherwise start and import itself
-into (about 14 s of a 2-core machine each); ``processes: true`` keeps vLLM's
-default layout (an EngineCore process and its worker processes).
+into (about 14 s of a 2-core machine each).
 """
 
 import functools
@@ -150,9 +150,7 @@ def limit_pass_rows(worker, rows: int) -> None:
 def main(job_path: str, out_path: str) -> None:
     with open(job_path, encoding="utf-8") as handle:
         job = json.load(handle)
-    in_process = not job.get("processes", False)
-    if in_process:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if "pause_pattern" in job or job.get("record_roots") or "stash_bytes" in job or "max_pass_rows" in job:
         # collective_rpc pickles the function only with this set.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -177,8 +175,7 @@ def main(job_path: str, out_path: str) -> None:
         **extra,
         # In this process, the engine core drives one worker in it, or several
         # tensor-parallel workers in processes of their own.
-        **({"distributed_executor_backend": "mp" if job.get("tensor_parallel_size", 1) > 1 else "uni"}
-           if in_process else {}),
+        distributed_executor_backend="mp" if job.get("tensor_parallel_size", 1) > 1 else "uni",
     )
     if "pause_pattern" in job:
         llm.collective_rpc(functools.partial(
@@ -269,6 +266,9 @@ def main(job_path: str, out_path: str) -> None:
                 "tree_stats": None if tree_stats is None else tree_stats[0],
                 "tree_stats_per_rank": tree_stats,
                 "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+                # In this process vLLM loads its plugins before it configures logging, so
+                # the plugin's "registered" line is not in the log; ask the plugin.
+                "plugin_registered": getattr(sys.modules.get("vllm_adaptive_spec.plugin"), "_registered", False),
                 "roots": llm.collective_rpc(recorded_roots)[0] if job.get("record_roots") else None,
                 **{key: llm.collective_rpc(functools.partial(counter, name=key))[0] if setting in job else None
                    for key, setting in (("stash_drops", "stash_bytes"), ("split_passes", "max_pass_rows"),

@@ -179,10 +179,11 @@ def test_target_drafting_for_itself_is_accepted_in_full(demo_model, prompt_ids, 
     drafting does not pay): the draft model skips its passes meanwhile and
     catches up on resume, in passes of at most 12 rows here (the batch's
     catch-ups and prompts take several); without a complete draft KV its
-    drafts would stop matching the target."""
-    run = _run(tmp_path, demo_model, prompt_ids, adaptive("draft_model", demo_model, 4, policy="chain"),
+    drafts would stop matching the target. The first 5 prompts (each draft
+    pass costs a target pass here)."""
+    run = _run(tmp_path, demo_model, prompt_ids[:5], adaptive("draft_model", demo_model, 4, policy="chain"),
                pause_pattern=[1, 2], max_pass_rows=12)
-    assert run.token_ids == baseline.token_ids
+    assert run.token_ids == baseline.token_ids[:5]
     assert run.split_passes > 0
     assert run.paused_passes == 0  # a paused draft LM runs no pass; it catches up when drafting resumes
     stats = run.tree_stats

@@ -16,7 +16,7 @@ import shutil
 
 import pytest
 
-from conftest import run_engine_job
+from conftest import REGISTERED, run_engine_job
 
 pytestmark = pytest.mark.engine
 
@@ -69,6 +69,8 @@ def test_tensor_parallel_greedy_equals_no_speculation(drafter, tiny_llama, basel
         spec["model"] = tiny_llama
     run = run_engine_job(tmp_path, _job(tiny_llama, spec), TP_ENV)
     assert run.token_ids == baseline.token_ids
+    # vLLM loads the plugin in each worker process it spawns.
+    assert {name for name, _ in REGISTERED.findall(run.log)} >= {"VllmWorker-0", "VllmWorker-1"}, run.log[-3000:]
     assert len(run.tree_stats_per_rank) == 2
     first, second = run.tree_stats_per_rank
     assert first["trees_verified"] > 0 and first["tokens_accepted"] > 0, first

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 64
 LOGPROBS = 2  # top logprobs read at every position (the baseline, and the batch-16 tree run)
-SERIAL_PROMPTS = 10
+SERIAL_PROMPTS = 6
 # The fixed load budget verifies every drafted node, so the trees these tests
 # check do not depend on how fast the machine is; the edge-case test runs the
 # default adaptive budget.
