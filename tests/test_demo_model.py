@@ -61,7 +61,7 @@ def test_converted_files(demo_model):
 def test_vllm_greedy_equals_transformers(demo_model, demo_tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    prompts = one_per_category(load_prompts())[:5]
+    prompts = one_per_category(load_prompts())[:3]
     inputs = [chat_token_ids(demo_tokenizer, p.messages) for p in prompts]
 
     model = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32).eval()

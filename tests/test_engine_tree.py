@@ -18,7 +18,7 @@ from vllm_adaptive_spec.prompts import load_prompts
 
 pytestmark = pytest.mark.engine
 
-MAX_TOKENS = 64
+MAX_TOKENS = 48
 LOGPROBS = 2  # top logprobs read at every position (the baseline, and the batch-16 tree run)
 SERIAL_PROMPTS = 6
 # The fixed load budget verifies every drafted node, so the trees these tests
