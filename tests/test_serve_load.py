@@ -5,8 +5,8 @@ disconnect mid-stream, deliberately bad requests and a KV cache so small
 that vLLM preempts; the same requests without speculation are the
 reference (a server whose KV cache holds them all, so it answers sooner).
 Each server's worker runs in its engine core process (vLLM's ``uni``
-executor): one vLLM import fewer to start; ``test_plugin`` and the
-tensor-parallel tests cover the plugin in vLLM's worker processes."""
+executor): one vLLM import fewer to start; the tensor-parallel tests
+cover the plugin in vLLM's worker processes."""
 
 from __future__ import annotations
 
