@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from vllm_adaptive_spec.adapter.attention_cpu import paged_tree_attention, plan_pages  # noqa: E402
+from vllm_adaptive_spec.adapter.attention_cpu import group_keys, paged_tree_attention, plan_pages  # noqa: E402
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK = 3, 3, 64, 128
 SHAPES = "1x300x4,1x300x8,1x600x16,4x400x8,16x400x6"
@@ -60,7 +60,7 @@ def measure(batch: int, context: int, rows: int, calls: int, repeats: int, seed:
     causal = torch.tril(torch.ones(rows, rows, dtype=torch.bool)).repeat(batch, 1)
     query = torch.randn(batch * rows, KV_HEADS * GROUP, HEAD_DIM, generator=generator)
     scale = HEAD_DIM ** -0.5
-    plan = plan_pages(block_table, query_start_loc, seq_lens, causal, BLOCK)
+    plan = plan_pages(block_table, query_start_loc, seq_lens, causal, BLOCK, None, group_keys(cache))
     metadata = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=batch, num_heads=KV_HEADS * GROUP, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, seq_lens=seq_lens,
         dtype=torch.float32, query_start_loc=query_start_loc, causal=True, sliding_window_size=-1, isa="vec",

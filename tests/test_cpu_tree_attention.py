@@ -54,17 +54,21 @@ def _case(seed: int, dtype, window: bool, requests: int = 3):
     return query, kv_cache, block_table, query_start_loc, seq_lens, query_mask, window_lens, expected
 
 
-@pytest.mark.parametrize("requests", [1, 3])  # 1: every padded query slot is a row (no scatter)
+# (requests, padded keys per group): 1 request, every padded query slot a row (no scatter); 3 in one
+# group; 6 in groups of one to four requests (128 keys: four blocks), read in another order than given.
+@pytest.mark.parametrize("requests,max_keys", [(1, None), (3, None), (6, 128)])
 @pytest.mark.parametrize("window", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(4))
-def test_page_reader_matches_the_reference(seed, dtype, window, requests):
+def test_page_reader_matches_the_reference(seed, dtype, window, requests, max_keys):
     from vllm_adaptive_spec.adapter.attention_cpu import cache_views, paged_tree_attention, plan_pages
 
     query, kv_cache, block_table, starts, seq_lens, query_mask, window_lens, expected = _case(
         seed, dtype, window, requests
     )
-    plan = plan_pages(block_table, starts, seq_lens, query_mask, kv_cache.shape[2], window_lens)
+    plan = plan_pages(block_table, starts, seq_lens, query_mask, kv_cache.shape[2], window_lens, max_keys)
+    if max_keys:
+        assert len(plan.groups) > 1
     got = paged_tree_attention(query, kv_cache, plan, 0.125)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
@@ -76,6 +80,31 @@ def test_page_reader_matches_the_reference(seed, dtype, window, requests):
     )
     got = paged_tree_attention(query, next_layer, plan, 0.125)
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_groups_bound_the_padded_keys_of_a_ragged_batch():
+    """Thirty requests of 300-700 keys beside one of 2,000: each group's
+    padded keys stay within the bound (the long request alone), every
+    request is in one group, and the plan's buffers hold the largest group
+    only, where one padded batch would hold 31 x 2,048 keys."""
+    from vllm_adaptive_spec.adapter.attention_cpu import group_keys, plan_pages
+
+    rng = torch.Generator().manual_seed(0)
+    block_size, rows = 32, 5
+    lengths = [int(v) for v in torch.randint(300, 700, (30,), generator=rng)] + [2000]
+    blocks = -(-max(lengths) // block_size)
+    block_table = torch.arange(len(lengths) * blocks, dtype=torch.int32).view(len(lengths), blocks)
+    starts = torch.arange(0, len(lengths) * rows + 1, rows, dtype=torch.int32)
+    mask = torch.tril(torch.ones(rows, rows, dtype=torch.bool)).repeat(len(lengths), 1)
+    kv_cache = torch.zeros(len(lengths) * blocks, 3, block_size, 128)
+    max_keys = group_keys(kv_cache)
+    assert 700 * 2 < max_keys < 2000 * 31
+    plan = plan_pages(block_table, starts, torch.tensor(lengths, dtype=torch.int32), mask, block_size, None, max_keys)
+    padded = [g.blocks.numel() * block_size for g in plan.groups]
+    assert max(padded) <= max(max_keys, 2016) and len(plan.groups) > 1
+    assert sorted(torch.cat([g.rows for g in plan.groups]).tolist()) == list(range(len(lengths) * rows))
+    plan.layouts(kv_cache, plan.groups[0])
+    assert plan.buffers[0].numel() == max(padded) * 3 * 128
 
 
 def test_the_tree_path_and_vllms_kernel_agree_on_causal_rows(tmp_path):

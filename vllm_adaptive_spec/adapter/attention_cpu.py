@@ -15,6 +15,7 @@ AMX machines that replaces the ``amx`` packing for bf16.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -45,16 +46,47 @@ def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return key, value
 
 
+GROUP_BYTES = 12 << 20
+
+
+def group_keys(kv_cache: torch.Tensor) -> int:
+    """The padded keys one group of requests may read at once: its pages (the
+    cache's dtype) and float32 K and V layouts take ``GROUP_BYTES`` at most."""
+    _, heads, block_size, two_d = kv_cache.shape
+    per_key = heads * two_d * (kv_cache.element_size() + 4)
+    return max(block_size, GROUP_BYTES // per_key)
+
+
+@dataclass
+class PageGroup:
+    """Requests the attention reads together, padded to their longest: their
+    query ``rows`` among the pass's (None: all of them, in order), the cache
+    ``blocks`` each reads (``[g * nb]``), each row's slot in the ``[g * L]``
+    padded query rows (``slots``; None when every slot is a row), and the
+    ``[g, L, S]`` float bias of the keys (0 where visible: all context, and
+    the ``query_mask`` bits of the request's last ``window`` keys; ``-inf``
+    elsewhere), ``S`` the group's longest request's keys (the pages' padding
+    beyond it is not read)."""
+
+    rows: torch.Tensor | None
+    blocks: torch.Tensor
+    slots: torch.Tensor | None
+    bias: torch.Tensor
+
+
 @dataclass
 class PagePlan:
-    """What every layer of one pass shares: the cache blocks each request
-    reads, each query row's slot in the ``[B * L]`` padded query rows
-    (``slots``; None when every slot is a row), and the ``[B, L, S]`` float
-    bias of the keys (0 where visible: all context, and the ``query_mask``
-    bits of the request's last ``window`` keys; ``-inf`` elsewhere), ``S``
-    the longest request's keys (the pages' padding beyond it is not read).
-    ``buffers``: the pass's gathered pages and float32 K and V layouts,
-    allocated by its first layer and refilled by the others.
+    """What every layer of one pass shares: its groups of requests and
+    ``buffers``, the gathered pages and float32 K and V layouts, as flat
+    tensors sized for the largest group, allocated by the pass's first layer
+    and refilled by every group of every layer.
+
+    Decision: requests go into groups of similar length (sorted by keys, each
+    group's padded keys at most ``max_keys``) rather than one batch padded to
+    the longest request. One padded batch holds ``B * S_max`` keys: 30
+    requests of 300-700 keys beside one of 2,000 took 270 MB and 85 ms a layer
+    on the demo model (2 threads), 5x the keys they have; a server's
+    allocator keeps such a step's pages as its high-water mark.
 
     Decision: reused buffers, since a fresh allocation of that size in every
     layer may be served by the C allocator from new pages, whose faults then
@@ -62,38 +94,89 @@ class PagePlan:
     16, context 400, 6 rows: 13.7 and 21.5 ms a layer in two runs without,
     against 3.9-4.2 for vLLM's kernel)."""
 
-    blocks: torch.Tensor
-    slots: torch.Tensor | None
-    bias: torch.Tensor
+    groups: list[PageGroup]
     buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def layouts(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The pass's ``[B * nb, H, bs, 2 * D]`` pages (the cache's dtype) and
-        float32 ``[B, H, D, nb, bs]`` keys and ``[B, H, nb, bs, D]`` values."""
+    def layouts(self, kv_cache: torch.Tensor, group: PageGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The group's ``[g * nb, H, bs, 2 * D]`` pages (the cache's dtype) and
+        float32 ``[g, H, D, nb, bs]`` keys and ``[g, H, nb, bs, D]`` values,
+        views of the plan's buffers."""
+        _, heads, block_size, two_d = kv_cache.shape
         if self.buffers is None:
-            _, heads, block_size, two_d = kv_cache.shape
-            batch = self.bias.shape[0]
-            num_blocks = self.blocks.numel() // batch
-            self.buffers = (
-                kv_cache.new_empty(batch * num_blocks, heads, block_size, two_d),
-                torch.empty(batch, heads, two_d // 2, num_blocks, block_size),
-                torch.empty(batch, heads, num_blocks, block_size, two_d // 2),
-            )
-        return self.buffers
+            pages = max(g.blocks.numel() for g in self.groups) * heads * block_size * two_d
+            self.buffers = (kv_cache.new_empty(pages), torch.empty(pages // 2), torch.empty(pages // 2))
+        batch, num_blocks = group.bias.shape[0], group.blocks.numel() // group.bias.shape[0]
+        size = batch * num_blocks * heads * block_size * two_d
+        pages, keys, values = self.buffers
+        return (pages[:size].view(batch * num_blocks, heads, block_size, two_d),
+                keys[: size // 2].view(batch, heads, two_d // 2, num_blocks, block_size),
+                values[: size // 2].view(batch, heads, num_blocks, block_size, two_d // 2))
 
 
-def plan_pages(block_table, query_start_loc, seq_lens, query_mask, block_size, window_lens=None) -> PagePlan:
+def _groups_by_length(lengths: list[int], block_size: int, max_keys: int) -> list[list[int]]:
+    """Requests in ascending key length, cut wherever the next would take the
+    group's padded keys (its size times its longest, in whole blocks) past
+    ``max_keys``; a request longer than that is a group of its own."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    groups: list[list[int]] = []
+    for request in order:
+        padded = -(-lengths[request] // block_size) * block_size
+        if groups and (len(groups[-1]) + 1) * padded <= max_keys:
+            groups[-1].append(request)
+        else:
+            groups.append([request])
+    return groups
+
+
+def plan_pages(block_table, query_start_loc, seq_lens, query_mask, block_size, window_lens=None,
+               max_keys: int | None = None) -> PagePlan:
+    """The pass's plan: its requests in groups of at most ``max_keys`` padded
+    keys (one group when None)."""
+    lengths = seq_lens.tolist()
+    members = _groups_by_length(lengths, block_size, max_keys) if max_keys else []
+    if len(members) < 2:
+        members = [list(range(len(lengths)))]
+    starts = query_start_loc.tolist()
+    groups = []
+    for requests in members:
+        if requests == list(range(len(lengths))):
+            groups.append(_plan_group(None, block_table, query_start_loc, seq_lens, query_mask, block_size,
+                                      window_lens))
+            continue
+        index = torch.tensor(requests)
+        q_lens = [starts[r + 1] - starts[r] for r in requests]
+        rows = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in requests])
+        group_starts = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=query_start_loc.dtype)
+        groups.append(_plan_group(rows, block_table[index], group_starts, seq_lens[index], query_mask[rows],
+                                  block_size, None if window_lens is None else window_lens[index]))
+    return PagePlan(groups)
+
+
+def _plan_group(rows, block_table, query_start_loc, seq_lens, query_mask, block_size, window_lens) -> PageGroup:
     keys = int(seq_lens.max())
     num_blocks = -(-keys // block_size)
     request, local, visible = key_visibility(query_start_loc, seq_lens, query_mask, keys, window_lens)
     batch, max_q, _ = visible.shape
     slots = request * max_q + local
     bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-    return PagePlan(block_table[:, :num_blocks].flatten().long(), None if slots.shape[0] == batch * max_q else slots, bias)
+    return PageGroup(rows, block_table[:, :num_blocks].flatten().long(),
+                     None if slots.shape[0] == batch * max_q else slots, bias)
 
 
 def paged_tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: PagePlan, scale: float) -> torch.Tensor:
-    """``kernels.tree_attention`` over a CPU_ATTN cache, reading whole pages.
+    """``kernels.tree_attention`` over a CPU_ATTN cache, reading whole pages,
+    one group of requests at a time (:class:`PagePlan`)."""
+    if len(plan.groups) == 1 and plan.groups[0].rows is None:
+        return _group_attention(query, kv_cache, plan, plan.groups[0], scale)
+    out = torch.empty_like(query)
+    for group in plan.groups:
+        out[group.rows] = _group_attention(query[group.rows], kv_cache, plan, group, scale)
+    return out
+
+
+def _group_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: PagePlan, group: PageGroup,
+                     scale: float) -> torch.Tensor:
+    """One group's rows.
 
     Each (block, KV head) page holds K as ``[D, block_size]`` then V as
     ``[block_size, D]``: one ``index_select`` copies the requests' pages, K
@@ -101,7 +184,7 @@ def paged_tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: Page
     and two batched matrix products in float32 take the query heads of a KV
     group and the request's rows together as one ``[G * L, D]`` operand.
 
-    Decision: one bias per pass rather than a masked fill per layer, and
+    Decision: one bias per group and pass rather than a masked fill per layer, and
     explicit layouts (in the plan's buffers; the copy into them also casts
     a bf16 cache to float32) rather than ``einsum``, which permutes and copies
     inside: at batch 1, context 300 and 8 rows this takes 0.34 ms a layer on
@@ -109,29 +192,30 @@ def paged_tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: Page
     the shape that matters, since only requests whose tree branches come
     here. The keys stop at the longest request's (the last page's padding is
     not multiplied)."""
-    batch, max_q, span = plan.bias.shape
+    batch, max_q, span = group.bias.shape
     _, heads, block_size, two_d = kv_cache.shape
     head_dim = two_d // 2
-    group = query.shape[1] // heads
-    pages, keys, values = plan.layouts(kv_cache)
+    num_heads = query.shape[1]
+    group_size = num_heads // heads
+    pages, keys, values = plan.layouts(kv_cache, group)
     num_blocks = keys.shape[3]
     paged = num_blocks * block_size
-    torch.index_select(kv_cache, 0, plan.blocks, out=pages)
+    torch.index_select(kv_cache, 0, group.blocks, out=pages)
     pages = pages.view(batch, num_blocks, heads, 2 * block_size * head_dim)
     page_keys = pages[..., : block_size * head_dim].view(batch, num_blocks, heads, head_dim, block_size)
     keys = keys.copy_(page_keys.permute(0, 2, 3, 1, 4)).view(batch, heads, head_dim, paged)[..., :span]
     page_values = pages[..., block_size * head_dim:].view(batch, num_blocks, heads, block_size, head_dim)
     values = values.copy_(page_values.permute(0, 2, 1, 3, 4)).view(batch, heads, paged, head_dim)[:, :, :span]
     rows = query.float()
-    if plan.slots is not None:
-        rows = rows.new_zeros(batch * max_q, heads * group, head_dim).index_copy_(0, plan.slots, rows)
-    rows = rows.view(batch, max_q, heads, group, head_dim).permute(0, 2, 3, 1, 4).reshape(batch, heads, -1, head_dim)
+    if group.slots is not None:
+        rows = rows.new_zeros(batch * max_q, num_heads, head_dim).index_copy_(0, group.slots, rows)
+    rows = rows.view(batch, max_q, heads, group_size, head_dim).permute(0, 2, 3, 1, 4).reshape(batch, heads, -1, head_dim)
     scores = torch.matmul(rows, keys)
-    scores.view(batch, heads, group, max_q, span).mul_(scale).add_(plan.bias[:, None, None])
+    scores.view(batch, heads, group_size, max_q, span).mul_(scale).add_(group.bias[:, None, None])
     out = torch.matmul(scores.softmax(-1), values)
-    out = out.view(batch, heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4).reshape(batch * max_q, -1, head_dim)
-    if plan.slots is not None:
-        out = out.index_select(0, plan.slots)
+    out = out.view(batch, heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4).reshape(batch * max_q, -1, head_dim)
+    if group.slots is not None:
+        out = out.index_select(0, group.slots)
     return out.reshape(query.shape).to(query.dtype)
 
 
@@ -153,6 +237,7 @@ class TreeCPUAttentionImpl(TreeImplMixin, CPUAttentionBackendImpl):
                 rows.query_mask,
                 kv_cache.shape[2],
                 rows.window_lens,
+                group_keys(kv_cache),
             )
         return paged_tree_attention(query, kv_cache, rows.page_plan, self.scale)
 
