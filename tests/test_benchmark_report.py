@@ -157,6 +157,16 @@ def test_cold_start_reports_the_first_pass_against_the_warm_ones_and_refuses_one
         cold_start.main(["--passes", "1"])
 
 
+def test_serve_load_reads_options_from_a_command_line():
+    """How a server's environment follows its arguments (the uni executor)."""
+    import serve_load
+
+    assert serve_load.option(["--distributed-executor-backend", "uni"], "--distributed-executor-backend") == "uni"
+    assert serve_load.option(["--distributed-executor-backend=mp"], "--distributed-executor-backend") == "mp"
+    assert serve_load.option(["--served-model-name", "uni"], "--distributed-executor-backend") is None
+    assert serve_load.option(["--seed", "0", "--seed", "1"], "--seed") == "1"
+
+
 def test_serve_load_names_the_servers_allocator(monkeypatch):
     import serve_load
 
