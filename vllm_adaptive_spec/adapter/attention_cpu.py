@@ -82,11 +82,11 @@ class PagePlan:
     and refilled by every group of every layer.
 
     Decision: requests go into groups of similar length (sorted by keys, each
-    group's padded keys at most ``max_keys``) rather than one batch padded to
-    the longest request. One padded batch holds ``B * S_max`` keys: 30
-    requests of 300-700 keys beside one of 2,000 took 270 MB and 85 ms a layer
-    on the demo model (2 threads), 5x the keys they have; a server's
-    allocator keeps such a step's pages as its high-water mark.
+    group's padded keys at most ``plan_pages``'s ``max_keys``) rather than one
+    batch padded to the longest request, which holds ``B * S_max`` keys: 30
+    requests of 300-700 keys beside one of 2,000 (3.7 times the keys they
+    hold) took 270 MB and 85 ms a layer on the demo model (2 threads), and a
+    server's allocator keeps such a step's pages as its high-water mark.
 
     Decision: reused buffers, since a fresh allocation of that size in every
     layer may be served by the C allocator from new pages, whose faults then
