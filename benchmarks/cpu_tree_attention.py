@@ -9,6 +9,9 @@ engine uses, shuffled), per (batch, context, rows per request), alternating
 the two and keeping the best of ``--repeats`` timings of ``--calls`` calls:
 milliseconds per layer. The tree path's rows here are a chain too (the mask
 does not change its cost), so both compute the same outputs, which is checked.
+A shape ``BxCxR+L`` adds one request of ``L`` keys beside the ``B``; the tree
+path is also timed with every request in one group padded to the longest
+(``plan_pages`` without ``max_keys``), the layout it groups requests to avoid.
 
 Reproduce (about a minute on 2 CPU cores; writes ``cpu_tree_attention.{json,md}``)::
 
@@ -32,7 +35,7 @@ if str(REPO) not in sys.path:
 from vllm_adaptive_spec.adapter.attention_cpu import group_keys, paged_tree_attention, plan_pages  # noqa: E402
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK = 3, 3, 64, 128
-SHAPES = "1x300x4,1x300x8,1x600x16,4x400x8,16x400x6"
+SHAPES = "1x300x4,1x300x8,1x600x16,4x400x8,16x400x6,30x500x17+2000"
 
 
 def _best_ms(call, calls: int, repeats: int) -> float:
@@ -47,20 +50,23 @@ def _best_ms(call, calls: int, repeats: int) -> float:
     return best
 
 
-def measure(batch: int, context: int, rows: int, calls: int, repeats: int, seed: int = 0) -> dict:
+def measure(batch: int, context: int, rows: int, calls: int, repeats: int, seed: int = 0, long: int = 0) -> dict:
     from vllm import _custom_ops as ops
 
     generator = torch.Generator().manual_seed(seed)
-    blocks = -(-context // BLOCK)
+    lengths = [context] * batch + ([long] if long else [])
+    batch = len(lengths)
+    blocks = -(-max(lengths) // BLOCK)
     num_blocks = batch * blocks + 4
     cache = torch.randn(num_blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM, generator=generator)
     block_table = torch.randperm(num_blocks, generator=generator)[: batch * blocks].view(batch, blocks).int()
     query_start_loc = torch.arange(0, batch * rows + 1, rows, dtype=torch.int32)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
     causal = torch.tril(torch.ones(rows, rows, dtype=torch.bool)).repeat(batch, 1)
     query = torch.randn(batch * rows, KV_HEADS * GROUP, HEAD_DIM, generator=generator)
     scale = HEAD_DIM ** -0.5
     plan = plan_pages(block_table, query_start_loc, seq_lens, causal, BLOCK, None, group_keys(cache))
+    padded = plan_pages(block_table, query_start_loc, seq_lens, causal, BLOCK)
     metadata = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=batch, num_heads=KV_HEADS * GROUP, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, seq_lens=seq_lens,
         dtype=torch.float32, query_start_loc=query_start_loc, causal=True, sliding_window_size=-1, isa="vec",
@@ -79,14 +85,19 @@ def measure(batch: int, context: int, rows: int, calls: int, repeats: int, seed:
     def tree_path():
         return paged_tree_attention(query, cache, plan, scale)
 
+    def one_group():
+        return paged_tree_attention(query, cache, padded, scale)
+
     kernel()
-    difference = float((tree_path() - output).abs().max())
-    timings = {"tree_path": [], "vllm_kernel": []}
+    difference = max(float((path() - output).abs().max()) for path in (tree_path, one_group))
+    timings = {"tree_path": [], "vllm_kernel": [], "one_group": []}
     for _ in range(2):  # alternated: this machine's speed drifts
         timings["tree_path"].append(_best_ms(tree_path, calls, repeats))
         timings["vllm_kernel"].append(_best_ms(kernel, calls, repeats))
+        timings["one_group"].append(_best_ms(one_group, calls, repeats))
     tree_ms, kernel_ms = min(timings["tree_path"]), min(timings["vllm_kernel"])
-    return {"batch": batch, "context": context, "rows": rows, "tree_path_ms": tree_ms, "vllm_kernel_ms": kernel_ms,
+    return {"batch": batch, "context": context, "long": long, "rows": rows, "groups": len(plan.groups),
+            "tree_path_ms": tree_ms, "vllm_kernel_ms": kernel_ms, "one_group_ms": min(timings["one_group"]),
             "ratio": tree_ms / kernel_ms, "max_abs_difference": difference}
 
 
@@ -100,18 +111,22 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     results = []
     for shape in args.shapes.split(","):
+        shape, _, long = shape.partition("+")
         batch, context, rows = (int(v) for v in shape.split("x"))
-        result = measure(batch, context, rows, args.calls, args.repeats)
+        result = measure(batch, context, rows, args.calls, args.repeats, long=int(long or 0))
         results.append(result)
-        print(f"batch {batch:3d} context {context:5d} rows {rows:3d}: tree path {result['tree_path_ms']:.3f} ms,"
-              f" vLLM kernel {result['vllm_kernel_ms']:.3f} ms ({result['ratio']:.2f}x),"
+        print(f"batch {result['batch']:3d} context {context:5d}{'+' + long if long else ''} rows {rows:3d}:"
+              f" tree path {result['tree_path_ms']:.3f} ms ({result['groups']} groups; one group"
+              f" {result['one_group_ms']:.3f}), vLLM kernel {result['vllm_kernel_ms']:.3f} ms ({result['ratio']:.2f}x),"
               f" max |difference| {result['max_abs_difference']:.1e}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cpu_tree_attention.json").write_text(json.dumps({"results": results}, indent=2))
-    lines = ["| batch | context | rows | tree path ms | vLLM kernel ms | ratio |", "|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['batch']} | {r['context']} | {r['rows']} | {r['tree_path_ms']:.3f} | {r['vllm_kernel_ms']:.3f} |"
-              f" {r['ratio']:.2f} |" for r in results]
+    lines = ["| batch | context | rows | groups | tree path ms | one group ms | vLLM kernel ms | ratio |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['batch']} | {r['context']}{'+' + str(r['long']) if r['long'] else ''} | {r['rows']} | {r['groups']} |"
+              f" {r['tree_path_ms']:.3f} | {r['one_group_ms']:.3f} | {r['vllm_kernel_ms']:.3f} | {r['ratio']:.2f} |"
+              for r in results]
     (out / "cpu_tree_attention.md").write_text("\n".join(lines) + "\n")
     print(f"Wrote {out / 'cpu_tree_attention.json'} and .md")
 
