@@ -124,9 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     (out / "cpu_tree_attention.json").write_text(json.dumps({"results": results}, indent=2))
     lines = ["| batch | context | rows | groups | tree path ms | one group ms | vLLM kernel ms | ratio |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['batch']} | {r['context']}{'+' + str(r['long']) if r['long'] else ''} | {r['rows']} | {r['groups']} |"
-              f" {r['tree_path_ms']:.3f} | {r['one_group_ms']:.3f} | {r['vllm_kernel_ms']:.3f} | {r['ratio']:.2f} |"
-              for r in results]
+    lines += [f"| {r['batch']} | {r['context']}{'+' + str(r['long']) if r['long'] else ''} | {r['rows']} |"
+              f" {r['groups']} | {r['tree_path_ms']:.3f} | {r['one_group_ms']:.3f} | {r['vllm_kernel_ms']:.3f} |"
+              f" {r['ratio']:.2f} |" for r in results]
     (out / "cpu_tree_attention.md").write_text("\n".join(lines) + "\n")
     print(f"Wrote {out / 'cpu_tree_attention.json'} and .md")
 

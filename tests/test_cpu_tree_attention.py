@@ -117,7 +117,8 @@ def test_the_tree_path_and_vllms_kernel_agree_on_causal_rows(tmp_path):
     sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import cpu_tree_attention
 
-    cpu_tree_attention.main(["--shapes", "1x200x5,3x150x4+1500", "--calls", "2", "--repeats", "1", "--out", str(tmp_path)])
+    shapes = "1x200x5,3x150x4+1500"
+    cpu_tree_attention.main(["--shapes", shapes, "--calls", "2", "--repeats", "1", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "cpu_tree_attention.json").read_text())["results"]
     assert [(r["batch"], r["context"], r["long"], r["rows"], r["groups"]) for r in results] == [
         (1, 200, 0, 5, 1), (4, 150, 1500, 4, 2)]

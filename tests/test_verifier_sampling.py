@@ -191,3 +191,38 @@ def test_chunked_draws_equal_one_draw():
     assert torch.equal(tree_row_targets(logits, starts, requests, counts, all_greedy, max_rows=10),
                        logits[rows].argmax(-1))
 
+
+
+def test_logprobs_are_read_for_emitted_slots_only_in_bounded_chunks(monkeypatch):
+    """Each emitted slot's logprobs are vLLM's for its row (here every slot
+    reads its request's first row: no trees), placeholder slots stay zero
+    (vLLM drops them), and no chunk reads more than ``MAX_CHUNK_ROWS`` rows."""
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_adaptive_spec.adapter import verifier
+
+    monkeypatch.setattr(verifier, "MAX_CHUNK_ROWS", 4)
+    sampler = Sampler("raw_logprobs")
+    chunks = []
+    gather = sampler.gather_logprobs
+    def counted(values, k, tokens):
+        chunks.append(len(tokens))
+        return gather(values, k, tokens)
+
+    monkeypatch.setattr(sampler, "gather_logprobs", counted)
+    rng = torch.Generator().manual_seed(0)
+    batch, width, vocab = 3, 5, 50
+    logits = torch.randn(batch * width, vocab, generator=rng)
+    starts = torch.arange(0, batch * width, width)
+    output = torch.full((batch, width), -1, dtype=torch.int32)
+    for request, emitted in enumerate([1, 5, 3]):
+        output[request, :emitted] = torch.randint(0, vocab, (emitted,), generator=rng, dtype=torch.int32)
+    tree_verifier = verifier.TreeVerifier(sampler, "raw_logprobs", lambda *_: None)
+    got = tree_verifier._logprobs(logits, starts, output, None, None, 2)
+    assert chunks == [4, 4, 1]
+    slots = (output.flatten() >= 0).nonzero().squeeze(1)
+    rows = starts.repeat_interleave(width)[slots]
+    expected = gather(Sampler.compute_logprobs(logits[rows]), 2, output.flatten()[slots].long())
+    for value, want in zip(got[:3], expected[:3]):
+        assert torch.equal(value[slots], want)
+        assert not value[(output.flatten() < 0).nonzero().squeeze(1)].any()

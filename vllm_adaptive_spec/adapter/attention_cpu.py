@@ -209,11 +209,13 @@ def _group_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: PagePlan
     rows = query.float()
     if group.slots is not None:
         rows = rows.new_zeros(batch * max_q, num_heads, head_dim).index_copy_(0, group.slots, rows)
-    rows = rows.view(batch, max_q, heads, group_size, head_dim).permute(0, 2, 3, 1, 4).reshape(batch, heads, -1, head_dim)
+    rows = rows.view(batch, max_q, heads, group_size, head_dim).permute(0, 2, 3, 1, 4)
+    rows = rows.reshape(batch, heads, -1, head_dim)
     scores = torch.matmul(rows, keys)
     scores.view(batch, heads, group_size, max_q, span).mul_(scale).add_(group.bias[:, None, None])
     out = torch.matmul(scores.softmax(-1), values)
-    out = out.view(batch, heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4).reshape(batch * max_q, -1, head_dim)
+    out = out.view(batch, heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
+    out = out.reshape(batch * max_q, -1, head_dim)
     if group.slots is not None:
         out = out.index_select(0, group.slots)
     return out.reshape(query.shape).to(query.dtype)
