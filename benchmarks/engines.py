@@ -9,7 +9,8 @@ conversations and, per timed pass, the batch sizes and prompt counts.
 
 Interleaving: this machine's speed drifts by 10-20% over minutes, so a method
 timed minutes after no speculation would take the drift for its own. With
-:func:`run_interleaved` every method's engine starts (one at a time) and stays
+:func:`run_interleaved` every method's engine starts (one at a time, or all
+together where cores and device memory allow, as on a GPU machine) and stays
 up, idle while another runs; at each batch size the methods take turns,
 ``rounds`` times, the order rotating each round, and a method's ratio to no
 speculation is the median of its per-round ratios (:func:`compare`). Turns are
@@ -535,13 +536,16 @@ def run_engine(job: dict, work: Path, label: str, timeout_s: float, env: dict | 
 def run_interleaved(jobs: dict[str, dict], work: Path, rounds: int, timeout_s: float,
                     env_for: Callable[[str], dict | None] = lambda name: None,
                     log: Callable[[str], None] = print,
-                    script_for: Callable[[str], Path | None] = lambda name: None) -> dict[str, dict]:
+                    script_for: Callable[[str], Path | None] = lambda name: None,
+                    start_together: bool = False) -> dict[str, dict]:
     """Every job's engine up at once, their passes alternating (see the
     module's docstring); every job has the same ``batch_sizes``. Job
     ``name`` runs in ``script_for(name)`` (default this module; another
     checkout's ``benchmarks/engines.py`` runs that checkout's code) with
-    environment ``env_for(name)``. Returns each job's result, as
-    :func:`finish_engine`."""
+    environment ``env_for(name)``. The engines start one after another, or
+    with ``start_together`` all at once (startup is not timed against other
+    work; on a GPU machine it is mostly compilation and CUDA graph capture,
+    which overlap well). Returns each job's result, as :func:`finish_engine`."""
     gate = work / "gate"
     shutil.rmtree(gate, ignore_errors=True)
     gate.mkdir(parents=True)
@@ -554,6 +558,10 @@ def run_interleaved(jobs: dict[str, dict], work: Path, rounds: int, timeout_s: f
         """A worker that exited or ran out of time: keep what it finished."""
         results[name] = finish_engine(live.pop(name), 1.0)
 
+    if start_together:
+        log(f"{len(jobs)} engines start together")
+        for engine in live.values():
+            (gate / f"{engine.job['label']}.start.go").touch()
     for index, name in enumerate(list(live), 1):
         log(f"engine {index}/{len(jobs)}: {name} starts")
         if not take_turn(live[name], "start", timeout_s):

@@ -239,6 +239,9 @@ def main(argv: list[str] | None = None) -> None:
                              "--rounds rounds per batch size (all engines are in memory at once: about 4 GiB "
                              "each at batch 64 in float32)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved: timed passes per method and batch size")
+    parser.add_argument("--start-together", action="store_true",
+                        help="interleaved: start every engine at once rather than one by one (a GPU machine's "
+                             "cores and memory hold them; startup is not timed)")
     parser.add_argument("--warmup-prompts", type=int, default=2, help="prompts in each engine's warm-up pass")
     parser.add_argument("--model", help="model directory (default: the demo model)")
     parser.add_argument("--prompts", help="prompt set JSONL (default: vllm_adaptive_spec/data/prompts.jsonl)")
@@ -327,7 +330,8 @@ def main(argv: list[str] | None = None) -> None:
         results.append(("suffix", batch_sizes, max(batch_sizes), {"runs": [], "error": suffix_error}))
     if args.engine_per == "interleaved":
         jobs = {m: job_for(m, batch_sizes, max(batch_sizes)) for m in runnable}
-        done = engines.run_interleaved(jobs, work, args.rounds, args.worker_timeout, env_for, log, lambda name: script)
+        done = engines.run_interleaved(jobs, work, args.rounds, args.worker_timeout, env_for, log, lambda name: script,
+                                       start_together=args.start_together)
         results += [(m, batch_sizes, max(batch_sizes), done[m]) for m in runnable]
     else:
         plan = ([(m, batch_sizes, max(batch_sizes)) for m in runnable] if args.engine_per == "method"

