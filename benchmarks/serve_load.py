@@ -21,8 +21,11 @@ hits), through the chat and completions APIs, streamed and not:
 
 Before the measured run each server answers ``--warmup`` requests (40) one
 at a time, prompts of distinct lengths, so that vLLM's CPU matmul primitive
-caches are full before memory is read (see ``warmup_jobs``); the report
-gives each server's memory once up and after the warm-up, then over the run.
+caches are full before memory is read (see ``warmup_jobs``), then
+``--batch-warmup`` requests (64) of the workload's mix on held-out prompts
+at the run's concurrency, where the largest steps first appear (see
+``batch_warmup_jobs``); the report gives each server's memory once up and
+after the warm-up, then over the run.
 
 Interleaved: the workload is cut into ``--blocks`` consecutive blocks, and
 the servers take turns on each block (the order rotating), one server busy
@@ -101,6 +104,7 @@ JSON_SCHEMA = {
 MIX = {"sampled": 0.10, "seeded": 0.12, "n2": 0.05, "logprobs": 0.08, "stop": 0.07, "penalty": 0.07,
        "json": 0.05, "bad": 0.03}
 LONG_SHARE, SHARED_SHARE, COMPLETIONS_SHARE, STREAM_SHARE, DISCONNECT_SHARE = 0.15, 0.15, 0.2, 0.5, 0.08
+HELDOUT_PROMPTS = REPO / "benchmarks" / "data" / "heldout_prompts.jsonl"
 
 
 @dataclass
@@ -135,13 +139,15 @@ class Outcome:
     token_times: list[float] = field(default_factory=list)
 
 
-def workload(count: int, seed: int, max_model_len: int, model: str, max_tokens_cap: int = 512) -> list[Job]:
+def workload(count: int, seed: int, max_model_len: int, model: str, max_tokens_cap: int = 512,
+             prompt_file: Path | None = None) -> list[Job]:
     """``count`` requests drawn with ``seed`` (the same list for both servers),
-    ``max_tokens`` log-uniform from 1 to ``max_tokens_cap``."""
+    ``max_tokens`` log-uniform from 1 to ``max_tokens_cap``, questions from
+    ``prompt_file`` (default the project's prompts)."""
     from vllm_adaptive_spec.prompts import load_prompts
 
     rng = random.Random(seed)
-    prompts = [p.messages[-1]["content"] for p in load_prompts()]
+    prompts = [p.messages[-1]["content"] for p in load_prompts(prompt_file)]
     kinds = list(MIX) + ["greedy"]
     weights = list(MIX.values()) + [1 - sum(MIX.values())]
     jobs = []
@@ -210,6 +216,18 @@ def warmup_jobs(count: int, max_model_len: int, model: str) -> list[Job]:
                 {"model": model, "prompt": [rng.randrange(100, 40000) for _ in range(length)], "max_tokens": 4,
                  "temperature": 0.0, "return_token_ids": True}, False, None)
             for i, length in enumerate(lengths)]
+
+
+def batch_warmup_jobs(count: int, max_model_len: int, model: str, max_tokens_cap: int = 512) -> list[Job]:
+    """``count`` requests of the workload's mix, drawn from the held-out
+    prompts (``benchmarks/data/heldout_prompts.jsonl``, never the measured
+    questions, so no drafter state learnt here helps the run), sent at the
+    run's concurrency after the one-at-a-time warm-up. Steps of many
+    requests, with their trees, are where a server's largest step-sized
+    buffers and the draft model's matmul primitives for batched row counts
+    first appear; one request at a time never shows them."""
+    jobs = workload(count, -1, max_model_len, model, max_tokens_cap, HELDOUT_PROMPTS)
+    return [Job(-1 - job.index, "warmup", job.endpoint, job.body, job.stream, job.disconnect_after) for job in jobs]
 
 
 # -- the client -----------------------------------------------------------------------
@@ -379,10 +397,12 @@ def counters(metrics_text: str) -> dict[str, float]:
 
 
 def run_servers(specs: dict[str, dict | None], args_of: dict[str, list[str]], model: str, jobs: list[Job],
-                concurrency: int, blocks: int, out: Path, warmup: list[Job] = ()) -> dict[str, dict]:
+                concurrency: int, blocks: int, out: Path, warmup: list[Job] = (),
+                batch_warmup: list[Job] = ()) -> dict[str, dict]:
     """Start every server (together: a startup is mostly one process importing
     vLLM, one core's work), send each the ``warmup`` requests one at a time
-    (not measured), then drive the workload block by block, the
+    and then the ``batch_warmup`` requests at ``concurrency`` (neither
+    measured), then drive the workload block by block, the
     servers taking turns (the order rotating), sampling every server's
     memory each second; then read each one's counters (and the plugin's
     state once idle) and stop them all."""
@@ -400,6 +420,11 @@ def run_servers(specs: dict[str, dict | None], args_of: dict[str, list[str]], mo
             refused = [o for o in asyncio.run(drive(server.base, list(warmup), 1)) if o.status != 200]
             if refused:
                 raise RuntimeError(f"{label}: warm-up request refused: {refused[0].error}")
+            # The mix holds deliberately bad requests (4xx) and disconnects; anything else must be answered.
+            failed = [o for o in asyncio.run(drive(server.base, list(batch_warmup), concurrency))
+                      if not o.disconnected and (o.status is None or o.status >= 500)]
+            if failed:
+                raise RuntimeError(f"{label}: batch warm-up request failed: {failed[0].status} {failed[0].error}")
             warm[label] = server.memory_bytes()[0]
         memory: dict[str, list[tuple[float, int, int]]] = {label: [] for label in servers}
         done = threading.Event()
@@ -443,7 +468,8 @@ def run_servers(specs: dict[str, dict | None], args_of: dict[str, list[str]], mo
                            "outcomes": [asdict(o) for o in outcomes[label]],
                            "counters": counters(server.get("/metrics")),
                            "memory": [(t - started, total, api) for t, total, api in memory[label]],
-                           "warmup_requests": len(warmup), "memory_ready": ready[label], "memory_warm": warm[label]}
+                           "warmup_requests": len(warmup), "batch_warmup_requests": len(batch_warmup),
+                           "memory_ready": ready[label], "memory_warm": warm[label]}
             if spec is not None and spec.get("method") == "adaptive_tree":
                 runs[label]["tree_stats"] = server.rpc("adaptive_tree_stats")
         return runs
@@ -494,7 +520,8 @@ def summarize(run: dict, jobs: list[Job]) -> dict:
         "tokens": tokens, "tok_per_s": tokens / run["wall_s"],
         "ttft_s": _percentiles([o.first_token - o.started for o in outcomes if o.first_token]),
         "itl_s": _percentiles(itl), "e2e_s": _percentiles([o.finished - o.started for o in outcomes if o.status == 200]),
-        "warmup_requests": run["warmup_requests"], "memory_gib_ready": run["memory_ready"] / 2**30,
+        "warmup_requests": run["warmup_requests"], "batch_warmup_requests": run.get("batch_warmup_requests", 0),
+        "memory_gib_ready": run["memory_ready"] / 2**30,
         "memory_gib_warm": run["memory_warm"] / 2**30,
         "memory_gib_after_100": at_100, "memory_gib_half": at_half, "memory_gib_end": at_end,
         "api_server_gib_after_100": api_100, "api_server_gib_half": api_half, "api_server_gib_end": api_end,
@@ -540,7 +567,8 @@ def markdown(report: dict) -> str:
         row(f"{metric[:-2]} p50 / p90 / p99, s",
             lambda s, m=metric: " / ".join(f"{s[m].get(q, float('nan')):.3f}" for q in ("p50", "p90", "p99")))
     row("memory once up / after the warm-up requests, GiB",
-        lambda s: f"{s['memory_gib_ready']:.2f} / {s['memory_gib_warm']:.2f} ({s['warmup_requests']} requests)")
+        lambda s: f"{s['memory_gib_ready']:.2f} / {s['memory_gib_warm']:.2f} ({s['warmup_requests']} one at a time, "
+                  f"{s['batch_warmup_requests']} together)")
     row("memory after its 100th answer / half its answers / at the end, GiB",
         lambda s: f"{s['memory_gib_after_100'] or 0:.2f} / {s['memory_gib_half'] or 0:.2f} / {s['memory_gib_end'] or 0:.2f}")
     row("of which the API server process, GiB",
@@ -613,13 +641,16 @@ def server_args(model: str, max_model_len: int, kv_sequences: int, dtype: str, s
 def compare(model: str, specs: dict[str, dict], requests: int, concurrency: int, seed: int, max_model_len: int,
             kv_sequences: int, dtype: str, out: Path, max_tokens_cap: int = 512, blocks: int = 10,
             chunked_spec: bool = False, warmup: int = 0, reference_kv_sequences: int | None = None,
-            block_size: int | None = None, extra_args: list[str] = ()) -> dict:
+            block_size: int | None = None, extra_args: list[str] = (), batch_warmup: int = 0) -> dict:
     """Every server on one workload, interleaved; the whole report. ``specs``:
     label -> speculative config, each served beside no speculation. Each
     server's KV cache holds ``kv_sequences`` full-length sequences of its own
     config (lookahead slots and draft layers included); the server without
     speculation ``reference_kv_sequences`` where given (a reference that does
     not preempt answers sooner; its tok/s then compares unlike settings).
+    Each server first answers ``warmup`` requests one at a time and then
+    ``batch_warmup`` of the workload's mix at ``concurrency``
+    (:func:`warmup_jobs`, :func:`batch_warmup_jobs`).
     ``block_size``: vLLM's KV block size (its platform's default when None;
     smaller blocks make a request need a new one more often, so a small KV
     cache preempts more). ``extra_args`` go to every server's ``vllm serve`` (with
@@ -641,7 +672,8 @@ def compare(model: str, specs: dict[str, dict], requests: int, concurrency: int,
                                   block_size=block_size) + list(extra_args)
                for label, spec in all_specs.items()}
     runs = run_servers(all_specs, args_of, model, jobs, concurrency, blocks, out,
-                       warmup_jobs(warmup, max_model_len, model) if warmup else [])
+                       warmup_jobs(warmup, max_model_len, model) if warmup else [],
+                       batch_warmup_jobs(batch_warmup, max_model_len, model, max_tokens_cap) if batch_warmup else [])
     plain = runs[PLAIN]
     ratios = {}
     for label in specs:
@@ -663,7 +695,7 @@ def compare(model: str, specs: dict[str, dict], requests: int, concurrency: int,
     if cpu:
         note += f"; memory allocator: {allocator()}"
     report = {
-        "requests": requests, "concurrency": concurrency, "seed": seed, "blocks": blocks, "warmup": warmup,
+        "requests": requests, "concurrency": concurrency, "seed": seed, "blocks": blocks, "warmup": warmup, "batch_warmup": batch_warmup,
         "spec_configs": specs,
         "note": note, "servers": summaries, "ratios": ratios,
         "greedy": {label: greedy_comparison(plain, runs[label], jobs) for label in specs},
@@ -705,11 +737,18 @@ def main(argv: list[str] | None = None) -> None:
                         help="CPU: chunked prefill on for the speculative servers (off for every server by default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--kv-sequences", type=int, default=6,
-                        help="the KV cache holds this many full-length sequences (fewer than in flight: preemption)")
+    parser.add_argument("--kv-sequences", type=int, default=3,
+                        help="the KV cache holds this many full-length sequences (3: about the default workload's "
+                             "32 requests in flight, so vLLM preempts some; 6 never did)")
     parser.add_argument("--warmup", type=int, default=40,
                         help="requests of distinct prompt lengths each server answers, one at a time, before the "
                              "measured run (fills vLLM's CPU matmul primitive caches; 0: none)")
+    parser.add_argument("--batch-warmup", type=int, default=64,
+                        help="then requests of the workload's mix on the held-out prompts at --concurrency, not "
+                             "measured (a server's step-sized buffers and batched matmul primitives; 0: none)")
+    parser.add_argument("--block-size", type=int,
+                        help="vLLM's KV block size (default the platform's: 128 on the CPU); smaller blocks are "
+                             "asked for more often, so a small KV cache preempts more")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-tokens", type=int, default=512, help="the largest max_tokens drawn")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "serve_load"))
@@ -726,7 +765,7 @@ def main(argv: list[str] | None = None) -> None:
             spec["model"] = str(REPO / spec["model"])
     report = compare(args.model, specs, args.requests, args.concurrency, args.seed, args.max_model_len,
                      args.kv_sequences, args.dtype, Path(args.out), args.max_tokens, args.blocks, args.chunked_spec,
-                     args.warmup)
+                     args.warmup, block_size=args.block_size, batch_warmup=args.batch_warmup)
     print(markdown(report))
 
 

@@ -188,6 +188,22 @@ def test_serve_load_warmup_gives_every_weight_more_row_counts_than_its_cache_kee
     assert all(job.kind == "warmup" and not job.stream and job.body["temperature"] == 0.0 for job in jobs)
 
 
+def test_serve_load_batch_warmup_draws_the_mix_from_held_out_prompts_only():
+    import serve_load
+    from vllm_adaptive_spec.prompts import load_prompts
+
+    jobs = serve_load.batch_warmup_jobs(64, 2048, "model")
+    assert len(jobs) == 64 and all(job.kind == "warmup" and job.index < 0 for job in jobs)
+    assert any(job.stream for job in jobs) and any(job.body.get("n") == 2 for job in jobs)
+    measured = [p.messages[-1]["content"] for p in load_prompts()]
+    held_out = [p.messages[-1]["content"] for p in load_prompts(serve_load.HELDOUT_PROMPTS)]
+    # Every question but the structured-output requests' fixed one.
+    texts = [job.body["messages"][-1]["content"] if job.endpoint == "chat" else job.body["prompt"]
+             for job in jobs if "response_format" not in job.body]
+    assert not any(question in text for text in texts for question in measured)
+    assert all(any(question[:200] in text for question in held_out) for text in texts)
+
+
 FAKE_WORKER = """
 import json, sys, time
 from pathlib import Path
