@@ -41,6 +41,7 @@ import sys
 from pathlib import Path
 
 PARTS = 3
+REPO = Path(__file__).resolve().parent.parent
 CALL_LIMIT_MIB = 64  # what one device call takes: the checkout and its carried paths
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ENTRY_POINTS = "[vllm.general_plugins]\nadaptive_spec = vllm_adaptive_spec.plugin:register\n"
@@ -66,7 +67,7 @@ def prepare(out: Path) -> None:
     shutil.copytree(_package_dir("gguf"), first / "gguf", ignore=shutil.ignore_patterns("__pycache__"))
     (first / "manifest.json").write_text(json.dumps({"parts": PARTS, "sha256": hashlib.sha256(data).hexdigest(),
                                                      "gguf_version": importlib.metadata.version("gguf")}))
-    report_calls(sorted(out.iterdir()) + sorted(Path(".vkit").glob("part*")))
+    report_calls(sorted(out.iterdir()) + sorted((REPO / ".vkit").glob("part*")))
 
 
 def _mib(paths) -> float:
@@ -76,10 +77,9 @@ def _mib(paths) -> float:
 def checkout_mib() -> float:
     """What every device call sends besides its carried part: the checkout's
     tracked files and its untracked files that git does not ignore."""
-    repo = Path(__file__).resolve().parent.parent
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                             capture_output=True, check=True).stdout.split(b"\0")
-    return _mib(repo / name.decode() for name in listed if name)
+    return _mib(REPO / name.decode() for name in listed if name)
 
 
 def report_calls(parts: list[Path]) -> None:
@@ -132,13 +132,12 @@ def unpack(part: Path, dest: Path) -> bool:
     gguf_dist = site / f"gguf-{manifest['gguf_version']}.dist-info"
     gguf_dist.mkdir(exist_ok=True)
     (gguf_dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: gguf\nVersion: {manifest['gguf_version']}\n")
-    repo = Path(__file__).resolve().parent.parent
     dist = site / "vllm_adaptive_spec-0.1.0.dist-info"
     dist.mkdir(exist_ok=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-adaptive-spec\nVersion: 0.1.0\n")
     (dist / "entry_points.txt").write_text(ENTRY_POINTS)
     (dest / "env.sh").write_text(
-        f'export PYTHONPATH="{site}:{repo}${{PYTHONPATH:+:$PYTHONPATH}}"\n'
+        f'export PYTHONPATH="{site}:{REPO}${{PYTHONPATH:+:$PYTHONPATH}}"\n'
         f'export VLLM_ADAPTIVE_SPEC_CACHE="{dest / "cache"}"\n'
     )
     shutil.rmtree(chunks)
