@@ -324,13 +324,13 @@ def server_env(args: list[str], primitive_cache: int = 0) -> dict[str, str]:
     Decision: vLLM's CPU build creates a oneDNN matmul primitive for every
     new pair of weight shape and row count and keeps each weight's last 32;
     oneDNN's own cache keeps 1,024 more, so a server's memory grows until
-    about 256 row counts per weight shape have been seen, thousands of
-    seconds into a varied workload, with or without speculation. Capped at
-    128 (32 row counts of the model's four weight shapes), the caches are
-    full once the warm-up's 40 row counts have been seen, and the memory
-    after them is flat: on one engine, 200 requests of random prompt
-    lengths after such a warm-up grew it by 3 MiB at 128 against 42 MiB in
-    the first 40 of them at 1,024, at the same speed (docs/benchmarking.md)."""
+    that cache is full (some 200-250 row counts of the model's few weight
+    shapes), thousands of seconds into a varied workload, with or without
+    speculation. Capped at 128 (about what the weights' own caches hold),
+    the caches are full once the warm-up's 40 row counts have been seen,
+    and the memory after them is flat: on one engine, 160 requests of
+    random prompt lengths after such a warm-up grew it by 3 MiB at 128,
+    against 42 MiB in 40 of them at 1,024, no slower (docs/benchmarking.md)."""
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     if option(args, "--distributed-executor-backend") == "uni":
         # The worker in the engine core's process: vLLM's CPU platform keeps the
