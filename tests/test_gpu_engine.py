@@ -2,7 +2,8 @@
 
 Every drafter, in both CUDA attention backends with tree paths, with vLLM's
 compilation and CUDA graphs on (FULL graphs for steps without a branching
-tree, PIECEWISE for the others), drafting full trees every step (the fixed
+tree, draft-free steps on the one-row-a-request FULL graphs the plugin
+captures, PIECEWISE for the others), drafting full trees every step (the fixed
 load budget): greedy output equals vLLM without speculation on the same
 backend, dtype and model runner (V1, the one the plugin runs on), one engine
 running 4 prompts one at a time (batch 1), then 32 together (batch 32).

@@ -48,6 +48,10 @@ PLATFORM_HOOKS: dict[str, tuple[str, ...]] = {
         "vllm.v1.attention.backends.triton_attn:TritonAttentionImpl.forward",
         "vllm.v1.worker.gpu_worker:Worker._make_model_runner",
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner",
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._determine_batch_execution_and_padding",
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._warmup_and_capture",
+        "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.initialize_cudagraph_keys",
+        "vllm.forward_context:BatchDescriptor",
     ),
 }
 

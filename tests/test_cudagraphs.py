@@ -1,0 +1,113 @@
+"""Which CUDA graph a step replays: vLLM's dispatcher with the plugin's keys.
+
+The dispatcher and the runner's graph choice are vLLM's own Python, the same
+in its CPU and CUDA builds; here they run against a minimal config (no graph
+is captured on a CPU), and the runner's base is a recorder of what vLLM's
+``GPUModelRunner`` would be asked. The GPU engine tests replay the graphs.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from vllm.config import CUDAGraphMode as Mode
+from vllm.forward_context import BatchDescriptor
+
+from vllm_adaptive_spec.adapter import step as tree_step
+from vllm_adaptive_spec.adapter.cudagraphs import (
+    PlainDecodeGraphsMixin,
+    TreeCudagraphDispatcher,
+    is_plain_decode_key,
+    plain_decode_keys,
+)
+
+SPEC_TOKENS = 16  # vLLM's uniform decode batches: 17 rows a request
+SIZES = [17, 34, 51, 68]  # vLLM rounds capture sizes to multiples of 17 under speculation
+MAX_SEQS = 64
+
+
+def dispatcher(mode=Mode.FULL_AND_PIECEWISE, lora=None) -> TreeCudagraphDispatcher:
+    compilation = SimpleNamespace(
+        cudagraph_mode=mode, cudagraph_capture_sizes=list(SIZES), max_cudagraph_capture_size=SIZES[-1],
+        compile_sizes=[], splitting_ops=[], mode=None, is_attention_compiled_piecewise=lambda: True,
+        cudagraph_specialize_lora=False,
+    )
+    config = SimpleNamespace(compilation_config=compilation, num_speculative_tokens=SPEC_TOKENS, lora_config=lora,
+                             scheduler_config=SimpleNamespace(max_num_seqs=MAX_SEQS))
+    result = TreeCudagraphDispatcher(config)
+    result.initialize_cudagraph_keys(mode, 1 + SPEC_TOKENS)
+    return result
+
+
+def test_draft_free_decode_batches_get_full_graph_keys_beside_vllms():
+    keys = dispatcher().cudagraph_keys[Mode.FULL]
+    plain = {BatchDescriptor(num_tokens=n, num_reqs=n, uniform=True) for n in (17, 34, 51)}  # 68 > max_num_seqs
+    speculative = {BatchDescriptor(num_tokens=n, num_reqs=n // 17, uniform=True) for n in SIZES}
+    assert keys == plain | speculative
+    assert all(is_plain_decode_key(key) for key in plain) and not any(is_plain_decode_key(k) for k in speculative)
+
+
+@pytest.mark.parametrize("mode, spec_len, lora", [
+    (Mode.PIECEWISE, 17, False),  # no FULL decode graphs at all
+    (Mode.FULL, 17, False),  # one routine for every batch: vLLM keys it itself
+    (Mode.FULL_AND_PIECEWISE, 1, False),  # no speculation: vLLM's own keys are these
+    (Mode.FULL_AND_PIECEWISE, 17, True),  # LoRA: vLLM keys graphs per adapter count
+])
+def test_no_extra_keys_where_vllm_captures_no_separate_decode_graphs(mode, spec_len, lora):
+    assert plain_decode_keys(mode, spec_len, SIZES, MAX_SEQS, lora) == []
+
+
+def test_a_draft_free_step_replays_a_full_graph_and_a_tree_step_does_not():
+    d = dispatcher()
+    # vLLM's view of a step of 8 requests one row each: not its uniform decode shape.
+    assert d.dispatch(8, uniform_decode=False) == (Mode.PIECEWISE, BatchDescriptor(num_tokens=17))
+    # The runner's view (one row a request): the FULL graph of 17 one-row requests, 9 of them padding.
+    d.uniform_decode_query_len = 1
+    assert d.dispatch(8, uniform_decode=True) == (Mode.FULL, BatchDescriptor(num_tokens=17, num_reqs=17, uniform=True))
+    d.uniform_decode_query_len = 17
+    # A chain step of 2 requests x 17 rows keeps vLLM's own FULL graph.
+    assert d.dispatch(34, uniform_decode=True) == (Mode.FULL, BatchDescriptor(num_tokens=34, num_reqs=2, uniform=True))
+    # A branching tree step never replays a FULL graph.
+    try:
+        branching = tree_step.TreeStep.__new__(tree_step.TreeStep)
+        branching.attention = object()
+        tree_step.publish(branching)
+        assert d.dispatch(34, uniform_decode=True)[0] == Mode.PIECEWISE
+    finally:
+        tree_step.publish(None)
+
+
+class RecordingRunner:
+    """What vLLM's runner is asked, and the uniform decode row count each call sees."""
+
+    def __init__(self) -> None:
+        self.uniform_decode_query_len = 1 + SPEC_TOKENS
+        self.cudagraph_dispatcher = SimpleNamespace(uniform_decode_query_len=1 + SPEC_TOKENS)
+        self.seen = []
+
+    def _determine_batch_execution_and_padding(self, **kwargs):
+        self.seen.append(("step", self.uniform_decode_query_len, self.cudagraph_dispatcher.uniform_decode_query_len))
+
+    def _warmup_and_capture(self, desc, **kwargs):
+        self.seen.append(("capture", self.uniform_decode_query_len, self.cudagraph_dispatcher.uniform_decode_query_len))
+
+
+class Runner(PlainDecodeGraphsMixin, RecordingRunner):
+    pass
+
+
+def test_the_runner_picks_and_captures_one_row_graphs_with_one_row_a_request():
+    runner = Runner()
+    step = dict(num_scheduled_tokens_np=None, use_cascade_attn=False)
+    runner._determine_batch_execution_and_padding(num_tokens=8, num_reqs=8, max_num_scheduled_tokens=1, **step)
+    runner._determine_batch_execution_and_padding(num_tokens=20, num_reqs=8, max_num_scheduled_tokens=5, **step)
+    # A capture's dummy run decides its own shape (force_uniform_decode): left alone.
+    runner._determine_batch_execution_and_padding(num_tokens=8, num_reqs=8, max_num_scheduled_tokens=1,
+                                                  force_uniform_decode=False, **step)
+    runner._warmup_and_capture(BatchDescriptor(num_tokens=17, num_reqs=17, uniform=True))
+    runner._warmup_and_capture(BatchDescriptor(num_tokens=34, num_reqs=2, uniform=True))
+    runner._warmup_and_capture(BatchDescriptor(num_tokens=17))
+    assert runner.seen == [("step", 1, 1), ("step", 17, 17), ("step", 17, 17),
+                           ("capture", 1, 1), ("capture", 17, 17), ("capture", 17, 17)]
+    assert runner.uniform_decode_query_len == runner.cudagraph_dispatcher.uniform_decode_query_len == 17
