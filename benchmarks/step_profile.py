@@ -26,7 +26,9 @@ engine step (self time: a phase's time without the phases inside it):
   ``t + 1`` during step ``t``'s forward on a guessed outcome of ``t`` (a whole
   path accepted, and the bonus token); the guess is right at most on the
   ``leaf`` share, so an overlap saves at most ``overlap <=`` of the step time
-  (less for EAGLE-3, which needs step ``t``'s hidden states to draft at all).
+  (less for EAGLE-3, which needs step ``t``'s hidden states to draft at all);
+* ``graphs``: how many forwards replayed a FULL CUDA graph, a PIECEWISE one,
+  or none (always ``NONE`` on the CPU).
 
 Methods: ``none``, ``ngram`` (vLLM's, K=4), ``tree-N`` (adaptive_tree
 retrieval, ``load_budget: fixed`` at N), ``tree-adaptive-N`` (the default load
@@ -66,6 +68,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engines  # noqa: E402
 from engines import REPO  # noqa: E402
+from vllm_adaptive_spec.adapter.step_profile import GRAPH_KEY  # noqa: E402
 
 MAX_LEN = 64  # l_max = l_min = 64: the suffix never matches, no tree is drafted
 
@@ -294,8 +297,16 @@ def lockstep(jobs: dict[str, dict], batch_sizes: list[int], passes: int, counts:
     return rows
 
 
+def graphs(phases: dict) -> str:
+    """The CUDA graph runtime modes the steps' forwards were dispatched to, as
+    ``FULL n / PIECEWISE n / NONE n`` (the modes that occurred)."""
+    counts = {key.removeprefix(GRAPH_KEY): value[1] for key, value in phases.items() if key.startswith(GRAPH_KEY)}
+    return " / ".join(f"{mode} {counts[mode]}" for mode in ("FULL", "PIECEWISE", "NONE") if counts.get(mode))
+
+
 def table(report: dict) -> str:
-    head = ["method", "b", "tok/s", "vs first", "same", "tok/step", "ms/step", *COLUMNS, "engine", "leaf", "overlap <="]
+    head = ["method", "b", "tok/s", "vs first", "same", "tok/step", "ms/step", *COLUMNS, "engine", "leaf", "overlap <=",
+            "graphs"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in report["rows"]:
         if "error" in row:
@@ -317,13 +328,15 @@ def table(report: dict) -> str:
             cells += [f"{leaf:.0%}", f"{leaf * drafting / row['wall_s']:.1%}"]
         else:
             cells += ["", ""]
+        cells.append(graphs(row["phases"]))
         lines.append("| " + " | ".join(cells) + " |")
         for kind, part in (row.get("by_kind") or {}).items():
             cols = self_times(part["phases"])
             cells = [f"{row['method']} [{kind}]", str(row["batch_size"]), "", "", "", f"{part['steps']} steps",
                      f"{1000 * part['wall_s'] / part['steps']:.1f}"]
             cells += [f"{1000 * cols[c] / part['steps']:.2f}" for c in COLUMNS]
-            cells += [f"{1000 * (part['wall_s'] - sum(cols.values())) / part['steps']:.2f}", "", ""]
+            cells += [f"{1000 * (part['wall_s'] - sum(cols.values())) / part['steps']:.2f}", "", "",
+                      graphs(part["phases"])]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

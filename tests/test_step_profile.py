@@ -42,3 +42,30 @@ def test_runners_stepped_in_turn_keep_their_own_phase_times():
         assert _Timer.active is None
     finally:
         _Attention.forward = _FORWARD
+
+
+def test_the_graph_each_forward_was_dispatched_to_is_counted():
+    import sys
+    from pathlib import Path
+
+    from vllm.config import CUDAGraphMode
+
+    from vllm_adaptive_spec.adapter.step_profile import _count_graphs
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from step_profile import graphs
+
+    modes = iter([CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL])
+
+    class Dispatcher:
+        def dispatch(self, num_tokens, **kwargs):
+            return next(modes), num_tokens
+
+    dispatcher, timer = Dispatcher(), _Timer()
+    _count_graphs(dispatcher, timer)
+    _count_graphs(dispatcher, timer)  # installed once
+    assert [dispatcher.dispatch(n, uniform_decode=True) for n in (8, 9, 10)] == [
+        (CUDAGraphMode.FULL, 8), (CUDAGraphMode.PIECEWISE, 9), (CUDAGraphMode.FULL, 10)]
+    phases = {key: [timer.seconds[key], timer.calls[key]] for key in timer.seconds}
+    assert phases == {"graph FULL": [0.0, 2], "graph PIECEWISE": [0.0, 1]}
+    assert graphs(phases) == "FULL 2 / PIECEWISE 1"

@@ -14,6 +14,10 @@ stock kernel and ``tree_attention`` for tree rows), ``sample_tokens``
 moving accepted KV and the budget's observations; ``draft``: the drafter,
 within it ``draft_first_pass`` / ``draft_pass`` for model drafters and
 ``grow`` for the tree proposer). Installing costs nothing when not used.
+Beside the phases, ``graph FULL`` / ``graph PIECEWISE`` / ``graph NONE``
+count the CUDA graph runtime modes the runner's dispatcher chose (0 s each):
+on CUDA a step's cost depends mostly on which graph, if any, it replays; on
+the CPU every step is ``NONE``.
 
 On CUDA the timers read the host's clock while kernels run asynchronously:
 a phase's time is its Python and launch cost, plus the GPU's time only where
@@ -70,6 +74,26 @@ def _wrap(owner, attribute: str, name: str, timer: _Timer | None) -> None:
     setattr(owner, attribute, timed)
 
 
+GRAPH_KEY = "graph "
+
+
+def _count_graphs(dispatcher, timer: _Timer) -> None:
+    """Count ``dispatcher``'s runtime modes on ``timer`` as ``graph MODE``."""
+    fn = dispatcher.dispatch
+    if getattr(fn, "_step_profile_wrapped", False):
+        return
+
+    def counted(*args, **kwargs):
+        mode, descriptor = fn(*args, **kwargs)
+        key = GRAPH_KEY + mode.name
+        timer.seconds[key] += 0.0
+        timer.calls[key] += 1
+        return mode, descriptor
+
+    counted._step_profile_wrapped = True
+    dispatcher.dispatch = counted
+
+
 def install(worker) -> bool:
     """Wrap ``worker``'s model runner (with a timer of its own) and the attention code of this process."""
     from vllm.platforms import current_platform
@@ -102,6 +126,8 @@ def install(worker) -> bool:
         ("propose_draft_token_ids", "draft"),
     ):
         _wrap(runner, attribute, name, timer)
+    if getattr(runner, "cudagraph_dispatcher", None) is not None:
+        _count_graphs(runner.cudagraph_dispatcher, timer)
     for impl in stock_impls:
         _wrap(impl, "forward", "attention", None)
     proposer = getattr(runner, "_tree_proposer", None)
