@@ -11,7 +11,9 @@ hits), through the chat and completions APIs, streamed and not:
 
 * greedy; temperature / top-p / top-k with and without a seed; ``n = 2``;
   ``logprobs = 5``; stop strings; presence / frequency / repetition
-  penalties; JSON-schema structured output; ``max_tokens`` from 1 to 512
+  penalties; JSON-schema structured output; ``min_p`` (temperature 0.8);
+  greedy with ``logit_bias`` (which vLLM refuses under its own speculative
+  methods); ``max_tokens`` from 1 to 512
   (log-uniform, within the model's length);
 * a share of streamed requests whose client disconnects after a few chunks;
 * a share of deliberately bad requests (a negative temperature), which must
@@ -103,7 +105,7 @@ JSON_SCHEMA = {
 }
 # Shares of the workload (the rest is plain greedy).
 MIX = {"sampled": 0.10, "seeded": 0.12, "n2": 0.05, "logprobs": 0.08, "stop": 0.07, "penalty": 0.07,
-       "json": 0.05, "bad": 0.03}
+       "json": 0.05, "min_p": 0.04, "logit_bias": 0.04, "bad": 0.03}
 LONG_SHARE, SHARED_SHARE, COMPLETIONS_SHARE, STREAM_SHARE, DISCONNECT_SHARE = 0.15, 0.15, 0.2, 0.5, 0.08
 HELDOUT_PROMPTS = REPO / "benchmarks" / "data" / "heldout_prompts.jsonl"
 
@@ -122,7 +124,7 @@ class Job:
     @property
     def greedy(self) -> bool:
         """Deterministic answers, compared between the two servers."""
-        return self.kind in ("greedy", "logprobs", "stop", "penalty", "json") and self.disconnect_after is None
+        return self.kind in ("greedy", "logprobs", "stop", "penalty", "json", "logit_bias") and self.disconnect_after is None
 
 
 @dataclass
@@ -178,6 +180,10 @@ def workload(count: int, seed: int, max_model_len: int, model: str, max_tokens_c
             body |= {"stop": [rng.choice(["\n\n", ".", "```"])]}
         elif kind == "penalty":
             body |= {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2}
+        elif kind == "min_p":
+            body |= {"temperature": 0.8, "min_p": 0.1}
+        elif kind == "logit_bias":
+            body |= {"logit_bias": {str(rng.randrange(100, 30000)): rng.choice([-100, -5, 2]) for _ in range(4)}}
         elif kind == "json":
             body |= {"response_format": {"type": "json_schema", "json_schema": {"name": "item", "schema": JSON_SCHEMA}}}
             question = "Describe one fruit as JSON with a name and a count."

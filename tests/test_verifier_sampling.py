@@ -8,6 +8,7 @@ against the exact processed target law, false-alarm rate alpha = 1e-3.
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -218,7 +219,8 @@ def test_logprobs_are_read_for_emitted_slots_only_in_bounded_chunks(monkeypatch)
     for request, emitted in enumerate([1, 5, 3]):
         output[request, :emitted] = torch.randint(0, vocab, (emitted,), generator=rng, dtype=torch.int32)
     tree_verifier = verifier.TreeVerifier(sampler, "raw_logprobs", lambda *_: None)
-    got = tree_verifier._logprobs(logits, starts, output, None, None, 2)
+    got = tree_verifier._logprobs(logits, starts, output, None, None,
+                                  SimpleNamespace(max_num_logprobs=2, logprob_token_ids=None))
     assert chunks == [4, 4, 1]
     slots = (output.flatten() >= 0).nonzero().squeeze(1)
     rows = starts.repeat_interleave(width)[slots]
@@ -226,3 +228,35 @@ def test_logprobs_are_read_for_emitted_slots_only_in_bounded_chunks(monkeypatch)
     for value, want in zip(got[:3], expected[:3]):
         assert torch.equal(value[slots], want)
         assert not value[(output.flatten() < 0).nonzero().squeeze(1)].any()
+
+
+@pytest.mark.parametrize("chunk_rows", [4, 64])
+def test_logprob_token_ids_are_vllms_for_every_emitted_slot(monkeypatch, chunk_rows):
+    """With ``logprob_token_ids`` in the step, every emitted slot gets vLLM's
+    specific-token layout over the whole batch (its width the most ids any
+    request asks for), chunks or not: what vLLM's sampler gives those rows."""
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_adaptive_spec.adapter import verifier
+
+    monkeypatch.setattr(verifier, "MAX_CHUNK_ROWS", chunk_rows)
+    sampler = Sampler("raw_logprobs")
+    rng = torch.Generator().manual_seed(1)
+    batch, width, vocab = 3, 5, 50
+    logits = torch.randn(batch * width, vocab, generator=rng)
+    starts = torch.arange(0, batch * width, width)
+    output = torch.full((batch, width), -1, dtype=torch.int32)
+    for request, emitted in enumerate([2, 5, 4]):
+        output[request, :emitted] = torch.randint(0, vocab, (emitted,), generator=rng, dtype=torch.int32)
+    ids = {0: [3, 9, 11], 2: [7]}
+    metadata = SimpleNamespace(max_num_logprobs=None, logprob_token_ids=ids)
+    got = verifier.TreeVerifier(sampler, "raw_logprobs", lambda *_: None)._logprobs(
+        logits, starts, output, None, None, metadata)
+    slots = (output.flatten() >= 0).nonzero().squeeze(1)
+    rows = starts.repeat_interleave(width)[slots]
+    by_slot = {k: ids[int(slot) // width] for k, slot in enumerate(slots) if int(slot) // width in ids}
+    expected = sampler.gather_specific_token_logprobs(Sampler.compute_logprobs(logits[rows]), by_slot,
+                                                      output.flatten()[slots].long())
+    assert got.logprob_token_ids.shape[1] == 4
+    for value, want in zip(got[:3], expected[:3]):
+        assert torch.equal(value[slots], want)

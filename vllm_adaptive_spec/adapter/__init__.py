@@ -24,6 +24,7 @@ CONFIG_HOOKS: tuple[str, ...] = (
     "vllm.engine.arg_utils:EngineArgs.create_speculative_config",
     "vllm.config.speculative:SpeculativeConfig",
     "vllm.plugins:load_general_plugins",
+    "vllm.sampling_params:SamplingParams._validate_spec_decode",
 )
 ENGINE_HOOKS: tuple[str, ...] = (
     "vllm.v1.attention.backends.registry:register_backend",
@@ -33,6 +34,9 @@ ENGINE_HOOKS: tuple[str, ...] = (
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids",
     "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.dispatch",
     "vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p",
+    "vllm.v1.sample.logits_processor:BUILTIN_LOGITS_PROCESSORS",
+    "vllm.v1.sample.logits_processor:LogitsProcessors",
+    "vllm.utils.torch_utils:PIN_MEMORY",
 )
 PLATFORM_HOOKS: dict[str, tuple[str, ...]] = {
     "cpu": (

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import os
 
-from vllm_adaptive_spec.adapter import CUDA_TREE_BACKENDS, engine_hooks, missing_hooks
+from vllm_adaptive_spec.adapter import CUDA_TREE_BACKENDS, engine_hooks, missing_hooks, sampling_controls
 from vllm_adaptive_spec.config import METHOD, TreeConfig, TreeConfigError, parse_tree_config
 
 ADDITIONAL_CONFIG_KEY = "adaptive_tree"
@@ -48,6 +48,8 @@ def tree_config_of(vllm_config) -> TreeConfig | None:
 
 def install() -> None:
     from vllm.engine.arg_utils import EngineArgs
+
+    sampling_controls.install()
 
     original = EngineArgs.create_speculative_config
     if getattr(original, "_adaptive_tree_wrapper", False):
@@ -87,6 +89,7 @@ def install() -> None:
             result = original(self, target_model_config, target_parallel_config)
         finally:
             self.speculative_config = spec
+        sampling_controls.mark_tree_speculation(result)
         self.additional_config = {**(self.additional_config or {}), ADDITIONAL_CONFIG_KEY: tree.to_dict()}
         target_parallel_config.worker_cls = WORKERS[platform]
         # The runner drafts after each step's bookkeeping (vLLM's synchronous order).

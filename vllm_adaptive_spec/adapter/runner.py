@@ -28,12 +28,14 @@ import time
 
 import numpy as np
 import torch
+from vllm.utils.torch_utils import PIN_MEMORY
 
 from kernels.kv_compaction import compact_kv
 from vllm_adaptive_spec.adapter import step as tree_step
 from vllm_adaptive_spec.adapter.cudagraphs import TreeCudagraphDispatcher
 from vllm_adaptive_spec.adapter.draft_backend import PagedDraftBackend
 from vllm_adaptive_spec.adapter.proposer import TreeProposer, can_draft
+from vllm_adaptive_spec.adapter.sampling_controls import builtin_logits_processors
 from vllm_adaptive_spec.adapter.tree_impl import check_tree_backends
 from vllm_adaptive_spec.adapter.verifier import TreeVerifier
 from vllm_adaptive_spec.tree import DraftTree
@@ -74,6 +76,8 @@ class TreeRunnerMixin:
 
     def __init__(self, vllm_config, device) -> None:
         super().__init__(vllm_config, device)
+        # Before any request: min_p and logit_bias apply as without speculation (``sampling_controls``).
+        self.input_batch.logitsprocs = builtin_logits_processors(vllm_config, device, PIN_MEMORY)
         self.cudagraph_dispatcher = TreeCudagraphDispatcher(vllm_config)
         mode = vllm_config.model_config.logprobs_mode
         if mode not in SUPPORTED_LOGPROBS_MODES:

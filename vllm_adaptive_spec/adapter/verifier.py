@@ -139,6 +139,27 @@ def row_target_tokens(
     return torch.where(is_greedy, greedy, sampled)
 
 
+def specific_token_logprobs(sampler, values: torch.Tensor, tokens: torch.Tensor, token_ids: dict[int, list[int]],
+                            request_of_row: list[int]) -> LogprobsTensors:
+    """Rows' logprobs of their emitted token and of their request's
+    ``logprob_token_ids`` (``token_ids``: batch index -> ids), through vLLM's
+    sampler, in its layout: ``1 + max ids`` columns over the whole batch
+    (token id 0 and -inf beyond a request's own ids; only the emitted token
+    for requests without ids). vLLM's sampler uses this layout for every
+    request of a step in which any request has ids, so those steps' other
+    requests get no top logprobs there, with or without the plugin."""
+    width = max(len(ids) for ids in token_ids.values())
+    rows = {k: token_ids[request] for k, request in enumerate(request_of_row) if request in token_ids}
+    gathered = sampler.gather_specific_token_logprobs(values, rows or {0: []}, tokens)
+    missing = width + 1 - gathered.logprob_token_ids.shape[1]
+    if missing == 0:
+        return gathered
+    pad = (0, missing)
+    return LogprobsTensors(torch.nn.functional.pad(gathered.logprob_token_ids, pad),
+                           torch.nn.functional.pad(gathered.logprobs, pad, value=float("-inf")),
+                           gathered.selected_token_ranks)
+
+
 class TreeVerifier(torch.nn.Module):
     """``on_accept(step, acceptance)`` runs right after acceptance (KV
     compaction and statistics), in the same engine step."""
@@ -189,8 +210,8 @@ class TreeVerifier(torch.nn.Module):
             acceptance = None
 
         logprobs = None
-        if sampling_metadata.max_num_logprobs is not None:
-            logprobs = self._logprobs(logits, starts, output, step, acceptance, sampling_metadata.max_num_logprobs)
+        if sampling_metadata.max_num_logprobs is not None or sampling_metadata.logprob_token_ids:
+            logprobs = self._logprobs(logits, starts, output, step, acceptance, sampling_metadata)
         tree_step.publish(None)
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
 
@@ -225,9 +246,13 @@ class TreeVerifier(torch.nn.Module):
         cleared = set(padded)
         return replace(sampling_metadata, spec_token_ids=[[] if i in cleared else s for i, s in enumerate(spec)])
 
-    def _logprobs(self, logits, starts, output, step, acceptance, num_logprobs):
+    def _logprobs(self, logits, starts, output, step, acceptance, sampling_metadata):
         """Logprobs of every output slot, from the row that emitted it: slot 0
-        from the root row, slot ``j`` from the row of the ``j``-th path node.
+        from the root row, slot ``j`` from the row of the ``j``-th path node;
+        in the layout vLLM's sampler gives the step: the top
+        ``max_num_logprobs``, or, where any request asks for
+        ``logprob_token_ids``, those ids for every request (vLLM's precedence
+        for the whole batch, see :func:`specific_token_logprobs`).
 
         Decision: only emitted slots are computed (vLLM drops the rest, a
         placeholder's), ``MAX_CHUNK_ROWS`` at a time; the others stay zero.
@@ -244,12 +269,18 @@ class TreeVerifier(torch.nn.Module):
         tokens = output.flatten().to(torch.int64)
         slots = (tokens != PAD).nonzero().squeeze(1)
         rows = rows.flatten()[slots]
+        specific = sampling_metadata.logprob_token_ids
+        requests = (slots // width).tolist() if specific else None
         pieces = []
         for begin in range(0, slots.numel(), MAX_CHUNK_ROWS):
             selected = logits[rows[begin: begin + MAX_CHUNK_ROWS]].to(torch.float32)
             values = selected if self.logprobs_mode == "raw_logits" else self.sampler.compute_logprobs(selected)
             chunk_tokens = tokens[slots[begin: begin + MAX_CHUNK_ROWS]]
-            pieces.append(self.sampler.gather_logprobs(values, num_logprobs, chunk_tokens))
+            if specific:
+                pieces.append(specific_token_logprobs(self.sampler, values, chunk_tokens, specific,
+                                                      requests[begin: begin + MAX_CHUNK_ROWS]))
+            else:
+                pieces.append(self.sampler.gather_logprobs(values, sampling_metadata.max_num_logprobs, chunk_tokens))
         return LogprobsTensors(*(
             torch.zeros((batch * width, *part[0].shape[1:]), dtype=part[0].dtype, device=part[0].device)
             .index_copy_(0, slots, torch.cat(part))
