@@ -561,18 +561,21 @@ def summarize(run: dict, jobs: list[Job]) -> dict:
 
 
 def greedy_comparison(plain: dict, spec: dict, jobs: list[Job]) -> dict:
-    """Greedy requests answered completely by both servers: token ids equal?"""
+    """Greedy requests answered completely by both servers: token ids equal?
+    And every request neither client left: the same status from both?"""
     first = {o["index"]: o for o in plain["outcomes"]}
     second = {o["index"]: o for o in spec["outcomes"]}
-    compared, differ = 0, []
+    compared, differ, status_differs = 0, [], []
     for job in jobs:
         a, b = first[job.index], second[job.index]
+        if a["status"] != b["status"] and not (a["disconnected"] or b["disconnected"]):
+            status_differs.append(job.index)
         if not job.greedy or a["status"] != 200 or b["status"] != 200 or a["disconnected"] or b["disconnected"]:
             continue
         compared += 1
         if a["token_ids"] != b["token_ids"]:
             differ.append(job.index)
-    return {"compared": compared, "differ": differ}
+    return {"compared": compared, "differ": differ, "status_differs": status_differs}
 
 
 def markdown(report: dict) -> str:
@@ -614,7 +617,8 @@ def markdown(report: dict) -> str:
         ratio, greedy = report["ratios"][label], report["greedy"][label]
         lines.append(f"- `{label}`: tok/s over no speculation **{ratio['total']:.2f}x** (per-block median "
                      f"{ratio['median']:.2f}x, range {min(ratio['blocks']):.2f}-{max(ratio['blocks']):.2f}); greedy "
-                     f"requests compared: {greedy['compared']}, differing: {len(greedy['differ'])}; plugin state once "
+                     f"requests compared: {greedy['compared']}, differing: {len(greedy['differ'])}; requests with "
+                     f"another status than without speculation: {len(greedy['status_differs'])}; plugin state once "
                      f"idle (per rank): {[r.get('requests_held') for r in servers[label].get('tree_stats') or []]}")
     return "\n".join(lines) + "\n"
 

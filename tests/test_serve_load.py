@@ -47,7 +47,7 @@ def test_server_loses_nothing_and_changes_no_greedy_answer(demo_model, tmp_path)
     assert spec_side["counters"].get("vllm:spec_decode_num_drafts_total", 0) >= 100, spec_side["counters"]
     assert spec_side["counters"].get("vllm:spec_decode_num_accepted_tokens_total", 0) > 0
     greedy = report["greedy"]["retrieval"]
-    assert greedy["compared"] >= 25 and greedy["differ"] == [], greedy
+    assert greedy["compared"] >= 25 and greedy["differ"] == [] and greedy["status_differs"] == [], greedy
     for rank in spec_side["tree_stats"]:
         assert set(rank["requests_held"].values()) == {0}, rank["requests_held"]
     assert len(report["ratios"]["retrieval"]["blocks"]) == 2
