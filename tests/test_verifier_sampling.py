@@ -194,6 +194,18 @@ def test_chunked_draws_equal_one_draw():
 
 
 
+def _emitted_slots(seed: int, emitted: list[int], width: int = 5, vocab: int = 50):
+    """Random logits of ``width`` rows a request, the requests' first rows, and
+    an output of ``emitted[k]`` random tokens for request ``k`` (-1 after)."""
+    rng = torch.Generator().manual_seed(seed)
+    batch = len(emitted)
+    logits = torch.randn(batch * width, vocab, generator=rng)
+    output = torch.full((batch, width), -1, dtype=torch.int32)
+    for request, count in enumerate(emitted):
+        output[request, :count] = torch.randint(0, vocab, (count,), generator=rng, dtype=torch.int32)
+    return logits, torch.arange(0, batch * width, width), output
+
+
 def test_logprobs_are_read_for_emitted_slots_only_in_bounded_chunks(monkeypatch):
     """Each emitted slot's logprobs are vLLM's for its row (here every slot
     reads its request's first row: no trees), placeholder slots stay zero
@@ -211,13 +223,8 @@ def test_logprobs_are_read_for_emitted_slots_only_in_bounded_chunks(monkeypatch)
         return gather(values, k, tokens)
 
     monkeypatch.setattr(sampler, "gather_logprobs", counted)
-    rng = torch.Generator().manual_seed(0)
-    batch, width, vocab = 3, 5, 50
-    logits = torch.randn(batch * width, vocab, generator=rng)
-    starts = torch.arange(0, batch * width, width)
-    output = torch.full((batch, width), -1, dtype=torch.int32)
-    for request, emitted in enumerate([1, 5, 3]):
-        output[request, :emitted] = torch.randint(0, vocab, (emitted,), generator=rng, dtype=torch.int32)
+    logits, starts, output = _emitted_slots(0, [1, 5, 3])
+    width = output.shape[1]
     tree_verifier = verifier.TreeVerifier(sampler, "raw_logprobs", lambda *_: None)
     got = tree_verifier._logprobs(logits, starts, output, None, None,
                                   SimpleNamespace(max_num_logprobs=2, logprob_token_ids=None))
@@ -241,13 +248,8 @@ def test_logprob_token_ids_are_vllms_for_every_emitted_slot(monkeypatch, chunk_r
 
     monkeypatch.setattr(verifier, "MAX_CHUNK_ROWS", chunk_rows)
     sampler = Sampler("raw_logprobs")
-    rng = torch.Generator().manual_seed(1)
-    batch, width, vocab = 3, 5, 50
-    logits = torch.randn(batch * width, vocab, generator=rng)
-    starts = torch.arange(0, batch * width, width)
-    output = torch.full((batch, width), -1, dtype=torch.int32)
-    for request, emitted in enumerate([2, 5, 4]):
-        output[request, :emitted] = torch.randint(0, vocab, (emitted,), generator=rng, dtype=torch.int32)
+    logits, starts, output = _emitted_slots(1, [2, 5, 4])
+    width = output.shape[1]
     ids = {0: [3, 9, 11], 2: [7]}
     metadata = SimpleNamespace(max_num_logprobs=None, logprob_token_ids=ids)
     got = verifier.TreeVerifier(sampler, "raw_logprobs", lambda *_: None)._logprobs(
