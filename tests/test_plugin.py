@@ -50,6 +50,39 @@ def test_engine_hooks_exist(platform):
     ]
 
 
+ADAPTER_MODULES = ("attention_cpu", "attention_cuda", "cudagraphs", "worker_cpu", "worker_cuda")
+
+
+def overridden_vllm_methods() -> dict[str, str]:
+    """Every vLLM attribute a class of the adapter overrides, as the hook
+    string of the vLLM class that defines it -> the plugin class that
+    overrides it (dunders, constructors included, and ABC bookkeeping aside:
+    they always exist)."""
+    import importlib
+    import inspect
+
+    found = {}
+    for module_name in ADAPTER_MODULES:
+        module = importlib.import_module(f"vllm_adaptive_spec.adapter.{module_name}")
+        for cls in vars(module).values():
+            if not inspect.isclass(cls) or not cls.__module__.startswith("vllm_adaptive_spec"):
+                continue
+            ours = [c for c in cls.__mro__ if c.__module__.startswith("vllm_adaptive_spec")]
+            theirs = [c for c in cls.__mro__ if c.__module__.startswith("vllm.")]
+            for attribute in {a for c in ours for a in vars(c) if not a.startswith("__")} - {"_abc_impl"}:
+                owner = next((c for c in theirs if attribute in vars(c)), None)
+                if owner is not None:
+                    found[f"{owner.__module__}:{owner.__qualname__}.{attribute}"] = cls.__qualname__
+    return found
+
+
+def test_every_overridden_vllm_method_is_a_checked_hook():
+    hooks = set(adapter.CONFIG_HOOKS + adapter.ENGINE_HOOKS).union(*adapter.PLATFORM_HOOKS.values())
+    overridden = overridden_vllm_methods()
+    assert "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs" in overridden
+    assert {hook: cls for hook, cls in overridden.items() if hook not in hooks} == {}
+
+
 def test_register_on_unsupported_vllm_logs_one_line_and_installs_nothing(monkeypatch, caplog):
     installed = []
     monkeypatch.setattr(plugin, "_registered", False)

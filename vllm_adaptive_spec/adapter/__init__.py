@@ -32,6 +32,7 @@ ENGINE_HOOKS: tuple[str, ...] = (
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._bookkeeping_sync",
     "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.dispatch",
     "vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p",
     "vllm.v1.sample.logits_processor:BUILTIN_LOGITS_PROCESSORS",
@@ -41,6 +42,9 @@ ENGINE_HOOKS: tuple[str, ...] = (
 PLATFORM_HOOKS: dict[str, tuple[str, ...]] = {
     "cpu": (
         "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend.get_impl_cls",
+        "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend.get_builder_cls",
+        "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward",
+        "vllm.v1.worker.cpu_model_runner:CPUModelRunner.load_model",
         "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder._set_isa_to_layers",
         "vllm.v1.worker.cpu_worker:CPUWorker.init_device",
         "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
