@@ -107,6 +107,14 @@ VALID = [
     chat("repetition_detection", True, **GREEDY,
          repetition_detection={"max_pattern_size": 4, "min_pattern_size": 1, "min_count": 3}),
     chat("logprob_token_ids", True, **GREEDY, logprobs=True, logprob_token_ids=[HERE, THE]),
+    chat("return_token_ids", True, **GREEDY, return_token_ids=True),
+    chat("beam_search", True, temperature=0, max_tokens=12, n=2, use_beam_search=True, length_penalty=0.8),
+    chat("thinking_token_budget", True, **GREEDY, thinking_token_budget=8),
+    chat("watermarking", True, **GREEDY, watermarking=True),
+    chat("priority", True, **GREEDY, priority=1),
+    chat("cache_salt", True, **GREEDY, cache_salt="parity"),
+    chat("continue_final_message", True, temperature=0, max_tokens=16, add_generation_prompt=False,
+         continue_final_message=True, messages=[*CODE, {"role": "assistant", "content": "```python\ndef squares("}]),
     completion("greedy", True, **GREEDY),
     completion("echo", True, **GREEDY, echo=True),
     completion("logprobs", True, **GREEDY, logprobs=3),
@@ -120,6 +128,9 @@ VALID = [
     completion("n", False, **SAMPLED, n=3),
     completion("stream-usage", True, **GREEDY, stream=True, stream_options={"include_usage": True}),
     completion("token-prompt", True, prompt=[HERE, THE, A, NEWLINE, FENCE], **GREEDY),
+    completion("suffix", True, **GREEDY, suffix="    return memo[n]\n"),
+    completion("add_special_tokens", True, **GREEDY, add_special_tokens=True),
+    completion("beam_search", True, temperature=0, max_tokens=12, n=2, use_beam_search=True),
 ]
 
 MALFORMED = [

@@ -28,11 +28,11 @@ def test_server_loses_nothing_and_changes_no_greedy_answer(demo_model, tmp_path)
             "tree": {"drafter": "retrieval", "load_budget": "fixed"}}
     # KV for one full-length sequence, the smallest vLLM starts with, in blocks of 32 tokens (a request
     # needs a new block 4x as often as with the CPU's default 128): the speculative server preempts.
-    report = serve_load.compare(demo_model, {"retrieval": spec}, requests=64, concurrency=16, seed=9,
+    report = serve_load.compare(demo_model, {"retrieval": spec}, requests=64, concurrency=16, seed=62,
                                 max_model_len=512, kv_sequences=1, dtype="float32", out=tmp_path, max_tokens_cap=48,
                                 blocks=2, chunked_spec=True, warmup=2, reference_kv_sequences=16,
                                 block_size=32, extra_args=["--distributed-executor-backend", "uni"])
-    jobs = serve_load.workload(64, 9, 512, demo_model, 48)
+    jobs = serve_load.workload(64, 62, 512, demo_model, 48)
     kinds = {job.kind for job in jobs}
     assert kinds == {*serve_load.MIX, "greedy"}, kinds
     assert any(job.disconnect_after for job in jobs) and any(job.stream for job in jobs)
@@ -43,7 +43,7 @@ def test_server_loses_nothing_and_changes_no_greedy_answer(demo_model, tmp_path)
         assert summary["warmup_requests"] == 2 and summary["memory_gib_warm"] > 0, summary
     spec_side = report["servers"]["retrieval"]
     assert spec_side["counters"].get("vllm:num_preemptions_total", 0) > 0, "the KV cache was never short"
-    # Trees were verified all along (about 230 of the run's steps drafted one).
+    # Trees were verified all along (about 200 drafting steps; this seed preempted 5 times in each of 2 runs).
     assert spec_side["counters"].get("vllm:spec_decode_num_drafts_total", 0) >= 100, spec_side["counters"]
     assert spec_side["counters"].get("vllm:spec_decode_num_accepted_tokens_total", 0) > 0
     greedy = report["greedy"]["retrieval"]
