@@ -106,8 +106,7 @@ def differences(plain, tree, where: str = "") -> list[str]:
             return [f"{where}: {len(plain)} != {len(tree)} items"]
         return [d for k, (p, t) in enumerate(zip(plain, tree)) for d in differences(p, t, f"{where}[{k}]")]
     if isinstance(plain, float) and isinstance(tree, float):
-        close = math.isclose(plain, tree, abs_tol=LOGPROB_TOLERANCE) or plain == tree  # -inf == -inf
-        return [] if close else [f"{where}: {plain} != {tree}"]
+        return [] if math.isclose(plain, tree, abs_tol=LOGPROB_TOLERANCE) else [f"{where}: {plain} != {tree}"]
     return [] if plain == tree else [f"{where}: {plain!r} != {tree!r}"]
 
 
