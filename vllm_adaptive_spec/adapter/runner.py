@@ -35,6 +35,7 @@ from vllm_adaptive_spec.adapter import step as tree_step
 from vllm_adaptive_spec.adapter.cudagraphs import TreeCudagraphDispatcher
 from vllm_adaptive_spec.adapter.draft_backend import PagedDraftBackend
 from vllm_adaptive_spec.adapter.proposer import TreeProposer, can_draft
+from vllm_adaptive_spec.adapter.pending import PendingAcceptance
 from vllm_adaptive_spec.adapter.sampling_controls import builtin_logits_processors
 from vllm_adaptive_spec.adapter.tree_impl import check_tree_backends
 from vllm_adaptive_spec.adapter.verifier import TreeVerifier
@@ -91,6 +92,7 @@ class TreeRunnerMixin:
         self._discarded_generators: dict[int, torch.Tensor] = {}
         self._branching_trees = 0  # this step's requests whose tree branches
         self._accepted_rows: dict[int, list[int]] = {}
+        self._pending_acceptance: PendingAcceptance | None = None
         self._draft_backend = None
         if isinstance(self.drafter, TreeProposer):
             self._tree_proposer = self.drafter
@@ -112,6 +114,7 @@ class TreeRunnerMixin:
         return self._tree_proposer
 
     def _update_states(self, scheduler_output):
+        self._settle_acceptance()  # a step whose drafting vLLM skipped
         result = super()._update_states(scheduler_output)
         gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
         self.tree_proposer.forget(gone, set(scheduler_output.finished_req_ids))
@@ -220,26 +223,34 @@ class TreeRunnerMixin:
         self.positions[step.node_rows.to(device)] += step.node_offsets.to(device, self.positions.dtype)
 
     def _after_acceptance(self, step: tree_step.TreeStep, acceptance: Acceptance) -> None:
-        """Move each accepted path's KV into consecutive slots after the root."""
-        proposer = self.tree_proposer
-        # The step's one wait for the device: the proposer reads the accepted paths on the host.
-        paths, counts = acceptance.path.tolist(), acceptance.num_accepted.tolist()
-        proposer.stats.record_step(len(step.trees), sum(len(tree) for tree in step.trees), sum(counts))
-        request_ids = [self.input_batch.req_ids[i] for i in step.host_batch_indices]
-        proposer.observe(request_ids, step.trees, [row[:count] for row, count in zip(paths, counts)])
-        if self._draft_backend is not None:
-            self._record_chains(step, paths, counts)
+        """Move each accepted path's KV into consecutive slots after the root
+        (on the device: moves that are not needed point at -1 and copy
+        nothing), and send the acceptance to the host without waiting for it."""
         ends = step.query_start_loc[1:].to(torch.long)
         first_node = step.query_rows[ends - 1] - step.tree_batch.num_nodes + 1
         src_rows, dst_rows = path_moves(acceptance, first_node)
         live = src_rows >= 0
-        if not bool(live.any()):
-            return
         slot_mapping = self.input_batch.block_table[0].slot_mapping.gpu
         src = torch.where(live, slot_mapping[src_rows.clamp(min=0)], -1).to(torch.int64)
         dst = torch.where(live, slot_mapping[dst_rows.clamp(min=0)], -1).to(torch.int64)
         views = [type(self).kv_views(kv_cache) for kv_cache in self.kv_caches]
         compact_kv([key for key, _ in views], [value for _, value in views], src, dst)
+        request_ids = [self.input_batch.req_ids[i] for i in step.host_batch_indices]
+        self._pending_acceptance = PendingAcceptance.send(step, request_ids, acceptance)
+
+    def _settle_acceptance(self) -> None:
+        """Read the last verified step's acceptance (its copy has finished by
+        the time vLLM's own per-step synchronisation returned) and let the
+        proposer and the draft backend learn from it."""
+        pending, self._pending_acceptance = self._pending_acceptance, None
+        if pending is None:
+            return
+        step, paths, counts = pending.step, *pending.receive()
+        proposer = self.tree_proposer
+        proposer.stats.record_step(len(step.trees), sum(len(tree) for tree in step.trees), sum(counts))
+        proposer.observe(pending.request_ids, step.trees, [row[:count] for row, count in zip(paths, counts)])
+        if self._draft_backend is not None:
+            self._record_chains(step, paths, counts)
 
     def _record_chains(self, step: tree_step.TreeStep, paths: list[list[int]], counts: list[int]) -> None:
         """Each tree request's committed query rows in chain order: rows
@@ -258,6 +269,7 @@ class TreeRunnerMixin:
         sample_hidden_states=None, aux_hidden_states=None, spec_decode_metadata=None,
         common_attn_metadata=None, *args, **kwargs
     ):
+        self._settle_acceptance()
         batch = self.input_batch
         req_ids = batch.req_ids
         num_tokens = batch.num_tokens_no_spec

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_adaptive_spec.adapter.transfer import packed_to_device
 from vllm_adaptive_spec.tree import DraftTree, TreeBatch
 
 
@@ -64,9 +65,9 @@ class TreeStep:
     On the host, so that laying out the step and reading its acceptance need
     nothing back from the device: ``host_batch_indices``,
     ``host_query_start_loc`` and ``host_first_rows`` (each request's first
-    query row in the batch) as lists, and ``node_rows`` / ``node_offsets``,
+    query row in the batch) as lists. ``node_rows`` / ``node_offsets``:
     each node's query row and its depth position's offset from the row's
-    sequential one (``depth - 1 - node index``).
+    sequential one (``depth - 1 - node index``), on the device.
     """
 
     batch_indices: torch.Tensor
@@ -112,11 +113,12 @@ def build_step(
     """Lay out the trees of one step. A request's tree occupies the last
     ``1 + n`` of its query rows (root, then nodes); earlier rows (if any) are
     causal, and every tree row sees them all. Only the requests whose tree
-    branches need the tree path of the attention (:class:`AttentionRows`)."""
-    tree_batch = TreeBatch.from_trees(trees)
-    ancestors = tree_batch.ancestor_mask()
-    row_masks = tree_batch.row_mask(ancestors)
-    tree_batch = TreeBatch(*(t.to(device) for t in (tree_batch.tokens, tree_batch.parents, tree_batch.num_nodes)))
+    branches need the tree path of the attention (:class:`AttentionRows`).
+    Built on the host; everything the device needs arrives in one pinned,
+    non-blocking copy (:func:`~vllm_adaptive_spec.adapter.transfer.packed_to_device`)."""
+    host_batch = TreeBatch.from_trees(trees)
+    ancestors = host_batch.ancestor_mask()
+    row_masks = host_batch.row_mask(ancestors)
     depths = ancestors.sum(-1)
     width = max(query_lens)
     masks, rows, starts, node_rows, node_offsets = [], [], [0], [], []
@@ -131,28 +133,42 @@ def build_step(
         node_rows.append(rows[-1][length - len(tree):])
         node_offsets.append(depths[b, : len(tree)] - torch.arange(1, len(tree) + 1))
     branching = [k for k, tree in enumerate(trees) if tree.branches()]
+    lengths = [query_lens[k] for k in branching]
+    host = [
+        torch.tensor(batch_indices), host_batch.tokens, host_batch.parents, host_batch.num_nodes, ancestors,
+        torch.cat(rows), torch.tensor(starts), torch.cat(masks), torch.cat(node_rows), torch.cat(node_offsets),
+    ]
+    if branching:
+        host += [
+            torch.tensor([batch_indices[k] for k in branching]),
+            torch.cat([rows[k] for k in branching]),
+            torch.tensor([0, *itertools.accumulate(lengths)]),
+            torch.cat([masks[k][:, : max(lengths)] for k in branching]),
+        ]
+    moved = packed_to_device(host, device)
+    indices, tokens, parents, num_nodes, ancestors_d, query_rows, query_start_loc, query_mask, n_rows, n_offsets = moved[:10]
     attention = None
     if branching:
-        lengths = [query_lens[k] for k in branching]
+        b_indices, b_rows, b_starts, b_mask = moved[10:]
         attention = AttentionRows(
-            batch_indices=torch.tensor([batch_indices[k] for k in branching], dtype=torch.long, device=device),
-            query_rows=torch.cat([rows[k] for k in branching]).to(device),
-            query_start_loc=torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device),
-            query_mask=torch.cat([masks[k][:, : max(lengths)] for k in branching]).to(device),
+            batch_indices=b_indices,
+            query_rows=b_rows,
+            query_start_loc=b_starts.to(torch.int32),
+            query_mask=b_mask.bool(),
             max_query_len=max(lengths),
         )
     return TreeStep(
-        batch_indices=torch.tensor(batch_indices, dtype=torch.long, device=device),
+        batch_indices=indices,
         trees=trees,
-        tree_batch=tree_batch,
-        ancestors=ancestors.to(device),
-        query_rows=torch.cat(rows).to(device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        query_mask=torch.cat(masks).to(device),
+        tree_batch=TreeBatch(tokens, parents, num_nodes),
+        ancestors=ancestors_d.bool(),
+        query_rows=query_rows,
+        query_start_loc=query_start_loc.to(torch.int32),
+        query_mask=query_mask.bool(),
         host_batch_indices=list(batch_indices),
         host_query_start_loc=starts,
         host_first_rows=list(query_starts),
-        node_rows=torch.cat(node_rows),
-        node_offsets=torch.cat(node_offsets),
+        node_rows=n_rows,
+        node_offsets=n_offsets,
         attention=attention,
     )

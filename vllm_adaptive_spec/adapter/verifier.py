@@ -34,6 +34,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
 from vllm_adaptive_spec.adapter import step as tree_step
+from vllm_adaptive_spec.adapter.transfer import to_device
 from vllm_adaptive_spec.verify import PAD, Acceptance, accept, sample_with_noise
 
 
@@ -88,24 +89,21 @@ def tree_row_targets(
 
     if sampling_metadata.all_greedy and sampling_metadata.allowed_token_ids_mask is None:
         every_row = Sampler.greedy_sample(logits.to(torch.float32))  # vLLM's CPU argmax takes float32 only
-        return every_row[torch.tensor(rows_of(range(len(requests))), device=device)]
+        return every_row[to_device(rows_of(range(len(requests))), torch.long, device)]
     pieces = []
     for chunk in row_chunks(counts, max_rows):
-        owners = [requests[k] for k in chunk]
-        request_of_row = torch.tensor([requests[k] for k in chunk for _ in range(counts[k])], device=device)
-        rows = torch.tensor(rows_of(chunk), device=device)
-        pieces.append(row_target_tokens(logits[rows], request_of_row, sampling_metadata, set(owners)))
+        owners = [requests[k] for k in chunk for _ in range(counts[k])]
+        rows = to_device(rows_of(chunk), torch.long, device)
+        pieces.append(row_target_tokens(logits[rows], owners, sampling_metadata))
     return torch.cat(pieces)
 
 
-def row_target_tokens(
-    logits: torch.Tensor, request_of_row: torch.Tensor, sampling_metadata, present: set[int] | None = None
-) -> torch.Tensor:
-    """One target token per logits row ``[R, V]`` (``request_of_row`` [R]: the
-    row's request in the batch; ``present``: those requests, when known, so
-    the seeded ones are found without a look at the device): vLLM's greedy
-    argmax of the row for greedy requests, a sample from the processed
-    distribution otherwise."""
+def row_target_tokens(logits: torch.Tensor, owners: list[int], sampling_metadata) -> torch.Tensor:
+    """One target token per logits row ``[R, V]`` (``owners``: each row's
+    request in the batch, on the host, so that a seeded request's rows are
+    found without a look at the device): vLLM's greedy argmax of the row for
+    greedy requests, a sample from the processed distribution otherwise."""
+    request_of_row = to_device(owners, torch.long, logits.device)
     mask = sampling_metadata.allowed_token_ids_mask
     processed = logits.to(torch.float32, copy=True)
     if mask is not None:
@@ -125,11 +123,10 @@ def row_target_tokens(
     probs = processed.softmax(dim=-1, dtype=torch.float32)
     noise = torch.empty_like(probs).exponential_()
     for request, generator in sampling_metadata.generators.items():
-        if present is not None and request not in present:
-            continue
-        rows = (request_of_row == request).nonzero().squeeze(1)
-        if rows.numel():
-            noise[rows] = torch.empty(rows.numel(), probs.shape[1], device=probs.device).exponential_(
+        rows = [row for row, owner in enumerate(owners) if owner == request]
+        if rows:
+            # A request's rows are consecutive (``row_chunks`` never splits one).
+            noise[rows[0]: rows[-1] + 1] = torch.empty(len(rows), probs.shape[1], device=probs.device).exponential_(
                 generator=generator
             )
     sampled = sample_with_noise(probs, noise)
@@ -160,6 +157,15 @@ def specific_token_logprobs(sampler, values: torch.Tensor, tokens: torch.Tensor,
                            gathered.selected_token_ranks)
 
 
+def first_rows(metadata) -> torch.Tensor:
+    """Each request's first logits row, on the device without a host list:
+    request ``i`` owns ``1 + drafts`` rows, so it starts at the drafts of the
+    requests before it plus ``i`` (vLLM's ``cu_num_draft_tokens``, already there)."""
+    cu_drafts = metadata.cu_num_draft_tokens.to(torch.long)
+    before = torch.nn.functional.pad(cu_drafts[:-1], (1, 0))
+    return before + torch.arange(cu_drafts.shape[0], device=cu_drafts.device)
+
+
 class TreeVerifier(torch.nn.Module):
     """``on_accept(step, acceptance)`` runs right after acceptance (KV
     compaction and statistics), in the same engine step."""
@@ -172,11 +178,8 @@ class TreeVerifier(torch.nn.Module):
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
         device = logits.device
-        num_drafts = torch.tensor(metadata.num_draft_tokens, dtype=torch.long, device=device)
-        rows_per_request = num_drafts + 1
-        cu_rows = torch.cumsum(rows_per_request, 0)
-        starts = cu_rows - rows_per_request
-        batch, width = num_drafts.shape[0], int(num_drafts.max()) + 1
+        batch, width = len(metadata.num_draft_tokens), max(metadata.num_draft_tokens) + 1
+        starts = first_rows(metadata)
 
         step = tree_step.current()
         padded = self._padded(metadata, step)
@@ -197,7 +200,7 @@ class TreeVerifier(torch.nn.Module):
             host_counts = [metadata.num_draft_tokens[i] + 1 for i in step.host_batch_indices]
             host_starts = list(itertools.accumulate((n + 1 for n in metadata.num_draft_tokens), initial=0))
             targets = tree_row_targets(logits, host_starts, step.host_batch_indices, host_counts, sampling_metadata)
-            counts = rows_per_request[indices]
+            counts = tree_batch.num_nodes + 1  # the scheduled drafts are each tree's nodes
             first = torch.cumsum(counts, 0) - counts
             # [trees, width + 1] for acceptance; a tree's padding repeats its last row's target.
             offsets = torch.arange(tree_batch.width + 1, device=device)
@@ -230,7 +233,7 @@ class TreeVerifier(torch.nn.Module):
         if not padded:
             return metadata.bonus_logits_indices
         rows = metadata.bonus_logits_indices.clone()
-        index = torch.tensor(padded, dtype=torch.long, device=rows.device)
+        index = to_device(padded, torch.long, rows.device)
         rows[index] = starts[index].to(rows.dtype)
         return rows
 

@@ -69,13 +69,18 @@ def _readable_file(path: str) -> bool:
     return path == "" or (os.path.isfile(path) and os.access(path, os.R_OK))
 
 
-def _extends(context: list[int], tokens: list[int], checked: int = 16) -> bool:
-    """Whether ``context`` continues ``tokens``, judged by their last
-    ``checked`` tokens: a request's context only grows (vLLM reports
-    preemption, and the index is then forgotten), so this catches a reused
-    request id without comparing the whole context every step."""
+def _extends(context, tokens: list[int], checked: int = 16) -> bool:
+    """Whether ``context`` (a list or a 1-D array) continues ``tokens``,
+    judged by their last ``checked`` tokens: a request's context only grows
+    (vLLM reports preemption, and the index is then forgotten), so this
+    catches a reused request id without comparing the whole context every
+    step."""
     n = len(tokens)
-    return n <= len(context) and context[max(n - checked, 0):n] == tokens[max(n - checked, 0):]
+    return n <= len(context) and _as_list(context[max(n - checked, 0):n]) == tokens[max(n - checked, 0):]
+
+
+def _as_list(tokens) -> list[int]:
+    return tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
 
 
 class _Trie:
@@ -200,12 +205,12 @@ class RetrievalDrafter:
         starts; otherwise it starts at the first context seen."""
         self._tries = []
         for b, (request_id, context) in enumerate(zip(request_ids, contexts)):
-            context = context.tolist() if hasattr(context, "tolist") else list(context)
             index = self._indexes.get(request_id)
             if index is None or not _extends(context, index.tokens):
                 index = self._indexes[request_id] = SuffixIndex(self.l_max)
                 self._prompt_lens[request_id] = len(context) if prompt_lens is None else int(prompt_lens[b])
-            index.extend(context[len(index.tokens):])
+            # Only the tokens new since the last step leave the array (not the whole context).
+            index.extend(_as_list(context[len(index.tokens):]))
             self._tries.append(self._build_trie(index))
 
     def _matches(self, index: SuffixIndex) -> tuple[int, list[list[int]]]:
