@@ -20,6 +20,7 @@ from vllm_adaptive_spec.adapter.cudagraphs import (
     TreeCudagraphDispatcher,
     is_plain_decode_key,
     plain_decode_keys,
+    plugin_batch_sizes,
 )
 
 SPEC_TOKENS = 16  # vLLM's uniform decode batches: 17 rows a request
@@ -27,25 +28,64 @@ SIZES = [17, 34, 51, 68]  # vLLM rounds capture sizes to multiples of 17 under s
 MAX_SEQS = 64
 
 
-def dispatcher(mode=Mode.FULL_AND_PIECEWISE, lora=None) -> TreeCudagraphDispatcher:
+def dispatcher(mode=Mode.FULL_AND_PIECEWISE, lora=None, sizes=SIZES, spec_tokens=SPEC_TOKENS,
+               max_seqs=MAX_SEQS) -> TreeCudagraphDispatcher:
     compilation = SimpleNamespace(
-        cudagraph_mode=mode, cudagraph_capture_sizes=list(SIZES), max_cudagraph_capture_size=SIZES[-1],
+        cudagraph_mode=mode, cudagraph_capture_sizes=list(sizes), max_cudagraph_capture_size=sizes[-1],
         compile_sizes=[], splitting_ops=[], mode=None, is_attention_compiled_piecewise=lambda: True,
         cudagraph_specialize_lora=False,
     )
-    config = SimpleNamespace(compilation_config=compilation, num_speculative_tokens=SPEC_TOKENS, lora_config=lora,
-                             scheduler_config=SimpleNamespace(max_num_seqs=MAX_SEQS))
+    config = SimpleNamespace(compilation_config=compilation, num_speculative_tokens=spec_tokens, lora_config=lora,
+                             scheduler_config=SimpleNamespace(max_num_seqs=max_seqs))
     result = TreeCudagraphDispatcher(config)
-    result.initialize_cudagraph_keys(mode, 1 + SPEC_TOKENS)
+    result.initialize_cudagraph_keys(mode, 1 + spec_tokens)
     return result
 
 
 def test_draft_free_decode_batches_get_full_graph_keys_beside_vllms():
     keys = dispatcher().cudagraph_keys[Mode.FULL]
-    plain = {BatchDescriptor(num_tokens=n, num_reqs=n, uniform=True) for n in (17, 34, 51)}  # 68 > max_num_seqs
+    plain = {BatchDescriptor(num_tokens=n, num_reqs=n, uniform=True) for n in (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)}
     speculative = {BatchDescriptor(num_tokens=n, num_reqs=n // 17, uniform=True) for n in SIZES}
     assert keys == plain | speculative
     assert all(is_plain_decode_key(key) for key in plain) and not any(is_plain_decode_key(k) for k in speculative)
+
+
+def vllm_capture_sizes(max_num_seqs: int, spec_tokens: int) -> list[int]:
+    """vLLM 0.32's default capture sizes under speculation: its candidate
+    list up to ``min(2 * max_num_seqs * (1 + K), 512)``, rounded by vLLM's own
+    ``adjust_cudagraph_sizes_for_spec_decode``."""
+    from vllm.config import CompilationConfig
+
+    largest = min(2 * max_num_seqs * (1 + spec_tokens), 512)
+    config = CompilationConfig()
+    config.cudagraph_capture_sizes = [s for s in [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)] if s <= largest]
+    config.max_cudagraph_capture_size = largest
+    config.adjust_cudagraph_sizes_for_spec_decode(1 + spec_tokens)
+    return config.cudagraph_capture_sizes
+
+
+@pytest.mark.parametrize("max_seqs", [1, 8, 64, 256])
+@pytest.mark.parametrize("config, spec_tokens", [("retrieval N=16", 16), ("eagle2 top-k 10 depth 8", 70),
+                                                 ("talon N=32", 32)])
+def test_every_draft_free_step_replays_a_full_graph(max_seqs, config, spec_tokens):
+    """Issue 52: every batch size a draft-free step can have finds a FULL
+    key, whatever vLLM rounded its capture sizes to (with vLLM's sizes
+    filtered to ``max_num_seqs``, batch 8 at K = 16 and every batch at K = 70
+    had none)."""
+    sizes = vllm_capture_sizes(max_seqs, spec_tokens)
+    d = dispatcher(sizes=sizes, spec_tokens=spec_tokens, max_seqs=max_seqs)
+    d.uniform_decode_query_len = 1  # as the runner sets it for a draft-free step
+    for batch in range(1, max_seqs + 1):
+        mode, key = d.dispatch(batch, uniform_decode=True)
+        assert mode == Mode.FULL and key.num_reqs == key.num_tokens >= batch, (config, batch, key)
+        assert key.num_reqs <= max_seqs and key.num_tokens <= sizes[-1]
+
+
+def test_plugin_batch_sizes_follow_vllms_pattern_up_to_the_limit():
+    assert plugin_batch_sizes(1, 512) == [1]
+    assert plugin_batch_sizes(10, 512) == [1, 2, 4, 8, 10]
+    assert plugin_batch_sizes(300, 512)[-4:] == [256, 272, 288, 300]
+    assert plugin_batch_sizes(64, 40) == [1, 2, 4, 8, 16, 24, 32, 40]
 
 
 @pytest.mark.parametrize("mode, spec_len, lora", [
@@ -55,16 +95,17 @@ def test_draft_free_decode_batches_get_full_graph_keys_beside_vllms():
     (Mode.FULL_AND_PIECEWISE, 17, True),  # LoRA: vLLM keys graphs per adapter count
 ])
 def test_no_extra_keys_where_vllm_captures_no_separate_decode_graphs(mode, spec_len, lora):
-    assert plain_decode_keys(mode, spec_len, SIZES, MAX_SEQS, lora) == []
+    assert plain_decode_keys(mode, spec_len, SIZES[-1], MAX_SEQS, lora) == []
 
 
 def test_a_draft_free_step_replays_a_full_graph_and_a_tree_step_does_not():
     d = dispatcher()
     # vLLM's view of a step of 8 requests one row each: not its uniform decode shape.
     assert d.dispatch(8, uniform_decode=False) == (Mode.PIECEWISE, BatchDescriptor(num_tokens=17))
-    # The runner's view (one row a request): the FULL graph of 17 one-row requests, 9 of them padding.
+    # The runner's view (one row a request): the FULL graph of 8 one-row requests; 7 pad to 8.
     d.uniform_decode_query_len = 1
-    assert d.dispatch(8, uniform_decode=True) == (Mode.FULL, BatchDescriptor(num_tokens=17, num_reqs=17, uniform=True))
+    assert d.dispatch(8, uniform_decode=True) == (Mode.FULL, BatchDescriptor(num_tokens=8, num_reqs=8, uniform=True))
+    assert d.dispatch(7, uniform_decode=True) == (Mode.FULL, BatchDescriptor(num_tokens=8, num_reqs=8, uniform=True))
     d.uniform_decode_query_len = 17
     # A chain step of 2 requests x 17 rows keeps vLLM's own FULL graph.
     assert d.dispatch(34, uniform_decode=True) == (Mode.FULL, BatchDescriptor(num_tokens=34, num_reqs=2, uniform=True))

@@ -59,6 +59,7 @@ PLATFORM_HOOKS: dict[str, tuple[str, ...]] = {
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner._determine_batch_execution_and_padding",
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner._warmup_and_capture",
         "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.initialize_cudagraph_keys",
+        "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher._create_padded_batch_descriptor",
         "vllm.forward_context:BatchDescriptor",
     ),
 }

@@ -18,8 +18,9 @@ On an H200 at batch 8 that step took 15.4 ms against 3.5 ms for the same
 step without speculation. Decision: capture FULL graphs for one-row-a-request
 decode batches too (keys ``num_tokens == num_reqs``, ``uniform``; they never
 collide with vLLM's, whose ``num_reqs`` is ``num_tokens / (1 +
-num_speculative_tokens)``) and dispatch draft-free decode steps to them, so
-such a step is vLLM's own step without speculation.
+num_speculative_tokens)``) for every batch size up to ``max_num_seqs``
+(:func:`plugin_batch_sizes`) and dispatch draft-free decode steps to them,
+so such a step is vLLM's own step without speculation.
 """
 
 from __future__ import annotations
@@ -50,14 +51,28 @@ def graph_modes(valid_modes, invalid_modes, branching: bool):
     return valid_modes, invalid
 
 
-def plain_decode_keys(cudagraph_mode: CUDAGraphMode, uniform_decode_query_len: int, capture_sizes,
+def plugin_batch_sizes(max_num_seqs: int, max_tokens: int) -> list[int]:
+    """The batch sizes the plugin captures its draft-free FULL graphs for, in
+    vLLM's default pattern without speculation (1, 2, 4, every 8 to 256,
+    every 16 beyond) up to ``max_num_seqs`` and ``max_tokens`` (vLLM's
+    largest capture size, beyond which it dispatches no graph), that limit
+    itself included. Decision: the plugin's own list, since vLLM's sizes are
+    rounded to multiples of ``1 + num_speculative_tokens`` under speculation
+    (with 16 drafts and ``max_num_seqs`` 8 not one of them would be a batch
+    size)."""
+    limit = min(max_num_seqs, max_tokens)
+    pattern = [1, 2, 4, *range(8, 256, 8), *range(256, limit + 1, 16)]
+    return sorted({size for size in pattern if size < limit} | {limit}) if limit >= 1 else []
+
+
+def plain_decode_keys(cudagraph_mode: CUDAGraphMode, uniform_decode_query_len: int, max_tokens: int,
                       max_num_seqs: int, has_lora_config: bool) -> list[BatchDescriptor]:
     """The FULL-graph keys of draft-free decode batches (one row a request)
-    to capture beside vLLM's: one per capture size up to ``max_num_seqs``,
-    where vLLM captures FULL decode graphs for speculative steps (a FULL
-    decode mode of its own routine) and a step of one row a request is not
-    one of them (``uniform_decode_query_len`` > 1). None with LoRA, whose
-    graphs vLLM keys per adapter count."""
+    to capture beside vLLM's: one per :func:`plugin_batch_sizes`, where vLLM
+    captures FULL decode graphs for speculative steps (a FULL decode mode of
+    its own routine) and a step of one row a request is not one of them
+    (``uniform_decode_query_len`` > 1). None with LoRA, whose graphs vLLM
+    keys per adapter count."""
     if (
         cudagraph_mode.decode_mode() != CUDAGraphMode.FULL
         or not cudagraph_mode.separate_routine()
@@ -66,7 +81,7 @@ def plain_decode_keys(cudagraph_mode: CUDAGraphMode, uniform_decode_query_len: i
     ):
         return []
     return [BatchDescriptor(num_tokens=size, num_reqs=size, uniform=True)
-            for size in capture_sizes or () if size <= max_num_seqs]
+            for size in plugin_batch_sizes(max_num_seqs, max_tokens or 0)]
 
 
 def is_plain_decode_key(desc: BatchDescriptor) -> bool:
@@ -81,13 +96,29 @@ def plain_decode_step(max_query_len: int, num_tokens: int, num_reqs: int) -> boo
 
 
 class TreeCudagraphDispatcher(CudagraphDispatcher):
+    """vLLM's dispatcher with the draft-free keys; a draft-free step (the
+    runner sets ``uniform_decode_query_len`` to 1 for it) is padded to the
+    next of the plugin's batch sizes, not to vLLM's rounded capture sizes."""
+
+    plain_sizes: tuple[int, ...] = ()
+
     def initialize_cudagraph_keys(self, cudagraph_mode, uniform_decode_query_len=1):
         super().initialize_cudagraph_keys(cudagraph_mode, uniform_decode_query_len)
-        for key in plain_decode_keys(cudagraph_mode, uniform_decode_query_len,
-                                     self.compilation_config.cudagraph_capture_sizes,
-                                     self.vllm_config.scheduler_config.max_num_seqs,
-                                     self.vllm_config.lora_config is not None):
+        keys = plain_decode_keys(cudagraph_mode, uniform_decode_query_len,
+                                 self.compilation_config.max_cudagraph_capture_size,
+                                 self.vllm_config.scheduler_config.max_num_seqs,
+                                 self.vllm_config.lora_config is not None)
+        for key in keys:
             self.add_cudagraph_key(CUDAGraphMode.FULL, key)
+        self.plain_sizes = tuple(key.num_reqs for key in keys)
+
+    def _create_padded_batch_descriptor(self, num_tokens, uniform_decode, has_lora, num_active_loras=0):
+        if uniform_decode and self.uniform_decode_query_len == 1 and self.plain_sizes:
+            size = next((size for size in self.plain_sizes if size >= num_tokens), None)
+            if size is not None:
+                return BatchDescriptor(num_tokens=size, num_reqs=size, uniform=True, has_lora=has_lora,
+                                       num_active_loras=num_active_loras)
+        return super()._create_padded_batch_descriptor(num_tokens, uniform_decode, has_lora, num_active_loras)
 
     def dispatch(self, num_tokens, uniform_decode=False, has_lora=False, num_active_loras=0,
                  valid_modes=None, invalid_modes=None):
