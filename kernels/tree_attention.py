@@ -176,11 +176,15 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         SPLIT: tl.constexpr,
         HAS_WINDOW: tl.constexpr,
+        DEVICE_SPLITS: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
         """One program: ``BLOCK_M`` (query row, query head) pairs of one request
-        and one KV group, over one slice of the request's keys."""
+        and one KV group, over one slice of the request's keys. With
+        ``DEVICE_SPLITS`` the slices cut each request's own keys in equal
+        whole tiles (``keys_per_split`` is ignored), so the grid does not
+        depend on any length the host would have to read."""
         m_tile = tl.program_id(0)
         request = tl.program_id(1) // num_kv_heads
         kv_head = tl.program_id(1) % num_kv_heads
@@ -190,6 +194,8 @@ if triton is not None:
         if m_tile * BLOCK_M >= q_len * GROUP:
             return
         seq_len = tl.load(seq_lens_ptr + request)
+        if DEVICE_SPLITS:
+            keys_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), tl.num_programs(2)) * BLOCK_N
         if HAS_WINDOW:
             context = seq_len - tl.load(window_lens_ptr + request)
         else:
@@ -293,7 +299,8 @@ if triton is not None:
         offs_d = tl.arange(0, BLOCK_D)
         s_mask = offs_s < num_splits
         lse = tl.load(lse_ptr + offs_s * stride_ls + row * stride_lt + head, mask=s_mask, other=float("-inf"))
-        weight = tl.exp2(lse - tl.max(lse, axis=0))
+        # An empty slice (past a short request's keys) has lse -inf and weight 0.
+        weight = tl.where(lse > float("-inf"), tl.exp2(lse - tl.max(lse, axis=0)), 0.0)
         part = tl.load(
             part_ptr + offs_s[:, None] * stride_ps + row * stride_pt + head * stride_ph + offs_d[None, :],
             mask=s_mask[:, None] & (offs_d < head_dim)[None, :],
@@ -321,7 +328,7 @@ def _split_plan(max_seq_len: int, programs: int, block_n: int, device: torch.dev
 
 def _launch_choice(packed: int) -> dict:
     """Tiles, warps and pipeline depth by the packed query rows, from the
-    H100 sweep of ``benchmarks/kernels.py --tune``: query tiles of 128 need
+    H100 sweep of ``benchmarks/kernel_bench.py --tune``: query tiles of 128 need
     8 warps and key tiles of 128 (4 warps spill and run 2.6 times slower)."""
     if packed >= 128:
         return dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
@@ -342,6 +349,7 @@ def tree_attention_triton(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    splits_on_device: bool = False,
     **launch: int,
 ) -> torch.Tensor:
     """Launch the kernel on a (query tiles, requests x KV heads, slices) grid,
@@ -352,6 +360,11 @@ def tree_attention_triton(
     ``launch`` (``block_m``: packed (row, head) pairs per program, ``block_n``:
     the key tile, ``num_warps``, ``num_stages``) override the heuristic, for
     the tests and the benchmark's sweep.
+
+    ``splits_on_device``: the launch a CUDA graph can replay (issue 52): the
+    grid is fixed by ``max_query_len`` (the step's rows a request),
+    ``num_splits`` and the batch; each request's slices are cut in the kernel
+    from its own length; ``max_seq_len`` is neither read nor needed.
     """
     num_rows, num_heads, head_dim = query.shape
     out = torch.empty((num_rows, num_heads, head_dim), dtype=query.dtype, device=query.device)
@@ -361,13 +374,17 @@ def tree_attention_triton(
     group = num_heads // num_kv_heads
     if max_query_len is None:
         max_query_len = int(query_start_loc.diff().max())
-    if max_seq_len is None:
+    if splits_on_device and (num_splits is None or max_seq_len is not None):
+        raise ValueError("splits_on_device takes num_splits and no max_seq_len")
+    if max_seq_len is None and not splits_on_device:
         max_seq_len = int(seq_lens.max())
     packed = max_query_len * group
     launch = _launch_choice(packed) | launch
     block_m, block_n = launch["block_m"], launch["block_n"]
     m_tiles = -(-packed // block_m)
-    if num_splits is None:
+    if splits_on_device:
+        keys_per_split = 0  # cut per request in the kernel
+    elif num_splits is None:
         num_splits, keys_per_split = _split_plan(max_seq_len, m_tiles * num_requests * num_kv_heads, block_n, query.device)
     else:
         keys_per_split = -(-max_seq_len // (num_splits * block_n)) * block_n
@@ -410,6 +427,7 @@ def tree_attention_triton(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         SPLIT=num_splits > 1,
         HAS_WINDOW=window_lens is not None,
+        DEVICE_SPLITS=splits_on_device,
         PRECISION="ieee" if query.dtype == torch.float32 or upcast else "tf32",
         UPCAST=upcast,
         num_warps=launch["num_warps"],

@@ -237,3 +237,27 @@ def test_window_wider_than_query(impl):
                    query_start_loc=torch.tensor([0, *newest], device=DEVICE).cumsum(0).int(),
                    window_lens=full["query_start_loc"].diff())
     torch.testing.assert_close(impl(**partial), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_graph_safe_launch_cuts_each_requests_keys_on_the_device(dtype, num_splits):
+    """The launch a CUDA graph replays (issue 52): a grid fixed by the rows a
+    request and the slice count, each request's slices cut in the kernel from
+    its own length; more slices than a short request has tiles leave empty
+    slices, which the merge weighs 0. A padding request (no rows, no keys)
+    changes nothing."""
+    case = make_case(LONG + [(2, "tree:3")], num_heads=8, num_kv_heads=2, head_dim=64, block_size=32, dtype=dtype,
+                     seed=7)
+    expected = tree_attention_reference(**case)
+    padded = dict(case, query_start_loc=torch.cat([case["query_start_loc"], case["query_start_loc"][-1:]]),
+                  seq_lens=torch.cat([case["seq_lens"], case["seq_lens"].new_zeros(1)]),
+                  block_table=torch.cat([case["block_table"], case["block_table"][-1:]]))
+    out = tree_attention_triton(**padded, max_query_len=20, num_splits=num_splits, splits_on_device=True, block_n=16)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+def test_graph_safe_launch_needs_a_fixed_slice_count():
+    case = make_case(RAGGED)
+    with pytest.raises(ValueError, match="num_splits"):
+        tree_attention_triton(**case, max_query_len=13, splits_on_device=True)
