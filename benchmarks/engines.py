@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-if sys.path[0] != str(REPO):  # before benchmarks/, whose kernels.py would shadow the kernels package
+if sys.path[0] != str(REPO):  # the repository first: its packages, not an installed copy
     sys.path.insert(0, str(REPO))
 
 HEAD = REPO / "heads" / "smollm2-135m-eagle3"
@@ -293,7 +293,28 @@ def open_engine(job: dict, max_num_seqs: int | None = None, **llm_kwargs):
 
     kwargs = engine_kwargs(job["model"], job["dtype"], job["max_model_len"], max_num_seqs or job["max_num_seqs"],
                            job.get("speculative_config"), block_size=job.get("block_size"))
+    if job.get("runner") == V1_SYNC:
+        return _open_v1_sync(LLM, {**kwargs, **llm_kwargs})
     return LLM(**kwargs, **llm_kwargs)
+
+
+V1_SYNC = "v1-sync"
+"""A job's ``runner`` for vLLM on its V1 model runner with synchronous
+scheduling: what the plugin runs on (``adapter/config_hook.py``), so that a
+``none`` baseline there is like for like with the plugin on a GPU, where
+vLLM's default is the V2 runner with asynchronous scheduling (issue 52)."""
+
+
+def _open_v1_sync(llm_class, kwargs: dict):
+    previous = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    try:
+        return llm_class(**kwargs, async_scheduling=False)
+    finally:
+        if previous is None:
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = previous
 
 
 def is_tree_method(job: dict) -> bool:

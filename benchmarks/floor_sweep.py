@@ -70,8 +70,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-# step_profile first: it puts benchmarks/ first on sys.path, then imports engines, which puts the
-# repository before it (benchmarks/kernels.py would otherwise shadow the kernels package).
 import step_profile  # noqa: E402, I001
 import engines  # noqa: E402
 from engines import REPO, fmt  # noqa: E402

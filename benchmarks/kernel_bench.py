@@ -34,7 +34,7 @@ otherwise); writes ``kernels.json`` and ``kernels.md`` in ``--out``.
 
 Reproduce on a GPU machine (only torch and triton needed, no vLLM)::
 
-    python3 benchmarks/kernels.py --out /tmp/kernels
+    python3 benchmarks/kernel_bench.py --out /tmp/kernels
 """
 
 from __future__ import annotations
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="first sweep the kernel's launch choices on these shapes, e.g. 32x4096x64")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args(argv)
-    require_cuda("benchmarks/kernels.py")
+    require_cuda("benchmarks/kernel_bench.py")
 
     def ints(text):
         return [int(x) for x in text.split(",")]

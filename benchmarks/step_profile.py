@@ -30,7 +30,8 @@ engine step (self time: a phase's time without the phases inside it):
 * ``graphs``: how many forwards replayed a FULL CUDA graph, a PIECEWISE one,
   or none (always ``NONE`` on the CPU).
 
-Methods: ``none``, ``ngram`` (vLLM's, K=4), ``tree-N`` (adaptive_tree
+Methods: ``none``, ``none-v1-sync`` (no speculation on the plugin's runner
+and scheduling: vLLM's V1 runner, synchronous), ``ngram`` (vLLM's, K=4), ``tree-N`` (adaptive_tree
 retrieval, ``load_budget: fixed`` at N), ``tree-adaptive-N`` (the default load
 budget, at most N) and ``tree-0`` (adaptive_tree whose suffix can never match:
 the plugin's cost with no tree at all); ``eagle3-N`` / ``draft-lm-N``: the
@@ -78,7 +79,7 @@ def method_config(name: str) -> dict | None:
     policy (default ``eagle2``; e.g. ``eagle3-adaptive-32@talon``), with the settings the
     floor sweep gives it (``engines.MODEL_POLICIES``: ``@eagle2-D18`` is eagle2 at depth 18)."""
     name, _, policy = name.partition("@")
-    if name == "none":
+    if name in ("none", "none-v1-sync"):
         return None
     if name == "ngram":
         return dict(engines.NGRAM)
@@ -386,7 +387,8 @@ def main(argv: list[str] | None = None) -> None:
         jobs[name] = {"model": model, "dtype": args.dtype, "speculative_config": spec,
                       "batch_sizes": batch_sizes, "max_tokens": args.max_tokens, "min_prompts": args.min_prompts,
                       "max_model_len": engines.needed_model_len(model, conversations, args.max_tokens),
-                      "conversations": conversations, "engine_layout": args.engine_layout}
+                      "conversations": conversations, "engine_layout": args.engine_layout,
+                      "runner": engines.V1_SYNC if method == "none-v1-sync" else None}
     if args.engine_layout == "lockstep":
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         rows = lockstep(jobs, batch_sizes, args.passes)

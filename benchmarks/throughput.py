@@ -63,6 +63,7 @@ def _draft_lm(args) -> str:
 # name -> speculative_config (None: no speculation). One line per method.
 METHODS = {
     "none": lambda args: None,
+    "none-v1-sync": lambda args: None,  # on the plugin's runner and scheduling (RUNNERS)
     "ngram": lambda args: {
         "method": "ngram",
         "num_speculative_tokens": args.ngram_k,
@@ -88,6 +89,7 @@ METHODS = {
                             "suffix_decoding_max_tree_depth": SUFFIX_DEPTH},
 }
 SUFFIX_DEPTH = 24
+RUNNERS = {"none-v1-sync": engines.V1_SYNC}  # methods on another runner than vLLM's default
 BASELINE = "none"
 # The default run stays within 15 minutes on 2 CPU cores.
 DEFAULT_METHODS = ("none", "ngram", "tree-retrieval", "tree-retrieval-fixed")
@@ -307,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     }
 
     def job_for(method: str, sizes: list[int], max_num_seqs: int) -> dict:
-        return {**base_job, "speculative_config": configs[method], "batch_sizes": sizes,
+        return {**base_job, "speculative_config": configs[method], "runner": RUNNERS.get(method), "batch_sizes": sizes,
                 "num_prompts": [sizes_by_batch[b] for b in sizes], "max_num_seqs": max_num_seqs}
 
     # vLLM's suffix method imports arctic_inference.suffix_decoding, built here on demand.

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-# Appended, not prepended: benchmarks/kernels.py would shadow the kernels package.
+# The benchmark scripts import as top-level modules.
 sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import engines  # noqa: E402
 
