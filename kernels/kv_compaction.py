@@ -49,6 +49,27 @@ def compact_kv_reference(
                     cache[dst // block_size, dst % block_size] = cache[src // block_size, src % block_size]
 
 
+def compact_kv_torch(
+    key_caches: Sequence[torch.Tensor],
+    value_caches: Sequence[torch.Tensor],
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    park: int = 0,
+) -> None:
+    """Vectorised torch, the path off CUDA: per layer, every source gathered
+    then scattered (the in-order result, as above), with no read of the
+    slots on the host, so the operations do not depend on the moves. A ``-1``
+    pair copies slot ``park`` onto itself; the caller guarantees that no
+    pair moves to or from it (the engine passes vLLM's null block 0, which
+    no request owns), so those identical writes change nothing."""
+    live = (src_slots >= 0) & (src_slots != dst_slots)
+    src = torch.where(live, src_slots, park).flatten()
+    dst = torch.where(live, dst_slots, park).flatten()
+    for cache in (*key_caches, *value_caches):
+        block_size = cache.shape[1]
+        cache[dst // block_size, dst % block_size] = cache[src // block_size, src % block_size]
+
+
 if triton is not None:
 
     @triton.jit
@@ -171,9 +192,10 @@ def compact_kv(
 ) -> None:
     """In place, every layer: the Triton kernel on CUDA (one launch per group
     of layers that share a shape, dtype and strides, e.g. the target's and a
-    draft model's of another head size), the torch reference elsewhere."""
+    draft model's of another head size), :func:`compact_kv_torch` elsewhere
+    (no pair may touch slot 0: vLLM's null block)."""
     if not _on_gpu(key_caches[0]):
-        compact_kv_reference(key_caches, value_caches, src_slots, dst_slots)
+        compact_kv_torch(key_caches, value_caches, src_slots, dst_slots)
         return
     groups: dict[tuple, list[int]] = {}
     for layer, (key, value) in enumerate(zip(key_caches, value_caches)):

@@ -60,6 +60,7 @@ class EngineRun:
     paused_passes: int | None
     draft_free_verifies: int | None
     plugin_registered: bool
+    step_guard: dict | None
     log: str
 
     @property

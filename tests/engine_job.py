@@ -31,7 +31,9 @@ that drafted for fewer requests than the batch held), probe_trees (with k: the m
 trees a probe step drafted), paused_passes (with a pause_pattern and a model
 drafter: draft-model forwards run on paused steps), draft_free_verifies (with a
 pause_pattern: steps in which no request had drafts that still went through the tree verifier),
-plugin_registered (whether the plugin registered itself in the engine's process).
+plugin_registered (whether the plugin registered itself in the engine's process),
+step_guard (with step_guard: true, the plugin's value reads and operations per tree step, see
+``tests/step_guard.py``).
 
 Requests go through ``LLMEngine.add_request``/``step`` so a job can abort some
 of them mid-generation. Each job runs in a fresh process (a fresh
@@ -147,11 +149,18 @@ def limit_pass_rows(worker, rows: int) -> None:
                  lambda tokens, *args: sum(len(t) for t in tokens) > rows)
 
 
+def _step_guard_report(worker) -> dict:
+    import step_guard
+
+    return step_guard.report(worker)
+
+
 def main(job_path: str, out_path: str) -> None:
     with open(job_path, encoding="utf-8") as handle:
         job = json.load(handle)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if "pause_pattern" in job or job.get("record_roots") or "stash_bytes" in job or "max_pass_rows" in job:
+    if "pause_pattern" in job or job.get("record_roots") or "stash_bytes" in job or "max_pass_rows" in job \
+            or job.get("step_guard"):
         # collective_rpc pickles the function only with this set.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
@@ -186,6 +195,10 @@ def main(job_path: str, out_path: str) -> None:
         llm.collective_rpc(functools.partial(limit_stash, stash_bytes=job["stash_bytes"]))
     if "max_pass_rows" in job:
         llm.collective_rpc(functools.partial(limit_pass_rows, rows=job["max_pass_rows"]))
+    if job.get("step_guard"):
+        import step_guard
+
+        llm.collective_rpc(step_guard.install)
     engine = llm.llm_engine
     seeds = job.get("seeds") or [None] * len(prompts)
 
@@ -270,6 +283,7 @@ def main(job_path: str, out_path: str) -> None:
                 # the plugin's "registered" line is not in the log; ask the plugin.
                 "plugin_registered": getattr(sys.modules.get("vllm_adaptive_spec.plugin"), "_registered", False),
                 "roots": llm.collective_rpc(recorded_roots)[0] if job.get("record_roots") else None,
+                "step_guard": llm.collective_rpc(_step_guard_report)[0] if job.get("step_guard") else None,
                 **{key: llm.collective_rpc(functools.partial(counter, name=key))[0] if setting in job else None
                    for key, setting in (("stash_drops", "stash_bytes"), ("split_passes", "max_pass_rows"),
                                         ("probes", "pause_pattern"), ("probe_trees", "pause_pattern"),

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kernels.kv_compaction import compact_kv, compact_kv_reference, compact_kv_triton
+from kernels.kv_compaction import compact_kv, compact_kv_reference, compact_kv_torch, compact_kv_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -115,12 +115,28 @@ DST = torch.tensor([[1, 2, -1], [5, 6, -1], [-1, -1, -1]])
 EXPECTED = [0, 2, 3, 3, 4, 5, 7, 7]
 
 
-@pytest.mark.parametrize("impl", [compact_kv_reference, compact_kv_triton, compact_kv], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("impl", [compact_kv_reference, compact_kv_triton, compact_kv_torch, compact_kv],
+                         ids=lambda f: f.__name__)
 def test_hand_computed_overlap(impl):
     key, value = (c.to(DEVICE) for c in slot_id_caches())
     impl([key], [value], SRC.to(DEVICE), DST.to(DEVICE))
     assert slot_ids(key) == EXPECTED
     assert torch.equal(value, -key)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_torch_path_matches_reference_with_block_0_reserved(seed):
+    """The vectorised path (no host read) on random accepted paths, every slot
+    shifted past block 0 (vLLM's null block, where padding pairs park)."""
+    gen = torch.Generator().manual_seed(seed)
+    src, dst, num_blocks, _ = make_rows(gen, num_requests=6, tree_size=7, block_size=4)
+    src, dst = torch.where(src >= 0, src + 4, -1), torch.where(dst >= 0, dst + 4, -1)
+    originals = make_caches(gen, num_blocks + 1, 4, 2, 16, transposed=(True, False))
+    expected, actual = [c.clone() for c in originals], [c.clone() for c in originals]
+    compact_kv_reference(expected[:1], expected[1:], src, dst)
+    compact_kv_torch(actual[:1], actual[1:], src, dst)
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected))
+    assert not all(torch.equal(a, o) for a, o in zip(actual, originals))
 
 
 def test_out_of_order_copy_would_differ():

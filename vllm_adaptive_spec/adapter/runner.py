@@ -225,7 +225,8 @@ class TreeRunnerMixin:
     def _after_acceptance(self, step: tree_step.TreeStep, acceptance: Acceptance) -> None:
         """Move each accepted path's KV into consecutive slots after the root
         (on the device: moves that are not needed point at -1 and copy
-        nothing), and send the acceptance to the host without waiting for it."""
+        nothing; off CUDA they park on slot 0, vLLM's null block, which no
+        request owns), and send the acceptance to the host without waiting for it."""
         ends = step.query_start_loc[1:].to(torch.long)
         first_node = step.query_rows[ends - 1] - step.tree_batch.num_nodes + 1
         src_rows, dst_rows = path_moves(acceptance, first_node)

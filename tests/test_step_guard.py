@@ -1,0 +1,45 @@
+"""Issue 52 on the CPU engine: the device part of a tree step reads no value
+back to the host, and dispatches the same operations whatever the batch and
+the tree size (``tests/step_guard.py``: a guard counted at the dispatcher,
+installed in the real engine's worker)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from conftest import chat_token_ids, run_engine_job
+from vllm_adaptive_spec.prompts import load_prompts
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(demo_tokenizer):
+    return [chat_token_ids(demo_tokenizer, p.messages) for p in load_prompts()]
+
+
+def guarded_run(tmp_path, demo_model, prompt_ids, batch: int, nodes: int) -> dict:
+    tree = {"drafter": "retrieval", "policy": "retrieval", "load_budget": "fixed"}
+    run = run_engine_job(tmp_path, {
+        "model": demo_model, "prompt_token_ids": [prompt_ids[k % len(prompt_ids)] for k in range(batch)],
+        "max_tokens": MAX_TOKENS, "max_num_seqs": batch, "step_guard": True,
+        "speculative_config": {"method": "adaptive_tree", "num_speculative_tokens": nodes, "tree": tree},
+    })
+    return run.step_guard
+
+
+def signature(step: list) -> tuple:
+    return tuple(tuple(op) for op in step)
+
+
+def test_a_tree_step_reads_nothing_back_and_its_operations_do_not_grow(tmp_path, demo_model, prompt_ids):
+    small = guarded_run(tmp_path / "b8", demo_model, prompt_ids, batch=8, nodes=4)
+    large = guarded_run(tmp_path / "b64", demo_model, prompt_ids, batch=64, nodes=16)
+    for run in (small, large):
+        assert run["reads"] == []
+        assert len(run["tree_steps"]) >= 3
+    # Every tree step of both runs dispatched one and the same list of operations.
+    steps = Counter(signature(step) for run in (small, large) for step in run["tree_steps"])
+    assert len(steps) == 1, [sum(count for _, count in s) for s in steps]
