@@ -44,7 +44,7 @@ class StepGuard(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         caller = plugin_caller()
         if caller is not None:
-            self.ops[str(func)] += 1
+            self.ops[f"{func} at {caller.rsplit('/', 1)[-1]}"] += 1
             if any(read in str(func) for read in READS):
                 self.record["reads"].append(f"{func} at {caller}")
         return func(*args, **(kwargs or {}))

@@ -132,6 +132,21 @@ def test_greedy_tree_equals_no_speculation(batch_size, demo_model, prompts, prom
     assert last["trees"] >= 1 and last["nodes"] >= last["trees"] and last["tokens_committed"] >= last["trees"]
 
 
+def test_uniform_steps_keep_greedy_output(demo_model, prompts, prompt_ids, baseline, tmp_path):
+    """Width-bucketed uniform steps (``step_widths``; on with CUDA graphs,
+    forced on here): every decoding request of a drafting step gets the
+    step's width of drafts, its tree's nodes then -1; the padding rows are
+    laid out, verified and never accepted, and greedy output still equals
+    no speculation."""
+    spec = {**TREE, "tree": {**TREE["tree"], "uniform_steps": "on"}}
+    run = _run_and_compare(tmp_path, demo_model, prompts, prompt_ids, baseline, list(range(len(prompt_ids))), 8,
+                           spec, LOGPROBS)
+    assert run.tau > 1.3, f"tau {run.tau:.2f}"
+    # vLLM counts the padding slots as drafts; the plugin counts only nodes.
+    assert run.metrics["vllm:spec_decode_num_draft_tokens"] > run.tree_stats["nodes_verified"]
+    assert run.tree_stats["tokens_accepted"] == run.metrics["vllm:spec_decode_num_accepted_tokens"]
+
+
 def test_edge_cases_keep_greedy_output(demo_model, prompts, prompt_ids, baseline, tmp_path):
     """Chunked prefill beside tree decodes, the scheduler cutting drafts under
     a small token budget, preemption with recompute (a tiny KV cache), aborted

@@ -29,7 +29,8 @@ def test_layout_of_two_trees_after_a_prefill_chunk():
     # (request 1's nodes sit at depths 1, 1, 2 in rows 4-6; request 2's at 1, 2 in rows 8-9).
     assert step.node_rows.tolist() == [4, 5, 6, 8, 9]
     assert step.node_offsets.tolist() == [0, -1, -1, 0, 0]
-    assert (step.host_batch_indices, step.host_query_start_loc, step.host_first_rows) == ([1, 2], [0, 4, 7], [3, 7])
+    assert (step.host_batch_indices, step.host_first_rows, step.host_root_rows) == ([1, 2], [3, 7], [3, 7])
+    assert step.root_rows.tolist() == [3, 7]
     assert rows_repositioned(step, 10) == [0, 1, 2, 3, 4, 4, 5, 7, 8, 9]
     expected = torch.tensor(
         [
@@ -64,3 +65,16 @@ def test_a_branching_tree_is_not_causal():
     assert rows.batch_indices.tolist() == [1] and rows.query_rows.tolist() == [3, 4, 5]
     assert rows.query_start_loc.tolist() == [0, 3]
     assert rows.query_mask.int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 0, 1]]
+
+
+def test_padding_rows_of_a_uniform_step_see_up_to_the_root_and_no_row_sees_them():
+    """A uniform step of width 4 (``step_widths``): a tree of 3 nodes and a
+    chain of 1, each padded with -1 drafts to 4 (rows 4-8 and 9-13)."""
+    tree = DraftTree(tokens=[5, 6, 7], parents=[-1, -1, 0], q=[0.6, 0.4, 1.0])
+    step = build_step([0, 1], [tree, DraftTree.chain([8])], [4, 9], [5, 5], torch.device("cpu"), [1, 3])
+    assert step.host_root_rows == [4, 9] and step.root_rows.tolist() == [4, 9]
+    assert step.node_rows.tolist() == [5, 6, 7, 10]
+    mask = step.query_mask.int().tolist()
+    assert mask[:5] == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 0, 0, 0]]
+    assert mask[5:] == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [1, 0, 0, 0, 0], [1, 0, 0, 0, 0]]
+    assert step.attention.batch_indices.tolist() == [0]  # the padded chain stays causal-exact

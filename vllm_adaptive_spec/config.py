@@ -28,6 +28,11 @@ ENGINE_PARAMS = {
     "load_budget": Param(
         str, "adaptive", "one of 'adaptive', 'fixed'", lambda v: v in ("adaptive", "fixed")
     ),
+    # Width-bucketed uniform steps (``step_widths``): on with CUDA graphs, where a
+    # padded row costs almost nothing; off on the CPU, where every row costs.
+    "uniform_steps": Param(
+        str, "auto", "one of 'auto', 'on', 'off'", lambda v: v in ("auto", "on", "off")
+    ),
 }
 DRAFTERS_NEEDING_MODEL = frozenset({"eagle3", "draft_model", "hybrid"})
 
@@ -44,6 +49,7 @@ class TreeConfig:
     drafter_params: dict[str, Any] = field(default_factory=dict)
     policy_params: dict[str, Any] = field(default_factory=dict)
     load_budget: str = "adaptive"
+    uniform_steps: str = "auto"
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (it travels in ``VllmConfig.additional_config``)."""
@@ -54,6 +60,7 @@ class TreeConfig:
             "drafter_params": dict(self.drafter_params),
             "policy_params": dict(self.policy_params),
             "load_budget": self.load_budget,
+            "uniform_steps": self.uniform_steps,
         }
 
     @staticmethod
@@ -146,7 +153,8 @@ def parse_tree_config(spec: dict[str, Any]) -> TreeConfig:
                 f"({default!r} not found); train one with `vllm-adaptive-spec c2t-train`"
             )
         params[1]["classifier"] = default
-    config = TreeConfig(drafter, policy, budget, params[0], params[1], params[2]["load_budget"])
+    config = TreeConfig(drafter, policy, budget, params[0], params[1], params[2]["load_budget"],
+                        params[2]["uniform_steps"])
     try:
         config.make_drafter()
         config.make_policy()

@@ -18,6 +18,7 @@ import torch
 from vllm_adaptive_spec.adapter.config_hook import tree_config_of
 from vllm_adaptive_spec.budget import LoadBudget
 from vllm_adaptive_spec.growth import grow
+from vllm_adaptive_spec.step_widths import uniform_drafts
 from vllm_adaptive_spec.tree import DraftTree
 
 
@@ -111,6 +112,8 @@ class TreeProposer:
             if self.config.load_budget == "adaptive" else None
         )
         self.recorder = None  # called with each verified tree and its accepted nodes (c2t-collect)
+        # The widths of uniform steps (``step_widths``), when the runner turns them on.
+        self.widths: tuple[int, ...] | None = None
         # The clock reading the load budget acts on (the engine's runner makes
         # it rank 0's under tensor parallelism, see ``runner.rank0_reading``).
         self.agree: Callable[[float], float] = lambda seconds: seconds
@@ -282,4 +285,6 @@ class TreeProposer:
                 drafts[i] = tree.tokens
             else:
                 self.trees.pop(request_ids[i], None)
-        return drafts
+        if self.widths is None:
+            return drafts
+        return uniform_drafts(drafts, [bool(sampled) for sampled in sampled_token_ids], self.widths)

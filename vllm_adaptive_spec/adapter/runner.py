@@ -39,6 +39,7 @@ from vllm_adaptive_spec.adapter.pending import PendingAcceptance
 from vllm_adaptive_spec.adapter.sampling_controls import builtin_logits_processors
 from vllm_adaptive_spec.adapter.tree_impl import check_tree_backends
 from vllm_adaptive_spec.adapter.verifier import TreeVerifier
+from vllm_adaptive_spec.step_widths import drafted_nodes, step_widths
 from vllm_adaptive_spec.tree import DraftTree
 from vllm_adaptive_spec.verify import Acceptance, path_moves
 
@@ -54,6 +55,19 @@ def placeholder_drafts(drafts: list[int]) -> bool:
     them as a tree would take the request's token from its first row
     without vLLM's penalties, bad words or logits processors."""
     return drafts[0] < 0
+
+
+def uniform_steps(setting: str, vllm_config, device) -> bool:
+    """Whether drafting steps are width-bucketed and uniform (``step_widths``):
+    ``auto`` turns them on where CUDA graphs replay steps (a padded row costs
+    almost nothing there, and a uniform step has a graph's shape), off on the
+    CPU, where every row costs."""
+    if setting != "auto":
+        return setting == "on"
+    from vllm.config import CUDAGraphMode
+
+    mode = vllm_config.compilation_config.cudagraph_mode
+    return torch.device(device).type == "cuda" and mode is not None and mode != CUDAGraphMode.NONE
 
 
 def rank0_reading(seconds: float) -> float:
@@ -104,6 +118,8 @@ class TreeRunnerMixin:
             self._tree_proposer.drafter.bind(self._draft_backend, policy.fanout, policy.entropy_top_m)
         if vllm_config.parallel_config.tensor_parallel_size > 1:
             self._tree_proposer.agree = rank0_reading
+        if uniform_steps(self._tree_proposer.config.uniform_steps, vllm_config, device):
+            self._tree_proposer.widths = step_widths(self._tree_proposer.config.budget)
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -186,7 +202,7 @@ class TreeRunnerMixin:
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         if not scheduled:
             return None
-        batch_indices, trees, starts, lengths = [], [], [], []
+        batch_indices, trees, starts, lengths, paddings = [], [], [], [], []
         query_start = self.query_start_loc.np
         for req_id, drafts in scheduled.items():
             if not drafts:
@@ -196,14 +212,16 @@ class TreeRunnerMixin:
                 first = int(query_start[index])
                 self._accepted_rows[index] = list(range(first, first + int(num_scheduled_tokens[index]) - len(drafts)))
                 continue
+            nodes = drafted_nodes(drafts)  # the rest: a uniform step's padding (``step_widths``)
             stored = self.tree_proposer.trees.get(req_id)
-            tree = stored.prefix(len(drafts)) if stored is not None else None
-            if tree is None or tree.tokens != list(drafts):
-                tree = DraftTree.chain(list(drafts))
+            tree = stored.prefix(nodes) if stored is not None else None
+            if tree is None or tree.tokens != list(drafts[:nodes]):
+                tree = DraftTree.chain(list(drafts[:nodes]))
             batch_indices.append(index)
             trees.append(tree)
             starts.append(int(query_start[index]))
             lengths.append(int(num_scheduled_tokens[index]))
+            paddings.append(len(drafts) - nodes)
         if not trees:
             return None
         order = sorted(range(len(trees)), key=lambda k: batch_indices[k])
@@ -213,6 +231,7 @@ class TreeRunnerMixin:
             [starts[k] for k in order],
             [lengths[k] for k in order],
             self.device,
+            [paddings[k] for k in order],
         )
         self._set_depth_positions(step)
         return step
@@ -227,9 +246,7 @@ class TreeRunnerMixin:
         (on the device: moves that are not needed point at -1 and copy
         nothing; off CUDA they park on slot 0, vLLM's null block, which no
         request owns), and send the acceptance to the host without waiting for it."""
-        ends = step.query_start_loc[1:].to(torch.long)
-        first_node = step.query_rows[ends - 1] - step.tree_batch.num_nodes + 1
-        src_rows, dst_rows = path_moves(acceptance, first_node)
+        src_rows, dst_rows = path_moves(acceptance, step.root_rows + 1)
         live = src_rows >= 0
         slot_mapping = self.input_batch.block_table[0].slot_mapping.gpu
         src = torch.where(live, slot_mapping[src_rows.clamp(min=0)], -1).to(torch.int64)
@@ -257,10 +274,8 @@ class TreeRunnerMixin:
         """Each tree request's committed query rows in chain order: rows
         before the root, the root, then the accepted path's nodes (``paths``,
         ``counts``: the acceptance, on the host)."""
-        starts, ends = step.host_query_start_loc[:-1], step.host_query_start_loc[1:]
         for k, index in enumerate(step.host_batch_indices):
-            first = step.host_first_rows[k]
-            root = first + ends[k] - starts[k] - 1 - len(step.trees[k])
+            first, root = step.host_first_rows[k], step.host_root_rows[k]
             chain = list(range(first, root + 1))
             chain += [root + 1 + node for node in paths[k][: counts[k]]]
             self._accepted_rows[index] = chain

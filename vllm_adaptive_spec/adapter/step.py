@@ -63,11 +63,11 @@ class TreeStep:
     ``query_mask`` [Tt, W]: which of its request's query rows each row sees;
     ``ancestors`` [Bt, N, N]: the trees' ancestor-or-self masks.
     On the host, so that laying out the step and reading its acceptance need
-    nothing back from the device: ``host_batch_indices``,
-    ``host_query_start_loc`` and ``host_first_rows`` (each request's first
-    query row in the batch) as lists. ``node_rows`` / ``node_offsets``:
-    each node's query row and its depth position's offset from the row's
-    sequential one (``depth - 1 - node index``), on the device.
+    nothing back from the device: ``host_batch_indices``, ``host_first_rows``
+    (each request's first query row in the batch) and ``host_root_rows``
+    (each tree's root row) as lists. On the device: ``node_rows`` / ``node_offsets``, each node's query
+    row and its depth position's offset from the row's sequential one
+    (``depth - 1 - node index``), and ``root_rows``.
     """
 
     batch_indices: torch.Tensor
@@ -78,10 +78,11 @@ class TreeStep:
     query_start_loc: torch.Tensor
     query_mask: torch.Tensor
     host_batch_indices: list[int]
-    host_query_start_loc: list[int]
     host_first_rows: list[int]
+    host_root_rows: list[int]
     node_rows: torch.Tensor
     node_offsets: torch.Tensor
+    root_rows: torch.Tensor
     # The rows of requests whose tree branches; a chain's rows are exact
     # under vLLM's causal kernel (None: every tree is a chain).
     attention: AttentionRows | None = None
@@ -109,11 +110,14 @@ def build_step(
     query_starts: list[int],
     query_lens: list[int],
     device: torch.device,
+    paddings: list[int] | None = None,
 ) -> TreeStep:
-    """Lay out the trees of one step. A request's tree occupies the last
-    ``1 + n`` of its query rows (root, then nodes); earlier rows (if any) are
-    causal, and every tree row sees them all. Only the requests whose tree
-    branches need the tree path of the attention (:class:`AttentionRows`).
+    """Lay out the trees of one step. A request's tree occupies ``1 + n`` of
+    its query rows (root, then nodes), followed by its ``paddings`` rows (the
+    ``-1`` drafts of a uniform step, ``step_widths``), which see the rows up
+    to the root and which no row sees; earlier rows (if any) are causal, and
+    every tree row sees them all. Only the requests whose tree branches need
+    the tree path of the attention (:class:`AttentionRows`).
     Built on the host; everything the device needs arrives in one pinned,
     non-blocking copy (:func:`~vllm_adaptive_spec.adapter.transfer.packed_to_device`)."""
     host_batch = TreeBatch.from_trees(trees)
@@ -121,22 +125,26 @@ def build_step(
     row_masks = host_batch.row_mask(ancestors)
     depths = ancestors.sum(-1)
     width = max(query_lens)
-    masks, rows, starts, node_rows, node_offsets = [], [], [0], [], []
-    for b, (start, length, tree) in enumerate(zip(query_starts, query_lens, trees)):
-        offset = length - 1 - len(tree)
+    paddings = paddings or [0] * len(trees)
+    masks, rows, starts, node_rows, node_offsets, roots = [], [], [0], [], [], []
+    for b, (start, length, tree, pad) in enumerate(zip(query_starts, query_lens, trees, paddings)):
+        offset = length - 1 - len(tree) - pad
         mask = torch.ones(length, width, dtype=torch.bool).tril()
         size = 1 + len(tree)
-        mask[offset:, offset:offset + size] = row_masks[b, :size, :size]
+        mask[offset:offset + size, offset:offset + size] = row_masks[b, :size, :size]
+        mask[offset + size:, offset + 1:] = False
         masks.append(mask)
         rows.append(torch.arange(start, start + length))
         starts.append(starts[-1] + length)
-        node_rows.append(rows[-1][length - len(tree):])
+        roots.append(start + offset)
+        node_rows.append(rows[-1][offset + 1: offset + size])
         node_offsets.append(depths[b, : len(tree)] - torch.arange(1, len(tree) + 1))
     branching = [k for k, tree in enumerate(trees) if tree.branches()]
     lengths = [query_lens[k] for k in branching]
     host = [
         torch.tensor(batch_indices), host_batch.tokens, host_batch.parents, host_batch.num_nodes, ancestors,
         torch.cat(rows), torch.tensor(starts), torch.cat(masks), torch.cat(node_rows), torch.cat(node_offsets),
+        torch.tensor(roots),
     ]
     if branching:
         host += [
@@ -149,7 +157,7 @@ def build_step(
     indices, tokens, parents, num_nodes, ancestors_d, query_rows, query_start_loc, query_mask, n_rows, n_offsets = moved[:10]
     attention = None
     if branching:
-        b_indices, b_rows, b_starts, b_mask = moved[10:]
+        b_indices, b_rows, b_starts, b_mask = moved[11:]
         attention = AttentionRows(
             batch_indices=b_indices,
             query_rows=b_rows,
@@ -166,9 +174,10 @@ def build_step(
         query_start_loc=query_start_loc.to(torch.int32),
         query_mask=query_mask.bool(),
         host_batch_indices=list(batch_indices),
-        host_query_start_loc=starts,
         host_first_rows=list(query_starts),
+        host_root_rows=roots,
         node_rows=n_rows,
         node_offsets=n_offsets,
+        root_rows=moved[10],
         attention=attention,
     )

@@ -200,14 +200,17 @@ class TreeVerifier(torch.nn.Module):
             host_counts = [metadata.num_draft_tokens[i] + 1 for i in step.host_batch_indices]
             host_starts = list(itertools.accumulate((n + 1 for n in metadata.num_draft_tokens), initial=0))
             targets = tree_row_targets(logits, host_starts, step.host_batch_indices, host_counts, sampling_metadata)
-            counts = tree_batch.num_nodes + 1  # the scheduled drafts are each tree's nodes
-            first = torch.cumsum(counts, 0) - counts
-            # [trees, width + 1] for acceptance; a tree's padding repeats its last row's target.
+            first = to_device(list(itertools.accumulate(host_counts, initial=0))[:-1], torch.long, device)
+            # [trees, width + 1] for acceptance: root and nodes (a uniform step's padding rows
+            # follow them); a tree's empty slots repeat its last node's target.
             offsets = torch.arange(tree_batch.width + 1, device=device)
-            local = torch.minimum(offsets.unsqueeze(0), (counts - 1).unsqueeze(1))
+            local = torch.minimum(offsets.unsqueeze(0), tree_batch.num_nodes.unsqueeze(1))
             acceptance = accept(tree_batch, targets[first.unsqueeze(1) + local], step.ancestors)
-            # A step's widest drafts may be a placeholder request's, wider than every tree.
-            output[indices, : tree_batch.width + 1] = acceptance.output_tokens.to(torch.int32)
+            # A step's widest drafts may be a placeholder request's, wider than every tree;
+            # scattered, so that the same operations run whatever the step's shapes.
+            rows = output.index_select(0, indices).scatter_(
+                1, offsets.expand(indices.shape[0], -1), acceptance.output_tokens.to(torch.int32))
+            output.index_copy_(0, indices, rows)
             self.on_accept(step, acceptance)
         else:
             acceptance = None

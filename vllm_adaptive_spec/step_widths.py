@@ -1,0 +1,54 @@
+"""Width-bucketed uniform tree steps (issue 52, item 1).
+
+A CUDA graph replays one shape: a decode step of ``B`` requests with ``R``
+rows each. Trees of the sizes the load budget chooses are ragged, so a
+drafting step gives every decode request the same ``W`` draft slots, ``W``
+the smallest of a few widths that holds the step's largest tree; the slots a
+tree does not fill are ``-1``, which vLLM itself uses for drafts it does not
+verify (its scheduler pads a request's rejected grammar drafts with them, its
+runner clamps them before the embedding), and which the plugin's layout
+turns into padding rows that no row sees and none can accept. A request
+without a tree in such a step gets ``W`` placeholders (vLLM's sampler takes
+its token from its first row, as for vLLM's own placeholders). Adaptivity
+stays in which nodes fill the slots and which width a step uses.
+
+Decision: widths 2, 4, 8, 16 and the node budget ``N``: each halving of
+padding rows beyond 16 buys little on a GPU, where rows up to about 64 cost
+almost nothing (``../shared/gpu/README.md``), and five widths keep the
+captured graphs few.
+"""
+
+from __future__ import annotations
+
+PAD = -1
+WIDTHS = (2, 4, 8, 16)
+
+
+def step_widths(budget: int) -> tuple[int, ...]:
+    """The widths a step may use with a node budget of ``budget``."""
+    return tuple(sorted({width for width in WIDTHS if width < budget} | {budget}))
+
+
+def step_width(longest: int, widths: tuple[int, ...]) -> int:
+    """The smallest width that holds ``longest`` drafts (0: a draft-free step)."""
+    if longest == 0:
+        return 0
+    return next((width for width in widths if width >= longest), widths[-1])
+
+
+def uniform_drafts(drafts: list[list[int]], decoding: list[bool], widths: tuple[int, ...]) -> list[list[int]]:
+    """Each decoding request's drafts padded with ``-1`` to the step's width
+    (:func:`step_width` of the longest); requests not decoding (a partial
+    prompt, whose drafts vLLM ignores) keep none. A step without any draft
+    stays draft-free."""
+    width = step_width(max((len(d) for d in drafts), default=0), widths)
+    if width == 0:
+        return drafts
+    return [list(d) + [PAD] * (width - len(d)) if decode else [] for d, decode in zip(drafts, decoding)]
+
+
+def drafted_nodes(drafts: list[int]) -> int:
+    """How many of a request's scheduled drafts are tree nodes: those before
+    the first ``-1`` (the rest are padding; all of them are for vLLM's own
+    placeholders)."""
+    return next((k for k, token in enumerate(drafts) if token < 0), len(drafts))
