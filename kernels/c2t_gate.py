@@ -1,4 +1,4 @@
-"""C2T's layer selection for the whole batch, in one launch (ALGORITHMS.md
+"""C2T's layer selection for the whole batch, in one launch (docs/algorithms.md
 section 4, seed 002).
 
 Per request, over its layer of candidates (``[F, C]``: the top-``C``

@@ -4,7 +4,7 @@ From a draft pass's logits ``[R, V]`` (one row per frontier node), per row:
 the softmax normaliser, the top-``k`` tokens and their probabilities (ties:
 the lower token id first), the largest probability (the node's confidence,
 DynaTree) and the entropy ``-sum p log p`` over the top ``m`` probabilities
-(C2T's feature, ALGORITHMS.md section 4; natural log, not renormalised;
+(C2T's feature, docs/algorithms.md section 4; natural log, not renormalised;
 ``m = 0`` skips it). The dense probabilities are never written.
 
 The Triton kernel runs one program per row over tiles of the vocabulary. One

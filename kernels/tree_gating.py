@@ -3,7 +3,7 @@
 Per request, over its layer of candidates (``[F, C]``: the top-``C``
 children of each of its ``F`` frontier nodes, path probabilities ``p``):
 
-* ``talon`` (ALGORITHMS.md section 3): the root layer keeps the ``top_k``
+* ``talon`` (docs/algorithms.md section 3): the root layer keeps the ``top_k``
   best candidates; a deeper layer keeps every candidate among each node's
   first ``k_c`` whose ``p`` is at least ``mu`` times the layer's largest;
 * ``dynatree`` (section 6): a frontier node at depth ``d`` with path

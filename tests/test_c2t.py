@@ -1,4 +1,4 @@
-"""C2T (ALGORITHMS.md section 4): the policy grows the tree its definition
+"""C2T (docs/algorithms.md section 4): the policy grows the tree its definition
 describes (checked against a brute-force re-implementation on a fake model
 drafter), records each node's parent entropy, and its trees are valid and
 within budget; the classifier file is checked when the config is parsed."""

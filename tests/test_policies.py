@@ -1,5 +1,5 @@
 """The seeds' adaptive policies (TALON, DEAGLE, DynaTree) grow the trees their
-definitions (ALGORITHMS.md sections 3, 5, 6) describe, checked against
+definitions (docs/algorithms.md sections 3, 5, 6) describe, checked against
 brute-force re-implementations on a fake model drafter; every policy's trees
 are valid, within budget and scratch, and verified losslessly; DynaTree's
 per-request history is kept, used and forgotten."""

@@ -1,4 +1,4 @@
-"""The retrieval drafter (ALGORITHMS.md section 7), driven through grow()."""
+"""The retrieval drafter (docs/algorithms.md section 7), driven through grow()."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DraftTree and TreeBatch (ALGORITHMS.md section 0: breadth-first layout)."""
+"""DraftTree and TreeBatch (docs/algorithms.md section 0: breadth-first layout)."""
 
 from __future__ import annotations
 

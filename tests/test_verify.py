@@ -1,4 +1,4 @@
-"""Tree verification (ALGORITHMS.md section 1): the acceptance walk, and the
+"""Tree verification (docs/algorithms.md section 1): the acceptance walk, and the
 lossless sampling rule checked statistically."""
 
 from __future__ import annotations

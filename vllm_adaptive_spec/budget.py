@@ -1,5 +1,5 @@
 """The load budget: which drafted nodes are worth verifying this step
-(ALGORITHMS.md section 8, second version).
+(docs/algorithms.md section 8, second version).
 
 Verifying a node is nearly free at batch size 1 and costs real compute once
 the batch is large. Every step, after the trees are grown at the full budget

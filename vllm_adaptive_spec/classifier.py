@@ -1,4 +1,4 @@
-"""C2T's classifier (ALGORITHMS.md section 4, seed 002): ``Linear(3, 48) ->
+"""C2T's classifier (docs/algorithms.md section 4, seed 002): ``Linear(3, 48) ->
 ReLU -> Linear(48, 1) -> sigmoid`` over a candidate's path probability
 ``P``, its parent's top-M entropy ``H`` and its depth ``d``; 241 parameters.
 

@@ -1,4 +1,4 @@
-"""What an engine step costs, fitted online (ALGORITHMS.md section 8).
+"""What an engine step costs, fitted online (docs/algorithms.md section 8).
 
 Step time = ``alpha + beta * decode rows + gamma * prompt tokens + eta *
 trees + xi * branching trees``: exponentially weighted least squares over

@@ -1,6 +1,6 @@
 """Draft trees: one request's tree, and a batch of them as padded tensors.
 
-Layout (ALGORITHMS.md section 0): nodes are flattened breadth-first, every
+Layout (docs/algorithms.md section 0): nodes are flattened breadth-first, every
 parent before its children; a node's parent is the index of another node, or
 -1 for a child of the root (the last committed token). Siblings carry distinct
 tokens. Verification runs over ``1 + n`` rows per request: row 0 is the root,

@@ -1,4 +1,4 @@
-"""Tree verification (ALGORITHMS.md section 1), batched over requests.
+"""Tree verification (docs/algorithms.md section 1), batched over requests.
 
 Every verification row ``r`` (row 0 = root, row ``i + 1`` = node ``i``) gets
 one *target token* ``y_r``: the target's argmax (greedy), or one sample from

@@ -11,7 +11,7 @@ stay untouched. Each request has ``1 + n`` logits rows (root, then its nodes).
   mask, temperature, then top-k and top-p through vLLM's own
   ``apply_top_k_top_p``), then each row draws its target token
   (argmax, or one exponential-race sample with the request's generator when
-  seeded) and ``verify.accept`` walks the tree (ALGORITHMS.md section 1).
+  seeded) and ``verify.accept`` walks the tree (docs/algorithms.md section 1).
   Decision: the argmax is vLLM's ``Sampler.greedy_sample`` (on the CPU
   vLLM's vectorised kernel, 2-3x faster than ``torch.argmax`` over the
   vocabulary), so a tree row's greedy token is the one vLLM would pick. A

@@ -1,5 +1,5 @@
 """Token suffix indexes for the retrieval drafter: one per request, and the
-shared datastore of earlier requests' outputs (Talon, ALGORITHMS.md section 7).
+shared datastore of earlier requests' outputs (Talon, docs/algorithms.md section 7).
 
 An index maps every n-gram (``n <= l_max``) to the positions where it ended,
 oldest first. The shared datastore concatenates documents with a separator

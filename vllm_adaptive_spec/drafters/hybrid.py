@@ -1,4 +1,4 @@
-"""The hybrid drafter (ALGORITHMS.md section 7, Talon, seed 001): a model
+"""The hybrid drafter (docs/algorithms.md section 7, Talon, seed 001): a model
 drafter's tree and the retrieval trie merged from the root by shared
 prefixes, under one node budget.
 

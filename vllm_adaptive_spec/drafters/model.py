@@ -18,7 +18,7 @@ Distributions are :class:`kernels.draft_distribution.DraftDistribution`
 summaries (top ``top_k`` tokens and probabilities, confidence, top-``top_m``
 entropy), which the drafter sets on the backend at :meth:`ModelDrafter.bind`.
 
-Decision (ALGORITHMS.md section 0): candidates are the top-``fanout`` tokens
+Decision (docs/algorithms.md section 0): candidates are the top-``fanout`` tokens
 of the draft distribution at temperature 1, deterministically, so sampling
 verification uses sequential elimination; ``q`` is their draft probability.
 """

@@ -1,4 +1,4 @@
-"""The retrieval drafter (ALGORITHMS.md section 7, Talon, seed 001).
+"""The retrieval drafter (docs/algorithms.md section 7, Talon, seed 001).
 
 Each request keeps a token-level suffix index over its prompt and output so
 far: for every n-gram length ``k <= l_max``, where each n-gram ended. To draft,

@@ -1,4 +1,4 @@
-"""C2T: the classifier-pruned tree (seed 002; ALGORITHMS.md section 4)."""
+"""C2T: the classifier-pruned tree (seed 002; docs/algorithms.md section 4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The chain baseline (ALGORITHMS.md section 2)."""
+"""The chain baseline (docs/algorithms.md section 2)."""
 
 from __future__ import annotations
 

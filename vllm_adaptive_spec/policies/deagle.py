@@ -1,4 +1,4 @@
-"""DEAGLE: the eagle2 expansion with a voting early stop on depth (seed 004; ALGORITHMS.md section 5)."""
+"""DEAGLE: the eagle2 expansion with a voting early stop on depth (seed 004; docs/algorithms.md section 5)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class DeaglePolicy(Eagle2Policy):
 
     * ``S_d < tau_S``, with ``S_d`` the sum of the layer's kept ``p``;
     * ``hits >= 2``, with ``hits`` counting the depths ``d >= 2`` where
-      ``rho_d = S_d / S_{d-1} < tau_rho`` (the reading of ALGORITHMS.md: the
+      ``rho_d = S_d / S_{d-1} < tau_rho`` (the reading of docs/algorithms.md: the
       paper's Eq. 25 has the ratio upside down);
     * ``d >= ceil(E_d)``, with ``E_d`` the sum of ``p`` over every node kept
       so far (the expected accepted length if acceptances were independent).

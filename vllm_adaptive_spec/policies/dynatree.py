@@ -1,4 +1,4 @@
-"""DynaTree: per-node branching from the drafter's confidence (seed 003; ALGORITHMS.md section 6)."""
+"""DynaTree: per-node branching from the drafter's confidence (seed 003; docs/algorithms.md section 6)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class DynaTreePolicy(TreePolicy):
     kept; growth stops at ``N`` nodes (a layer that would overflow keeps
     its best by ``p``). One draft pass per depth for the whole batch.
 
-    History tuning (ALGORITHMS.md's decided reading): each request keeps the
+    History tuning (docs/algorithms.md): each request keeps the
     acceptance ratio ``accepted / tree depth`` of its last ``W`` verified
     trees; when their mean is above 0.7, ``D_0 += 1`` (at most ``D_max``) and
     ``tau_h -= 0.05`` (at least 0.5); below 0.3, ``D_0 -= 1`` (at least 1)

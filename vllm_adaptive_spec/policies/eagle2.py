@@ -1,4 +1,4 @@
-"""The EAGLE-2/3 dynamic tree, the seeds' common baseline (ALGORITHMS.md section 2)."""
+"""The EAGLE-2/3 dynamic tree, the seeds' common baseline (docs/algorithms.md section 2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The retrieval tree (ALGORITHMS.md section 7)."""
+"""The retrieval tree (docs/algorithms.md section 7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""TALON: budget-driven, confidence-gated expansion (seed 000; ALGORITHMS.md section 3)."""
+"""TALON: budget-driven, confidence-gated expansion (seed 000; docs/algorithms.md section 3)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class TalonPolicy(TreePolicy):
 
     The tree is deep and narrow where the drafter is sure (one candidate
     clears the gate) and shallow and wide where it is not; a model drafter
-    never runs on the last layer. ``K_c`` is 16 by default (ALGORITHMS.md:
+    never runs on the last layer. ``K_c`` is 16 by default (docs/algorithms.md:
     a parent can place at most ``1 / mu`` children above the gate).
 
     Decision: not offered for the retrieval drafter. There ``q`` is a

@@ -1,4 +1,4 @@
-"""C2T's classifier from the drafter's own trees (ALGORITHMS.md section 4).
+"""C2T's classifier from the drafter's own trees (docs/algorithms.md section 4).
 
 ``vllm-adaptive-spec c2t-collect``: the real engine (in-process, greedy,
 float32) with the drafter's full EAGLE-2 tree (``K = 10``, ``D = 10``, no
