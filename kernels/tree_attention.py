@@ -326,6 +326,17 @@ def _split_plan(max_seq_len: int, programs: int, block_n: int, device: torch.dev
     return -(-max_seq_len // keys_per_split), keys_per_split
 
 
+def graph_splits(num_requests: int, rows: int, num_heads: int, num_kv_heads: int, device: torch.device,
+                 most: int = 16) -> int:
+    """The slice count of a graph-safe launch (``splits_on_device``): enough
+    programs for every multiprocessor when the batch alone has too few, at
+    most ``most``; a function of the shapes only, so a graph's capture and
+    its replays agree."""
+    packed = rows * (num_heads // num_kv_heads)
+    programs = -(-packed // _launch_choice(packed)["block_m"]) * num_requests * num_kv_heads
+    return max(1, min(most, -(-_multiprocessors(device) // programs)))
+
+
 def _launch_choice(packed: int) -> dict:
     """Tiles, warps and pipeline depth by the packed query rows, from the
     H100 sweep of ``benchmarks/kernel_bench.py --tune``: query tiles of 128 need

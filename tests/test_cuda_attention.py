@@ -208,3 +208,74 @@ def test_a_branching_step_replays_no_full_graph():
     assert graph_modes({Mode.NONE}, None, branching=True) == ({Mode.NONE}, {Mode.FULL})
     # Only FULL allowed (a data-parallel peer's mode): the step runs eagerly.
     assert graph_modes({Mode.FULL}, None, branching=True) == ({Mode.NONE}, {Mode.FULL})
+
+
+def make_uniform_case(dtype: torch.dtype, rows: int = 6, seed: int = 3):
+    """A uniform tree step of three requests, ``rows`` rows each (contexts 5,
+    20 and 40 keys; trees of 6, 3 and 1 nodes, the rest padding rows that see
+    up to the root), and one padding request of no rows and no keys, as a
+    FULL graph pads a batch; the masks sit in a persistent buffer wider and
+    longer than the step."""
+    gen = torch.Generator().manual_seed(seed)
+    contexts, nodes = [5, 20, 40], [rows - 1, 3, 1]
+    seq_lens = [c + rows for c in contexts]
+    per_request = [-(-s // BLOCK) for s in seq_lens]
+    num_blocks = sum(per_request) + 2
+    physical = torch.randperm(num_blocks, generator=gen)
+    block_table = torch.zeros(4, max(per_request), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(per_request):
+        block_table[b, :n] = physical[used:used + n].int()
+        used += n
+    slots = torch.cat([
+        block_table[b, torch.arange(s) // BLOCK].long() * BLOCK + torch.arange(s) % BLOCK for b, s in enumerate(seq_lens)
+    ])
+    total = int(sum(seq_lens))
+    keys = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    values = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    query = torch.randn(3 * rows, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    masks = []
+    for n in nodes:
+        mask = torch.zeros(rows, rows, dtype=torch.bool)
+        mask[: n + 1, : n + 1] = tree_mask(gen, n + 1)
+        mask[n + 1:, 0] = True  # padding rows: the root only
+        masks.append(mask)
+    buffer = torch.ones(64, rows + 3, dtype=torch.bool)  # stale contents beyond the step
+    buffer[: 3 * rows, :rows] = torch.cat(masks)
+    query_start_loc = torch.tensor([0, rows, 2 * rows, 3 * rows, 3 * rows], dtype=torch.int32)
+    metadata = SimpleNamespace(num_actual_tokens=3 * rows, block_table=block_table, query_start_loc=query_start_loc,
+                               seq_lens=torch.tensor([*seq_lens, 0], dtype=torch.int32), max_seq_len=max(seq_lens))
+    key_cache = torch.zeros(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    key_cache[slots // BLOCK, slots % BLOCK] = keys
+    value_cache[slots // BLOCK, slots % BLOCK] = values
+    expected = tree_attention_reference(query, key_cache, value_cache, block_table[:3], query_start_loc[:4],
+                                        metadata.seq_lens[:3], torch.cat(masks), HEAD_DIM**-0.5)
+    metadata = SimpleNamespace(**{k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in vars(metadata).items()})
+    return SimpleNamespace(num_blocks=num_blocks, slots=slots.to(DEVICE), keys=keys.to(DEVICE),
+                           values=values.to(DEVICE), query=query.to(DEVICE), metadata=metadata,
+                           rows=tree_step.UniformRows(buffer.to(DEVICE), rows), expected=expected.to(DEVICE))
+
+
+@pytest.mark.parametrize("order", ["LBNHC", "LBHNC"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cls", [TreeFlashAttentionImpl, TreeTritonAttentionImpl], ids=["FLASH_ATTN", "TRITON_ATTN"])
+def test_a_uniform_step_takes_the_graph_safe_launch_over_every_row(monkeypatch, cls, dtype, order):
+    """Issue 52: in a uniform tree step (what a FULL graph replays) every row
+    goes through the tree kernel's graph-safe launch, reading vLLM's own
+    metadata and the persistent mask buffer; the stock kernel does not run."""
+    case = make_uniform_case(dtype)
+    if DEVICE == "cpu":
+        module, writer = WRITERS[cls]
+        monkeypatch.setattr(module, writer, write_by_contract, raising=False)
+    impl = make_impl(cls)
+    stock = next(c for c in cls.__mro__ if c.__module__.startswith("vllm.v1"))
+    monkeypatch.setattr(stock, "forward", lambda *args, **kwargs: pytest.fail("the stock kernel ran"))
+    layer = SimpleNamespace(_k_scale=torch.ones((), device=DEVICE), _v_scale=torch.ones((), device=DEVICE))
+    kv_cache = layer_cache(case.num_blocks, order, dtype).to(DEVICE)
+    impl.do_kv_cache_update(layer, case.keys, case.values, kv_cache, case.slots)
+    output = torch.zeros(case.query.shape[0], HEADS * HEAD_DIM, dtype=dtype, device=DEVICE)
+    with tree_step.published(case.rows):
+        impl.forward(layer, case.query, None, None, kv_cache, case.metadata, output)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(output.view_as(case.query).float(), case.expected.float(), atol=tolerance, rtol=tolerance)

@@ -10,18 +10,23 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 from vllm.config import CUDAGraphMode as Mode
 from vllm.forward_context import BatchDescriptor
 
 from vllm_adaptive_spec.adapter import step as tree_step
 from vllm_adaptive_spec.adapter.cudagraphs import (
-    PlainDecodeGraphsMixin,
+    DecodeGraphsMixin,
     TreeCudagraphDispatcher,
     is_plain_decode_key,
     plain_decode_keys,
     plugin_batch_sizes,
+    uniform_tree_rows,
 )
+from vllm_adaptive_spec.step_widths import step_widths
+from vllm_adaptive_spec.tree import DraftTree
 
 SPEC_TOKENS = 16  # vLLM's uniform decode batches: 17 rows a request
 SIZES = [17, 34, 51, 68]  # vLLM rounds capture sizes to multiples of 17 under speculation
@@ -124,18 +129,21 @@ class RecordingRunner:
 
     def __init__(self) -> None:
         self.uniform_decode_query_len = 1 + SPEC_TOKENS
-        self.cudagraph_dispatcher = SimpleNamespace(uniform_decode_query_len=1 + SPEC_TOKENS)
+        self.cudagraph_dispatcher = SimpleNamespace(uniform_decode_query_len=1 + SPEC_TOKENS, tree_rows=frozenset())
         self.seen = []
+        self.published = []  # the step published during each capture
 
     def _determine_batch_execution_and_padding(self, **kwargs):
         self.seen.append(("step", self.uniform_decode_query_len, self.cudagraph_dispatcher.uniform_decode_query_len))
 
     def _warmup_and_capture(self, desc, **kwargs):
         self.seen.append(("capture", self.uniform_decode_query_len, self.cudagraph_dispatcher.uniform_decode_query_len))
+        self.published.append(tree_step.current())
 
 
-class Runner(PlainDecodeGraphsMixin, RecordingRunner):
-    pass
+class Runner(DecodeGraphsMixin, RecordingRunner):
+    def __init__(self) -> None:
+        RecordingRunner.__init__(self)  # the mixin's own setup needs an engine's config
 
 
 def test_the_runner_picks_and_captures_one_row_graphs_with_one_row_a_request():
@@ -152,3 +160,105 @@ def test_the_runner_picks_and_captures_one_row_graphs_with_one_row_a_request():
     assert runner.seen == [("step", 1, 1), ("step", 17, 17), ("step", 17, 17),
                            ("capture", 1, 1), ("capture", 17, 17), ("capture", 17, 17)]
     assert runner.uniform_decode_query_len == runner.cudagraph_dispatcher.uniform_decode_query_len == 17
+
+
+def tree_dispatcher(max_seqs: int, budget: int, spec_tokens: int, max_tokens: int = 8192) -> TreeCudagraphDispatcher:
+    """The dispatcher as the runner sets it up with uniform tree steps on."""
+    sizes = vllm_capture_sizes(max_seqs, spec_tokens)
+    compilation = SimpleNamespace(
+        cudagraph_mode=Mode.FULL_AND_PIECEWISE, cudagraph_capture_sizes=sizes, max_cudagraph_capture_size=sizes[-1],
+        compile_sizes=[], splitting_ops=[], mode=None, is_attention_compiled_piecewise=lambda: True,
+        cudagraph_specialize_lora=False,
+    )
+    config = SimpleNamespace(compilation_config=compilation, num_speculative_tokens=spec_tokens, lora_config=None,
+                             scheduler_config=SimpleNamespace(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens))
+    result = TreeCudagraphDispatcher(config)
+    result.tree_rows = uniform_tree_rows(budget, spec_tokens)
+    result.initialize_cudagraph_keys(Mode.FULL_AND_PIECEWISE, 1 + spec_tokens)
+    return result
+
+
+@pytest.mark.parametrize("max_seqs", [1, 8, 64, 256])
+@pytest.mark.parametrize("config, budget, spec_tokens", [("retrieval N=16", 16, 16), ("eagle2 top-k 10 depth 8", 60, 70),
+                                                         ("talon N=32", 32, 32)])
+def test_every_uniform_tree_step_replays_a_full_graph(max_seqs, config, budget, spec_tokens):
+    """Issue 52: every pure-decode step the plugin can produce with uniform
+    steps on (one row a request, or ``1 + W`` for each width ``W`` of the
+    budget while the step fits the scheduler's token budget) finds a FULL
+    key, padded to the plugin's batch sizes."""
+    d = tree_dispatcher(max_seqs, budget, spec_tokens)
+    for width in (0, *step_widths(budget)):
+        rows = 1 + width
+        d.uniform_decode_query_len = rows  # as the runner sets it for the step
+        for batch in range(1, max_seqs + 1):
+            if batch * rows > 8192:
+                break  # the proposer never pads a step beyond the token budget
+            mode, key = d.dispatch(batch * rows, uniform_decode=True)
+            assert mode == Mode.FULL, (config, batch, rows)
+            assert key.num_tokens == key.num_reqs * rows and batch <= key.num_reqs <= max_seqs
+
+
+def test_a_branching_uniform_step_replays_its_full_graph():
+    """A uniform step's trees run in the graph (the tree kernel is in it), so
+    FULL stays valid although the trees branch."""
+    d = tree_dispatcher(64, 16, 16)
+    d.uniform_decode_query_len = 5
+    uniform = tree_step.TreeStep.__new__(tree_step.TreeStep)
+    uniform.attention, uniform.uniform = None, tree_step.UniformRows(torch.zeros(1, 1, dtype=torch.bool), 5)
+    with tree_step.published(uniform):
+        assert d.dispatch(7 * 5, uniform_decode=True) == (Mode.FULL, BatchDescriptor(num_tokens=40, num_reqs=8,
+                                                                                     uniform=True))
+
+
+class TreeGraphsRunner(DecodeGraphsMixin, RecordingRunner):
+    def __init__(self) -> None:
+        RecordingRunner.__init__(self)
+        self.cudagraph_dispatcher.tree_rows = frozenset({3, 5, 17})
+        self.uniform_mask = torch.zeros(64, 17, dtype=torch.bool)
+
+
+def test_tree_graphs_are_picked_and_captured_with_the_tree_step_published():
+    runner = TreeGraphsRunner()
+    step = dict(num_scheduled_tokens_np=None, use_cascade_attn=False)
+    runner._determine_batch_execution_and_padding(num_tokens=40, num_reqs=8, max_num_scheduled_tokens=5, **step)
+    runner._determine_batch_execution_and_padding(num_tokens=32, num_reqs=8, max_num_scheduled_tokens=4, **step)
+    runner._warmup_and_capture(BatchDescriptor(num_tokens=40, num_reqs=8, uniform=True))
+    assert runner.seen[:3] == [("step", 5, 5), ("step", 17, 17), ("capture", 5, 5)]
+    captured = runner.published[0]
+    assert isinstance(captured, tree_step.UniformRows) and captured.rows == 5 and captured.mask is runner.uniform_mask
+    assert tree_step.current() is None
+
+
+def test_a_failed_capture_drops_its_key_and_the_step_runs_piecewise():
+    runner = TreeGraphsRunner()
+    key = BatchDescriptor(num_tokens=40, num_reqs=8, uniform=True)
+    runner.cudagraph_dispatcher.cudagraph_keys = {Mode.FULL: {key}}
+
+    def failing(desc, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    RecordingRunner._warmup_and_capture, original = failing, RecordingRunner._warmup_and_capture
+    try:
+        assert runner._warmup_and_capture(key) is None
+    finally:
+        RecordingRunner._warmup_and_capture = original
+    assert key not in runner.cudagraph_dispatcher.cudagraph_keys[Mode.FULL]
+
+
+def test_a_uniform_steps_masks_reach_the_persistent_buffer():
+    """Every request's row masks (its tree's; causal for a request without
+    one) are copied into the buffer the graphs read, and the step's rows are
+    the graph-safe ones."""
+    runner = TreeGraphsRunner()
+    runner.input_batch = SimpleNamespace(num_reqs=3)
+    tree = DraftTree(tokens=[5, 6], parents=[-1, -1], q=[0.6, 0.4])
+    built = tree_step.build_step([0, 2], [tree, DraftTree.chain([7])], [0, 6], [3, 3], torch.device("cpu"), [0, 1])
+    step = runner._graph_rows(built, np.array([3, 3, 3]))
+    assert step.attention is None and step.uniform.rows == 3 and step.uniform.mask is runner.uniform_mask
+    assert runner.uniform_mask[:9, :3].int().tolist() == [
+        [1, 0, 0], [1, 1, 0], [1, 0, 1],  # the branching tree
+        [1, 0, 0], [1, 1, 0], [1, 1, 1],  # no tree: causal
+        [1, 0, 0], [1, 1, 0], [1, 0, 0],  # a chain of one, then a padding row
+    ]
+    # A step that is not uniform keeps the ragged tree path.
+    assert runner._graph_rows(built, np.array([3, 1, 3])) is built

@@ -280,7 +280,8 @@ def proposer_for(config):
     from vllm_adaptive_spec.adapter.proposer import TreeProposer
 
     return TreeProposer(SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: config.to_dict()},
-                                        model_config=SimpleNamespace(max_model_len=256)))
+                                        model_config=SimpleNamespace(max_model_len=256),
+                                        scheduler_config=SimpleNamespace(max_num_batched_tokens=2048)))
 
 
 def test_the_proposer_keeps_policy_state_per_request_until_it_is_forgotten():

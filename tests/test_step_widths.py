@@ -22,3 +22,13 @@ def test_every_decoding_request_gets_the_steps_width():
     assert [drafted_nodes(d) for d in padded] == [3, 0, 0, 2]
     # A step in which nothing is drafted stays draft-free.
     assert uniform_drafts([[], []], [True, True], step_widths(16)) == [[], []]
+
+
+def test_a_uniform_step_stays_within_the_token_budget():
+    """Three decoding requests and a budget of 20 tokens a step: width 4
+    (3 x 5 rows) fits, 8 does not, so the tree of 6 is cut to its first 4
+    nodes; with 5 tokens not even width 2 fits and nothing changes."""
+    drafts = [[5, 6, 7, 8, 9, 10], [], [1]]
+    assert uniform_drafts(drafts, [True] * 3, step_widths(16), max_tokens=20) == [
+        [5, 6, 7, 8], [-1, -1, -1, -1], [1, -1, -1, -1]]
+    assert uniform_drafts(drafts, [True] * 3, step_widths(16), max_tokens=5) == drafts

@@ -36,15 +36,26 @@ def step_width(longest: int, widths: tuple[int, ...]) -> int:
     return next((width for width in widths if width >= longest), widths[-1])
 
 
-def uniform_drafts(drafts: list[list[int]], decoding: list[bool], widths: tuple[int, ...]) -> list[list[int]]:
+def uniform_drafts(drafts: list[list[int]], decoding: list[bool], widths: tuple[int, ...],
+                   max_tokens: int | None = None) -> list[list[int]]:
     """Each decoding request's drafts padded with ``-1`` to the step's width
     (:func:`step_width` of the longest); requests not decoding (a partial
     prompt, whose drafts vLLM ignores) keep none. A step without any draft
-    stays draft-free."""
+    stays draft-free. With ``max_tokens`` (the scheduler's token budget) the
+    width is the widest whose step fits, trees cut to it (a breadth-first
+    prefix is a tree), so the scheduler never cuts the uniform step; when
+    not even the narrowest fits, the drafts stay as they are."""
     width = step_width(max((len(d) for d in drafts), default=0), widths)
     if width == 0:
         return drafts
-    return [list(d) + [PAD] * (width - len(d)) if decode else [] for d, decode in zip(drafts, decoding)]
+    if max_tokens is not None:
+        requests = sum(decoding)
+        fitting = [w for w in widths if requests * (1 + w) <= max_tokens]
+        if not fitting:
+            return drafts
+        width = min(width, fitting[-1])
+    return [list(d[:width]) + [PAD] * (width - len(d[:width])) if decode else []
+            for d, decode in zip(drafts, decoding)]
 
 
 def drafted_nodes(drafts: list[int]) -> int:

@@ -25,7 +25,7 @@ import torch
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
 
-from kernels.tree_attention import tree_attention
+from kernels.tree_attention import graph_splits, tree_attention, tree_attention_triton
 from vllm_adaptive_spec.adapter.tree_impl import TreeImplMixin
 
 
@@ -51,6 +51,24 @@ class _CudaTreeImpl(TreeImplMixin):
             rows.window_lens,
             max_query_len=rows.max_query_len,
             max_seq_len=attn_metadata.max_seq_len,
+        )
+
+
+    def uniform_forward(self, query, kv_cache, attn_metadata, rows):
+        key_cache, value_cache = cache_views(kv_cache)
+        num_reqs = attn_metadata.seq_lens.shape[0]
+        return tree_attention_triton(
+            query,
+            key_cache,
+            value_cache,
+            attn_metadata.block_table,
+            attn_metadata.query_start_loc,
+            attn_metadata.seq_lens,
+            rows.mask[: query.shape[0], : rows.rows],
+            self.scale,
+            max_query_len=rows.rows,
+            num_splits=graph_splits(num_reqs, rows.rows, self.num_heads, key_cache.shape[2], query.device),
+            splits_on_device=True,
         )
 
 

@@ -21,17 +21,36 @@ collide with vLLM's, whose ``num_reqs`` is ``num_tokens / (1 +
 num_speculative_tokens)``) for every batch size up to ``max_num_seqs``
 (:func:`plugin_batch_sizes`) and dispatch draft-free decode steps to them,
 so such a step is vLLM's own step without speculation.
+
+Uniform tree steps (``step_widths``; ``uniform_steps`` on where graphs
+replay). A drafting step whose every request has ``R = 1 + W`` rows is
+keyed ``(b * R, b, uniform)`` for every plugin batch size ``b`` and every
+width ``W`` (vLLM's own ``R = 1 + num_speculative_tokens`` too) and replays
+a FULL graph in which every attention layer runs the tree kernel's
+graph-safe launch over all rows (``TreeImplMixin``), reading its masks from
+one persistent buffer the runner fills before the step
+(:class:`~vllm_adaptive_spec.adapter.step.UniformRows`). So these graphs are
+captured with that step published: a graph captured without it would have
+frozen vLLM's causal kernel in. A capture that fails drops its key (the
+step then runs PIECEWISE) with one log line.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 
+import torch
 from vllm.config import CUDAGraphMode
+from vllm.logger import init_logger
 from vllm.forward_context import BatchDescriptor
 from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
 from vllm_adaptive_spec.adapter import step as tree_step
+from vllm_adaptive_spec.adapter.transfer import copy_to_device
+from vllm_adaptive_spec.step_widths import step_widths
+
+logger = init_logger(__name__)
 
 
 def branching_step() -> bool:
@@ -84,6 +103,20 @@ def plain_decode_keys(cudagraph_mode: CUDAGraphMode, uniform_decode_query_len: i
             for size in plugin_batch_sizes(max_num_seqs, max_tokens or 0)]
 
 
+def tree_step_keys(tree_rows: frozenset[int], max_num_seqs: int, max_tokens: int) -> list[BatchDescriptor]:
+    """FULL keys of uniform tree steps: ``R`` rows a request for every ``R``
+    in ``tree_rows``, at every plugin batch size whose step fits
+    ``max_tokens`` (the scheduler's token budget)."""
+    return [BatchDescriptor(num_tokens=size * rows, num_reqs=size, uniform=True)
+            for rows in sorted(tree_rows) for size in plugin_batch_sizes(max_num_seqs, max_tokens // rows)]
+
+
+def uniform_tree_rows(budget: int, num_speculative_tokens: int) -> frozenset[int]:
+    """The rows a request of a uniform tree step can have: ``1 + W`` for the
+    budget's widths, and vLLM's own ``1 + num_speculative_tokens``."""
+    return frozenset({1 + width for width in step_widths(budget)} | {1 + num_speculative_tokens})
+
+
 def is_plain_decode_key(desc: BatchDescriptor) -> bool:
     """Whether ``desc`` is one of :func:`plain_decode_keys` (vLLM's own
     uniform keys have ``num_reqs < num_tokens`` under speculation)."""
@@ -95,66 +128,132 @@ def plain_decode_step(max_query_len: int, num_tokens: int, num_reqs: int) -> boo
     return max_query_len == 1 and num_tokens == num_reqs
 
 
+def uniform_rows(max_query_len: int, num_tokens: int, num_reqs: int) -> int | None:
+    """Every request's row count when they all have the same, else None."""
+    return max_query_len if num_reqs and num_tokens == num_reqs * max_query_len else None
+
+
 class TreeCudagraphDispatcher(CudagraphDispatcher):
     """vLLM's dispatcher with the draft-free keys; a draft-free step (the
     runner sets ``uniform_decode_query_len`` to 1 for it) is padded to the
     next of the plugin's batch sizes, not to vLLM's rounded capture sizes."""
 
     plain_sizes: tuple[int, ...] = ()
+    tree_rows: frozenset[int] = frozenset()  # set by the runner when uniform tree steps are on
+    tree_sizes: dict[int, tuple[int, ...]] = {}
 
     def initialize_cudagraph_keys(self, cudagraph_mode, uniform_decode_query_len=1):
         super().initialize_cudagraph_keys(cudagraph_mode, uniform_decode_query_len)
+        scheduler = self.vllm_config.scheduler_config
         keys = plain_decode_keys(cudagraph_mode, uniform_decode_query_len,
                                  self.compilation_config.max_cudagraph_capture_size,
-                                 self.vllm_config.scheduler_config.max_num_seqs,
-                                 self.vllm_config.lora_config is not None)
+                                 scheduler.max_num_seqs, self.vllm_config.lora_config is not None)
+        self.plain_sizes = tuple(key.num_reqs for key in keys)
+        if keys and self.tree_rows:
+            tree_keys = tree_step_keys(self.tree_rows, scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
+            self.tree_sizes = {rows: tuple(k.num_reqs for k in tree_keys if k.num_tokens == k.num_reqs * rows)
+                               for rows in self.tree_rows}
+            keys += tree_keys
         for key in keys:
             self.add_cudagraph_key(CUDAGraphMode.FULL, key)
-        self.plain_sizes = tuple(key.num_reqs for key in keys)
 
     def _create_padded_batch_descriptor(self, num_tokens, uniform_decode, has_lora, num_active_loras=0):
-        if uniform_decode and self.uniform_decode_query_len == 1 and self.plain_sizes:
-            size = next((size for size in self.plain_sizes if size >= num_tokens), None)
+        rows = self.uniform_decode_query_len
+        sizes = self.plain_sizes if rows == 1 else self.tree_sizes.get(rows, ())
+        if uniform_decode and sizes:
+            size = next((size for size in sizes if size * rows >= num_tokens), None)
             if size is not None:
-                return BatchDescriptor(num_tokens=size, num_reqs=size, uniform=True, has_lora=has_lora,
+                return BatchDescriptor(num_tokens=size * rows, num_reqs=size, uniform=True, has_lora=has_lora,
                                        num_active_loras=num_active_loras)
         return super()._create_padded_batch_descriptor(num_tokens, uniform_decode, has_lora, num_active_loras)
 
     def dispatch(self, num_tokens, uniform_decode=False, has_lora=False, num_active_loras=0,
                  valid_modes=None, invalid_modes=None):
         valid_modes, invalid_modes = graph_modes(valid_modes, invalid_modes, branching_step())
+        rows = self.uniform_decode_query_len
+        if uniform_decode and rows > 1 and rows in self.tree_rows and self.keys_initialized:
+            # vLLM refuses steps beyond its own largest capture size before looking at keys.
+            allowed = (valid_modes or CUDAGraphMode.valid_runtime_modes()) - set(invalid_modes or ())
+            key = self._create_padded_batch_descriptor(num_tokens, True, has_lora, num_active_loras)
+            if CUDAGraphMode.FULL in allowed and key in self.cudagraph_keys[CUDAGraphMode.FULL]:
+                return CUDAGraphMode.FULL, key
         return super().dispatch(num_tokens, uniform_decode, has_lora, num_active_loras, valid_modes, invalid_modes)
 
 
-class PlainDecodeGraphsMixin:
-    """Mixed in before vLLM's ``GPUModelRunner`` (with
+class DecodeGraphsMixin:
+    """Mixed in before the tree runner over vLLM's ``GPUModelRunner`` (with
     :class:`TreeCudagraphDispatcher` as its dispatcher): captures and
-    replays the FULL graphs of draft-free decode steps. Both vLLM paths that
-    pick a graph, a step's ``_determine_batch_execution_and_padding`` and the
-    capture's ``_warmup_and_capture``, read the uniform decode row count from
-    the runner and its dispatcher; for those steps and keys it is 1."""
+    replays the FULL graphs of draft-free decode steps and, with uniform
+    steps on, of uniform tree steps. Both vLLM paths that pick a graph, a
+    step's ``_determine_batch_execution_and_padding`` and the capture's
+    ``_warmup_and_capture``, read the uniform decode row count from the
+    runner and its dispatcher; for those steps and keys it is their own."""
+
+    uniform_mask: torch.Tensor | None = None  # [max tokens, max rows]: each row's visible rows
+
+    def __init__(self, vllm_config, device) -> None:
+        super().__init__(vllm_config, device)
+        widths = self.tree_proposer.widths
+        if widths is None or vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE:
+            return
+        rows = uniform_tree_rows(self.tree_proposer.config.budget,
+                                 vllm_config.speculative_config.num_speculative_tokens)
+        self.cudagraph_dispatcher.tree_rows = rows
+        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        # Every row sees its request's root: a graph replayed for placeholder drafts only
+        # (vLLM's, whose token comes from the root's row) reads the buffer as it was.
+        self.uniform_mask = torch.zeros(max_tokens, max(rows), dtype=torch.bool, device=device)
+        self.uniform_mask[:, 0] = True
 
     @contextmanager
-    def _one_row_a_request(self):
+    def _rows_a_request(self, rows: int):
         runner_len = self.uniform_decode_query_len
         dispatcher_len = self.cudagraph_dispatcher.uniform_decode_query_len
-        self.uniform_decode_query_len = self.cudagraph_dispatcher.uniform_decode_query_len = 1
+        self.uniform_decode_query_len = self.cudagraph_dispatcher.uniform_decode_query_len = rows
         try:
             yield
         finally:
             self.uniform_decode_query_len = runner_len
             self.cudagraph_dispatcher.uniform_decode_query_len = dispatcher_len
 
+    def _own_rows(self, rows: int | None) -> bool:
+        """Whether steps of ``rows`` rows a request take the plugin's keys."""
+        if rows == 1:
+            return self.uniform_decode_query_len > 1
+        return rows is not None and rows in self.cudagraph_dispatcher.tree_rows
+
     def _determine_batch_execution_and_padding(self, **kwargs):
-        if kwargs.get("force_uniform_decode") is None and self.uniform_decode_query_len > 1 and plain_decode_step(
-            kwargs["max_num_scheduled_tokens"], kwargs["num_tokens"], kwargs["num_reqs"]
-        ):
-            with self._one_row_a_request():
+        rows = uniform_rows(kwargs["max_num_scheduled_tokens"], kwargs["num_tokens"], kwargs["num_reqs"])
+        if kwargs.get("force_uniform_decode") is None and self._own_rows(rows):
+            with self._rows_a_request(rows):
                 return super()._determine_batch_execution_and_padding(**kwargs)
         return super()._determine_batch_execution_and_padding(**kwargs)
 
     def _warmup_and_capture(self, desc, *args, **kwargs):
-        if is_plain_decode_key(desc) and self.uniform_decode_query_len > 1:
-            with self._one_row_a_request():
+        rows = desc.num_tokens // desc.num_reqs if desc.uniform and desc.num_reqs else None
+        if not self._own_rows(rows):
+            return super()._warmup_and_capture(desc, *args, **kwargs)
+        if rows == 1:
+            with self._rows_a_request(1):
                 return super()._warmup_and_capture(desc, *args, **kwargs)
-        return super()._warmup_and_capture(desc, *args, **kwargs)
+        with self._rows_a_request(rows), tree_step.published(tree_step.UniformRows(self.uniform_mask, rows)):
+            try:
+                return super()._warmup_and_capture(desc, *args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - any capture failure leaves the step to PIECEWISE
+                self.cudagraph_dispatcher.cudagraph_keys[CUDAGraphMode.FULL].discard(desc)
+                logger.warning("adaptive_tree: capturing the tree step %s failed (%s); it runs PIECEWISE", desc, exc)
+                return None
+
+    def _graph_rows(self, step: tree_step.TreeStep | None, num_scheduled_tokens) -> tree_step.TreeStep | None:
+        """A uniform tree step's rows for the tree kernel's graph-safe launch:
+        every request's row masks (its tree's, causal for the rest) copied
+        into the persistent buffer the captured graphs read."""
+        num_reqs = self.input_batch.num_reqs
+        rows = int(num_scheduled_tokens[0]) if num_reqs else 0
+        if (step is None or self.uniform_mask is None or rows not in self.cudagraph_dispatcher.tree_rows
+                or rows == 1 or not (num_scheduled_tokens[:num_reqs] == rows).all()):
+            return step
+        masks = torch.ones(num_reqs, rows, rows, dtype=torch.bool).tril()
+        masks[step.host_batch_indices] = step.host_query_mask.view(-1, rows, rows)
+        copy_to_device(self.uniform_mask[: num_reqs * rows, :rows], masks.view(-1, rows))
+        return replace(step, attention=None, uniform=tree_step.UniformRows(self.uniform_mask, rows))

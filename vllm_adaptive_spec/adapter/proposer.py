@@ -112,8 +112,10 @@ class TreeProposer:
             if self.config.load_budget == "adaptive" else None
         )
         self.recorder = None  # called with each verified tree and its accepted nodes (c2t-collect)
-        # The widths of uniform steps (``step_widths``), when the runner turns them on.
+        # The widths of uniform steps (``step_widths``), when the runner turns them on,
+        # within the scheduler's token budget per step.
         self.widths: tuple[int, ...] | None = None
+        self.max_step_tokens: int = vllm_config.scheduler_config.max_num_batched_tokens
         # The clock reading the load budget acts on (the engine's runner makes
         # it rank 0's under tensor parallelism, see ``runner.rank0_reading``).
         self.agree: Callable[[float], float] = lambda seconds: seconds
@@ -287,4 +289,5 @@ class TreeProposer:
                 self.trees.pop(request_ids[i], None)
         if self.widths is None:
             return drafts
-        return uniform_drafts(drafts, [bool(sampled) for sampled in sampled_token_ids], self.widths)
+        return uniform_drafts(drafts, [bool(sampled) for sampled in sampled_token_ids], self.widths,
+                              self.max_step_tokens)

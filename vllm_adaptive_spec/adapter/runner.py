@@ -234,6 +234,10 @@ class TreeRunnerMixin:
             [paddings[k] for k in order],
         )
         self._set_depth_positions(step)
+        return self._graph_rows(step, num_scheduled_tokens)
+
+    def _graph_rows(self, step: tree_step.TreeStep, num_scheduled_tokens) -> tree_step.TreeStep:
+        """The step as CUDA graphs replay it (``cudagraphs.DecodeGraphsMixin``); unchanged without graphs."""
         return step
 
     def _set_depth_positions(self, step: tree_step.TreeStep) -> None:

@@ -10,6 +10,7 @@ verification. Dummy and profiling runs see ``None`` and stay causal.
 from __future__ import annotations
 
 import itertools
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,18 @@ class AttentionRows:
     max_query_len: int
     window_lens: torch.Tensor | None = None
     page_plan: object = None  # the attention's plan, built by the pass's first layer
+
+
+@dataclass(frozen=True)
+class UniformRows:
+    """A uniform tree step's rows, as a captured CUDA graph reads them: every
+    request of the batch has ``rows`` rows, and row ``t`` sees row ``j`` of
+    its request where ``mask[t, j]`` (a persistent ``[max tokens, max rows]``
+    buffer the runner fills before the step). Every row of the pass takes
+    the tree kernel's graph-safe launch over vLLM's own persistent metadata."""
+
+    mask: torch.Tensor
+    rows: int
 
 
 @dataclass
@@ -83,25 +96,42 @@ class TreeStep:
     node_rows: torch.Tensor
     node_offsets: torch.Tensor
     root_rows: torch.Tensor
+    host_query_mask: torch.Tensor | None = None  # ``query_mask`` on the host
     # The rows of requests whose tree branches; a chain's rows are exact
     # under vLLM's causal kernel (None: every tree is a chain).
     attention: AttentionRows | None = None
+    uniform: UniformRows | None = None  # a uniform step's rows, when graphs replay it
 
     @property
     def causal(self) -> bool:
         return self.attention is None
 
 
-_current: TreeStep | DraftStep | None = None
+_current: TreeStep | DraftStep | UniformRows | None = None
 
 
-def publish(step: TreeStep | DraftStep | None) -> None:
+def publish(step: TreeStep | DraftStep | UniformRows | None) -> None:
     global _current
     _current = step
 
 
-def current() -> TreeStep | DraftStep | None:
+def current() -> TreeStep | DraftStep | UniformRows | None:
     return _current
+
+
+@contextmanager
+def published(step: TreeStep | DraftStep | UniformRows):
+    """``step`` published for the duration (a graph's capture)."""
+    publish(step)
+    try:
+        yield step
+    finally:
+        publish(None)
+
+
+def uniform_rows(step) -> UniformRows | None:
+    """The graph-safe rows of the published step, if it has them."""
+    return step if isinstance(step, UniformRows) else getattr(step, "uniform", None)
 
 
 def build_step(
@@ -153,6 +183,7 @@ def build_step(
             torch.tensor([0, *itertools.accumulate(lengths)]),
             torch.cat([masks[k][:, : max(lengths)] for k in branching]),
         ]
+    host_query_mask = host[7]
     moved = packed_to_device(host, device)
     indices, tokens, parents, num_nodes, ancestors_d, query_rows, query_start_loc, query_mask, n_rows, n_offsets = moved[:10]
     attention = None
@@ -179,5 +210,6 @@ def build_step(
         node_rows=n_rows,
         node_offsets=n_offsets,
         root_rows=moved[10],
+        host_query_mask=host_query_mask,
         attention=attention,
     )

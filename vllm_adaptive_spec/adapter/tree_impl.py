@@ -9,6 +9,11 @@ and overwritten. When every row of the pass belongs to such a tree, only the
 tree path runs. Rows without a tree, causal rows and chains (exact under a
 causal kernel, since a chain's depth positions are sequential) never leave
 the stock kernel.
+
+A uniform tree step that CUDA graphs replay (``UniformRows`` published) is
+different: every row of the pass takes the platform's graph-safe tree launch
+(:meth:`uniform_forward`), and the stock kernel does not run (its KV writes
+are vLLM's separate cache update on these backends).
 """
 
 from __future__ import annotations
@@ -38,6 +43,13 @@ class TreeImplMixin:
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None):
         step = tree_step.current()
+        uniform = tree_step.uniform_rows(step)
+        if uniform is not None and attn_metadata is not None and self.attn_type == AttentionType.DECODER:
+            if output_scale is not None:
+                raise NotImplementedError("adaptive_tree's uniform steps do not support quantized attention output")
+            result = self.uniform_forward(query, kv_cache, attn_metadata, uniform)
+            output.view(query.shape[0], self.num_heads, -1).copy_(result)
+            return output
         rows = step if isinstance(step, tree_step.DraftStep) else getattr(step, "attention", None)
         if attn_metadata is None or self.attn_type != AttentionType.DECODER:
             rows = None
@@ -55,6 +67,12 @@ class TreeImplMixin:
         result = self.tree_forward(query[rows.query_rows], kv_cache, attn_metadata, rows)
         output.view(query.shape[0], self.num_heads, -1)[rows.query_rows] = result.to(output.dtype)
         return output
+
+    def uniform_forward(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata, rows) -> torch.Tensor:
+        """``[T, Hq, D]`` attention of every row of a uniform tree step
+        (:class:`~vllm_adaptive_spec.adapter.step.UniformRows`), with a
+        launch a CUDA graph can replay; platforms without graphs never see one."""
+        raise NotImplementedError
 
     def tree_forward(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata, rows) -> torch.Tensor:
         """``[T, Hq, D]`` attention of the tree rows ``query`` (rows
