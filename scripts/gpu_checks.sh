@@ -12,13 +12,14 @@
 #       && . /tmp/gpu-stage/env.sh && bash scripts/gpu_checks.sh $OUT 500     # carry: [".gpu/part3"]
 #
 # Two waves on one GPU (each engine asks vLLM for a tenth of the device):
-#   1. kernels: the kernel tests on CUDA tensors (tree attention's graph-safe launch included);
+#   1. kernels: the kernel tests on CUDA tensors (tree attention's graph-safe launch, the uniform
+#            step through both backends' impls, the step's device part, the graph keys);
 #      sync: benchmarks/sync_check.py at batch 8 and 64: synchronising calls per step of the
 #            plugin (draft-free and tree steps) against vLLM without speculation on the same
 #            V1 runner with synchronous scheduling (the plugin must add none);
 #      profile: benchmarks/step_profile.py in lockstep at batch 8 and 64: the graphs column
-#            (FULL for every draft-free step) and the step times of none (vLLM's default),
-#            none-v1-sync, tree-0 (draft-free) and tree-16 / tree-adaptive-16.
+#            (FULL for every draft-free and every uniform tree step) and the step times of none
+#            (vLLM's default), none-v1-sync, tree-0 (draft-free) and tree-16 / tree-adaptive-16.
 #   2. throughput: benchmarks/throughput.py, bf16, held-out prompts, batch 1, 8, 32, 64: none,
 #            none-v1-sync, ngram, eagle3 (vLLM's chain) and tree-retrieval;
 #      greedy: the gpu tests' greedy equality for retrieval on both attention backends.
@@ -50,9 +51,11 @@ python3 -c "from vllm_adaptive_spec.demo_model import ensure_demo_model; ensure_
     > "$WORK/prepare.log" 2>&1 || { echo "preparing the demo model failed"; tail -5 "$WORK/prepare.log"; }
 
 WAVE1=$(( $(left) * 45 / 100 ))
-part kernels "$WAVE1" python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_cuda_attention.py &
-part sync "$WAVE1" bash -c "python3 benchmarks/sync_check.py --batch-size 8 --out $WORK/sync \
-    && python3 benchmarks/sync_check.py --batch-size 64 --out $WORK/sync" &
+part kernels "$WAVE1" python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_cuda_attention.py \
+    tests/test_tree_tensors.py tests/test_cudagraphs.py &
+part sync "$WAVE1" bash -c "python3 benchmarks/sync_check.py --batch-size 8 --methods none-v1-sync,tree-0,tree-16 \
+    --out $WORK/sync && python3 benchmarks/sync_check.py --batch-size 64 --methods none-v1-sync,tree-0,tree-16 \
+    --out $WORK/sync" &
 part profile "$WAVE1" python3 benchmarks/step_profile.py --dtype bfloat16 --engine-layout lockstep --passes 1 \
     --methods none,none-v1-sync,tree-0,tree-16,tree-adaptive-16 --batch-sizes 8,64 --max-tokens 64 --out "$WORK/profile" &
 wait
