@@ -68,16 +68,14 @@ def tree_mask(gen: torch.Generator, size: int) -> torch.Tensor:
     return mask
 
 
-def make_case(dtype: torch.dtype, seed: int = 0):
-    """Three requests (contexts 5, 20 and 40 keys; trees of 4, 7 and 2 rows),
-    blocks handed out shuffled."""
-    gen = torch.Generator().manual_seed(seed)
-    contexts, sizes = [5, 20, 40], [4, 7, 2]
-    seq_lens = [c + s for c, s in zip(contexts, sizes)]
+def paged_keys(gen: torch.Generator, seq_lens: list[int], table_rows: int, dtype: torch.dtype):
+    """Blocks handed out shuffled to requests of ``seq_lens`` keys (a block
+    table of ``table_rows`` rows, the rest empty), each key's slot, and random
+    keys and values: ``(num_blocks, block_table, slots, keys, values)``."""
     per_request = [-(-s // BLOCK) for s in seq_lens]
     num_blocks = sum(per_request) + 2
     physical = torch.randperm(num_blocks, generator=gen)
-    block_table = torch.zeros(3, max(per_request), dtype=torch.int32)
+    block_table = torch.zeros(table_rows, max(per_request), dtype=torch.int32)
     used = 0
     for b, n in enumerate(per_request):
         block_table[b, :n] = physical[used:used + n].int()
@@ -88,6 +86,16 @@ def make_case(dtype: torch.dtype, seed: int = 0):
     total = int(sum(seq_lens))
     keys = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     values = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    return num_blocks, block_table, slots, keys, values
+
+
+def make_case(dtype: torch.dtype, seed: int = 0):
+    """Three requests (contexts 5, 20 and 40 keys; trees of 4, 7 and 2 rows),
+    blocks handed out shuffled."""
+    gen = torch.Generator().manual_seed(seed)
+    contexts, sizes = [5, 20, 40], [4, 7, 2]
+    seq_lens = [c + s for c, s in zip(contexts, sizes)]
+    num_blocks, block_table, slots, keys, values = paged_keys(gen, seq_lens, 3, dtype)
     query = torch.randn(int(sum(sizes)), HEADS, HEAD_DIM, generator=gen).to(dtype)
     width = max(sizes)
     masks = [torch.nn.functional.pad(tree_mask(gen, s), (0, width - s), value=True) for s in sizes]
@@ -219,20 +227,7 @@ def make_uniform_case(dtype: torch.dtype, rows: int = 6, seed: int = 3):
     gen = torch.Generator().manual_seed(seed)
     contexts, nodes = [5, 20, 40], [rows - 1, 3, 1]
     seq_lens = [c + rows for c in contexts]
-    per_request = [-(-s // BLOCK) for s in seq_lens]
-    num_blocks = sum(per_request) + 2
-    physical = torch.randperm(num_blocks, generator=gen)
-    block_table = torch.zeros(4, max(per_request), dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(per_request):
-        block_table[b, :n] = physical[used:used + n].int()
-        used += n
-    slots = torch.cat([
-        block_table[b, torch.arange(s) // BLOCK].long() * BLOCK + torch.arange(s) % BLOCK for b, s in enumerate(seq_lens)
-    ])
-    total = int(sum(seq_lens))
-    keys = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    values = torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    num_blocks, block_table, slots, keys, values = paged_keys(gen, seq_lens, 4, dtype)
     query = torch.randn(3 * rows, HEADS, HEAD_DIM, generator=gen).to(dtype)
     masks = []
     for n in nodes:
