@@ -49,25 +49,29 @@ def compact_kv_reference(
                     cache[dst // block_size, dst % block_size] = cache[src // block_size, src % block_size]
 
 
-def compact_kv_torch(
+def compact_kv_cpu(
     key_caches: Sequence[torch.Tensor],
     value_caches: Sequence[torch.Tensor],
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
-    park: int = 0,
 ) -> None:
-    """Vectorised torch, the path off CUDA: per layer, every source gathered
-    then scattered (the in-order result, as above), with no read of the
-    slots on the host, so the operations do not depend on the moves. A ``-1``
-    pair copies slot ``park`` onto itself; the caller guarantees that no
-    pair moves to or from it (the engine passes vLLM's null block 0, which
-    no request owns), so those identical writes change nothing."""
+    """Vectorised torch, the path off CUDA: the pairs that move, then per
+    layer every source gathered and scattered (the in-order result, as
+    above). Off CUDA the slots are already on the host, so finding the moving
+    pairs costs no wait; a step with none returns at once. Measured on 2 CPU
+    cores (30 layers, 2 moves a request): 0.39 / 0.63 / 2.5 ms at batch 1 /
+    8 / 64, against 0.59 / 4.6 / 40 ms for the reference's loop."""
     live = (src_slots >= 0) & (src_slots != dst_slots)
-    src = torch.where(live, src_slots, park).flatten()
-    dst = torch.where(live, dst_slots, park).flatten()
+    src, dst = src_slots[live], dst_slots[live]
+    if src.numel() == 0:
+        return
+    places: dict[int, tuple[torch.Tensor, ...]] = {}
     for cache in (*key_caches, *value_caches):
-        block_size = cache.shape[1]
-        cache[dst // block_size, dst % block_size] = cache[src // block_size, src % block_size]
+        size = cache.shape[1]
+        if size not in places:
+            places[size] = (src // size, src % size, dst // size, dst % size)
+        src_block, src_offset, dst_block, dst_offset = places[size]
+        cache[dst_block, dst_offset] = cache[src_block, src_offset]
 
 
 if triton is not None:
@@ -192,10 +196,9 @@ def compact_kv(
 ) -> None:
     """In place, every layer: the Triton kernel on CUDA (one launch per group
     of layers that share a shape, dtype and strides, e.g. the target's and a
-    draft model's of another head size), :func:`compact_kv_torch` elsewhere
-    (no pair may touch slot 0: vLLM's null block)."""
+    draft model's of another head size), :func:`compact_kv_cpu` elsewhere."""
     if not _on_gpu(key_caches[0]):
-        compact_kv_torch(key_caches, value_caches, src_slots, dst_slots)
+        compact_kv_cpu(key_caches, value_caches, src_slots, dst_slots)
         return
     groups: dict[tuple, list[int]] = {}
     for layer, (key, value) in enumerate(zip(key_caches, value_caches)):

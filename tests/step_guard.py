@@ -7,7 +7,8 @@ the runner's depth positions. Inside, a dispatch mode records every torch
 operation whose caller (the innermost frame outside torch) is the plugin's
 code, and every read of a tensor's value by that code: what ``item``,
 ``bool``, ``int`` and ``nonzero`` dispatch, and ``Tensor.tolist`` (which
-dispatches nothing). On a GPU each such read would make the host wait for
+dispatches nothing); the CPU's own KV compaction (``HOST_ONLY``), which
+never runs on a GPU, is left out. On a GPU each such read would make the host wait for
 the device in the middle of the step. ``report`` returns the reads and, per
 tree step, the operations dispatched.
 """
@@ -21,6 +22,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 PLUGIN = ("/vllm_adaptive_spec/", "/kernels/")
+# Code that runs only where there is no device, so reading a value there waits for nothing:
+# the CPU's KV compaction finds its moving pairs on the host, where they already are.
+HOST_ONLY = {"compact_kv_cpu"}
 READS = ("_local_scalar_dense", "nonzero", "is_nonzero")
 
 
@@ -30,6 +34,8 @@ def plugin_caller() -> str | None:
     while frame is not None:
         name = frame.f_code.co_filename
         if "/torch/" not in name and not name.endswith("step_guard.py"):
+            if frame.f_code.co_name in HOST_ONLY:
+                return None
             return f"{name}:{frame.f_lineno}" if any(part in name for part in PLUGIN) else None
         frame = frame.f_back
     return None

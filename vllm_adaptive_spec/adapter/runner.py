@@ -248,8 +248,7 @@ class TreeRunnerMixin:
     def _after_acceptance(self, step: tree_step.TreeStep, acceptance: Acceptance) -> None:
         """Move each accepted path's KV into consecutive slots after the root
         (on the device: moves that are not needed point at -1 and copy
-        nothing; off CUDA they park on slot 0, vLLM's null block, which no
-        request owns), and send the acceptance to the host without waiting for it."""
+        nothing), and send the acceptance to the host without waiting for it."""
         src_rows, dst_rows = path_moves(acceptance, step.root_rows + 1)
         live = src_rows >= 0
         slot_mapping = self.input_batch.block_table[0].slot_mapping.gpu
