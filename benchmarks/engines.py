@@ -294,8 +294,10 @@ def open_engine(job: dict, max_num_seqs: int | None = None, **llm_kwargs):
     kwargs = engine_kwargs(job["model"], job["dtype"], job["max_model_len"], max_num_seqs or job["max_num_seqs"],
                            job.get("speculative_config"), block_size=job.get("block_size"))
     if job.get("runner") == V1_SYNC:
-        return _open_v1_sync(LLM, {**kwargs, **llm_kwargs})
-    return LLM(**kwargs, **llm_kwargs)
+        return _with_runner_env("0", lambda: LLM(**kwargs, **llm_kwargs, async_scheduling=False))
+    if is_tree_method(job):
+        return LLM(**kwargs, **llm_kwargs)
+    return _with_runner_env(DEFAULT_RUNNER_ENV, lambda: LLM(**kwargs, **llm_kwargs))
 
 
 V1_SYNC = "v1-sync"
@@ -303,18 +305,27 @@ V1_SYNC = "v1-sync"
 scheduling: what the plugin runs on (``adapter/config_hook.py``), so that a
 ``none`` baseline there is like for like with the plugin on a GPU, where
 vLLM's default is the V2 runner with asynchronous scheduling (issue 52)."""
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+# As this process started: the plugin sets it to 0 in its process when an
+# adaptive_tree engine starts, and vLLM's own methods opened after one in the
+# same process (lockstep, interleaved in-process) must still get vLLM's default.
+DEFAULT_RUNNER_ENV = os.environ.get(RUNNER_ENV)
 
 
-def _open_v1_sync(llm_class, kwargs: dict):
-    previous = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+def _with_runner_env(value: str | None, open_llm):
+    """``open_llm()`` with vLLM's runner choice set to ``value`` (None: unset), restored after."""
+    previous = os.environ.get(RUNNER_ENV)
+    if value is None:
+        os.environ.pop(RUNNER_ENV, None)
+    else:
+        os.environ[RUNNER_ENV] = value
     try:
-        return llm_class(**kwargs, async_scheduling=False)
+        return open_llm()
     finally:
         if previous is None:
-            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+            os.environ.pop(RUNNER_ENV, None)
         else:
-            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = previous
+            os.environ[RUNNER_ENV] = previous
 
 
 def is_tree_method(job: dict) -> bool:
