@@ -53,20 +53,24 @@ python3 -c "from vllm_adaptive_spec.demo_model import ensure_demo_model; ensure_
 WAVE1=$(( $(left) * 45 / 100 ))
 part kernels "$WAVE1" python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_cuda_attention.py \
     tests/test_tree_tensors.py tests/test_cudagraphs.py &
+PARTS=$!
 part sync "$WAVE1" bash -c "python3 benchmarks/sync_check.py --batch-size 8 --methods none-v1-sync,tree-0,tree-16 \
     --out $WORK/sync && python3 benchmarks/sync_check.py --batch-size 64 --methods none-v1-sync,tree-0,tree-16 \
     --out $WORK/sync" &
+PARTS="$PARTS $!"
 part profile "$WAVE1" python3 benchmarks/step_profile.py --dtype bfloat16 --engine-layout lockstep --passes 1 \
     --methods none,none-v1-sync,tree-0,tree-16,tree-adaptive-16 --batch-sizes 8,64 --max-tokens 64 --out "$WORK/profile" &
-wait
+PARTS="$PARTS $!"
+wait $PARTS  # not the packer, which runs until the end
 
 WAVE2=$(( $(left) - 15 ))
 part throughput "$WAVE2" bash scripts/gpu_throughput.sh "$WORK/throughput" $(( WAVE2 - 10 )) \
     --batch-sizes 1,8,32,64 --rounds 1 --methods none,none-v1-sync,ngram,eagle3,tree-retrieval &
+PARTS=$!
 part greedy "$WAVE2" python3 -m pytest -q -p no:cacheprovider -rfE \
     "tests/test_gpu_engine.py::test_greedy_equals_no_speculation_on_gpu[TRITON_ATTN-retrieval]" \
     "tests/test_gpu_engine.py::test_greedy_equals_no_speculation_on_gpu[FLASH_ATTN-retrieval]" &
-wait
+wait $PARTS $!
 
 kill "$PACKER" 2>/dev/null
 cp "$OUT/summary.txt" "$WORK/summary.txt"
