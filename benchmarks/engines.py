@@ -328,6 +328,46 @@ def _with_runner_env(value: str | None, open_llm):
             os.environ[RUNNER_ENV] = previous
 
 
+def memory_problem(jobs: dict[str, dict], together: bool, available: int | None) -> str | None:
+    """Why the jobs' engines cannot fit this machine's ``available`` bytes of
+    memory, or None: each engine's KV cache (sized as it will ask vLLM for,
+    ``kv_cache_size``) plus its model's weights, all at once when
+    ``together`` (interleaved engines), else the largest. A lower bound of
+    what the engines take, so it refuses only runs that cannot start."""
+    if available is None:
+        return None
+    from vllm_adaptive_spec.kv_cache_size import kv_cache_bytes
+
+    needs = {}
+    for name, job in jobs.items():
+        kv = kv_cache_bytes(job["model"], max_model_len=job["max_model_len"], max_num_seqs=job["max_num_seqs"],
+                            dtype=job["dtype"], speculative_config=job.get("speculative_config"))
+        needs[name] = kv + sum(f.stat().st_size for f in Path(job["model"]).glob("*.safetensors"))
+    total = sum(needs.values()) if together else max(needs.values())
+    if total <= available:
+        return None
+    each = ", ".join(f"{name} {need / 2**30:.1f} GiB" for name, need in needs.items())
+    how = "together" if together else "at most one at a time"
+    return (f"the engines need {total / 2**30:.1f} GiB {how} (KV cache and weights: {each}) and this machine has "
+            f"{available / 2**30:.1f} GiB available; use fewer methods, smaller batch sizes, shorter prompts or "
+            "--engine-per method")
+
+
+def available_memory() -> int | None:
+    """Host memory available to new engines (``MemAvailable``), or None where
+    engines live on a GPU or the figure is unknown."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def is_tree_method(job: dict) -> bool:
     return (job["speculative_config"] or {}).get("method") == "adaptive_tree"
 

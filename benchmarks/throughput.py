@@ -330,8 +330,12 @@ def main(argv: list[str] | None = None) -> None:
     results: list[tuple[str, list[int], int, dict]] = []
     if suffix_error is not None:
         results.append(("suffix", batch_sizes, max(batch_sizes), {"runs": [], "error": suffix_error}))
+    planned = {m: job_for(m, batch_sizes, max(batch_sizes)) for m in runnable}
+    problem = engines.memory_problem(planned, args.engine_per == "interleaved", engines.available_memory())
+    if problem:
+        raise SystemExit(f"throughput.py: {problem}")
     if args.engine_per == "interleaved":
-        jobs = {m: job_for(m, batch_sizes, max(batch_sizes)) for m in runnable}
+        jobs = planned
         done = engines.run_interleaved(jobs, work, args.rounds, args.worker_timeout, env_for, log, lambda name: script,
                                        start_together=args.start_together)
         results += [(m, batch_sizes, max(batch_sizes), done[m]) for m in runnable]

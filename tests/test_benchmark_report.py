@@ -252,3 +252,16 @@ def test_interleaved_engines_start_one_by_one_or_together(tmp_path, together):
     # One by one, the k-th engine starts beside the k - 1 before it; together, all three are up at once.
     seen = sorted(result["runs"][0]["engines_up"] for result in done.values())
     assert seen == ([3, 3, 3] if together else [1, 2, 3])
+
+
+def test_a_run_that_cannot_fit_its_engines_says_so_before_it_starts(demo_model):
+    """Five engines of 16 requests of 4,096 tokens each, all at once, on a
+    machine with 8 GiB available: refused, naming each engine's need and what
+    the machine has; one at a time, or with room, it may start."""
+    job = {"model": demo_model, "dtype": "float32", "max_model_len": 4096, "max_num_seqs": 16,
+           "speculative_config": None}
+    jobs = {f"m{k}": job for k in range(5)}
+    problem = engines.memory_problem(jobs, together=True, available=8 * 2**30)
+    assert problem is not None and "m0 " in problem and "8.0 GiB available" in problem
+    assert engines.memory_problem(jobs, together=False, available=8 * 2**30) is None
+    assert engines.memory_problem(jobs, together=True, available=None) is None
