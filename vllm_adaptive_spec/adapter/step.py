@@ -171,9 +171,10 @@ def build_step(
         node_offsets.append(depths[b, : len(tree)] - torch.arange(1, len(tree) + 1))
     branching = [k for k, tree in enumerate(trees) if tree.branches()]
     lengths = [query_lens[k] for k in branching]
+    host_query_mask = torch.cat(masks)
     host = [
         torch.tensor(batch_indices), host_batch.tokens, host_batch.parents, host_batch.num_nodes, ancestors,
-        torch.cat(rows), torch.tensor(starts), torch.cat(masks), torch.cat(node_rows), torch.cat(node_offsets),
+        torch.cat(rows), torch.tensor(starts), host_query_mask, torch.cat(node_rows), torch.cat(node_offsets),
         torch.tensor(roots),
     ]
     if branching:
@@ -183,7 +184,6 @@ def build_step(
             torch.tensor([0, *itertools.accumulate(lengths)]),
             torch.cat([masks[k][:, : max(lengths)] for k in branching]),
         ]
-    host_query_mask = host[7]
     moved = packed_to_device(host, device)
     indices, tokens, parents, num_nodes, ancestors_d, query_rows, query_start_loc, query_mask, n_rows, n_offsets = moved[:10]
     attention = None

@@ -5,7 +5,8 @@ device has run everything queued before it, which inside a step means the
 whole forward so far (issue 52: about 13 such copies a step). A step's host
 tensors go instead into one pinned buffer that travels in one non-blocking
 copy; PyTorch's pinned allocator keeps the buffer alive until the copy ran.
-On the CPU the same code is one plain copy.
+Off CUDA the host tensors already are where the step needs them: nothing is
+packed or copied.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from vllm.utils.torch_utils import PIN_MEMORY
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """One host list or tensor on ``device``, copied without a wait."""
-    return packed_to_device([torch.as_tensor(values, dtype=dtype)], device)[0].to(dtype)
+    host = torch.as_tensor(values, dtype=dtype)
+    if not _is_cuda(device):
+        return host
+    return (host.pin_memory() if PIN_MEMORY else host).to(device, non_blocking=PIN_MEMORY)
 
 
 def copy_to_device(dest: torch.Tensor, host: torch.Tensor) -> None:
@@ -28,12 +32,17 @@ def copy_to_device(dest: torch.Tensor, host: torch.Tensor) -> None:
 
 def packed_to_device(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Host tensors on ``device`` in one pinned, non-blocking copy: packed as
-    int64 into one buffer, split there and reshaped (bool parts come back as
-    int64 0 / 1; the caller casts)."""
-    pinned = PIN_MEMORY and torch.device(device).type == "cuda"
+    int64 into one buffer, split there and reshaped (on CUDA bool parts come
+    back as int64 0 / 1; the caller casts). Off CUDA: the parts as they are."""
+    if not _is_cuda(device):
+        return list(parts)
     flat = torch.cat([part.reshape(-1).to(torch.int64) for part in parts]) if parts else torch.empty(0, dtype=torch.int64)
-    if pinned:
+    if PIN_MEMORY:
         flat = flat.pin_memory()
-    moved = flat.to(device, non_blocking=pinned)
+    moved = flat.to(device, non_blocking=PIN_MEMORY)
     sizes = [part.numel() for part in parts]
     return [piece.view(part.shape) for piece, part in zip(moved.split(sizes), parts)]
+
+
+def _is_cuda(device) -> bool:
+    return torch.device(device).type == "cuda"
