@@ -155,11 +155,8 @@ def test_tree_rows_read_the_cache_the_backend_wrote(monkeypatch, cls, dtype, ord
     assert torch.equal(value_view[case.slots // BLOCK, case.slots % BLOCK], case.values)
 
     output = torch.zeros(case.query.shape[0], HEADS * HEAD_DIM, dtype=dtype, device=DEVICE)
-    tree_step.publish(case.rows)
-    try:
+    with tree_step.published(case.rows):
         impl.forward(layer, case.query, None, None, kv_cache, case.metadata, output)
-    finally:
-        tree_step.publish(None)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(output.view_as(case.query).float(), case.expected.float(), atol=tolerance, rtol=tolerance)
 
@@ -174,11 +171,8 @@ def test_the_test_sees_a_wrong_layout(monkeypatch):
     kv_cache = layer_cache(case.num_blocks, "LBNHC", torch.float32).to(DEVICE)
     impl.do_kv_cache_update(layer, case.keys, case.values, kv_cache, case.slots)
     output = torch.zeros(case.query.shape[0], HEADS * HEAD_DIM, device=DEVICE)
-    tree_step.publish(case.rows)
-    try:
+    with tree_step.published(case.rows):
         impl.forward(layer, case.query, None, None, kv_cache, case.metadata, output)
-    finally:
-        tree_step.publish(None)
     assert not torch.allclose(output.view_as(case.query), case.expected, atol=1e-2)
 
 

@@ -115,13 +115,10 @@ def test_a_draft_free_step_replays_a_full_graph_and_a_tree_step_does_not():
     # A chain step of 2 requests x 17 rows keeps vLLM's own FULL graph.
     assert d.dispatch(34, uniform_decode=True) == (Mode.FULL, BatchDescriptor(num_tokens=34, num_reqs=2, uniform=True))
     # A branching tree step never replays a FULL graph.
-    try:
-        branching = tree_step.TreeStep.__new__(tree_step.TreeStep)
-        branching.attention = object()
-        tree_step.publish(branching)
+    branching = tree_step.TreeStep.__new__(tree_step.TreeStep)
+    branching.attention = object()
+    with tree_step.published(branching):
         assert d.dispatch(34, uniform_decode=True)[0] == Mode.PIECEWISE
-    finally:
-        tree_step.publish(None)
 
 
 class RecordingRunner:

@@ -149,7 +149,6 @@ class PagedDraftBackend:
         if not batch_rows:
             return 0.0
         own_share = own_rows / sum(len(t) for t in tokens)
-        tree_step.publish(None)
         self._feed_oldest(tokens, pos, aux, batch_rows, block_table)
         logits, out_hidden, last = self._feed_rows(tokens, pos, aux, batch_rows, block_table, drafting)
         if not drafting:
@@ -379,24 +378,21 @@ class PagedDraftBackend:
         # plain causal decoding: vLLM's own kernel serves it.
         request_of_row = torch.repeat_interleave(torch.arange(requests.shape[0]), per_request.long())
         causal = bool((per_request == 1).all()) and bool((mask.sum(1) == window[request_of_row]).all())
+        step = None
         if not causal:
             device = self.runner.device
-            tree_step.publish(
-                tree_step.DraftStep(
-                    batch_indices=torch.arange(requests.shape[0], device=device),
-                    query_rows=torch.arange(node.shape[0], device=device),
-                    query_start_loc=starts.to(device),
-                    query_mask=mask.to(device),
-                    window_lens=window.to(device, torch.int32),
-                    max_query_len=int(per_request.max()),
-                )
+            step = tree_step.DraftStep(
+                batch_indices=torch.arange(requests.shape[0], device=device),
+                query_rows=torch.arange(node.shape[0], device=device),
+                query_start_loc=starts.to(device),
+                query_mask=mask.to(device),
+                window_lens=window.to(device, torch.int32),
+                max_query_len=int(per_request.max()),
             )
-        try:
+        with tree_step.published(step):
             logits, out_hidden = self._run(
                 tokens[b_idx, f_idx], positions, hidden, slots, starts, seq_lens, self._block_table[self.rows[requests]]
             )
-        finally:
-            tree_step.publish(None)
         if out_hidden is not None:
             self.hidden[b_idx, node] = out_hidden
         for mine, theirs in zip(out, self._distribution(logits)):

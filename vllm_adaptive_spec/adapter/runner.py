@@ -5,8 +5,10 @@ Per engine step:
 1. ``_prepare_inputs``: after vLLM lays out the batch (sequential positions,
    hence sequential KV slots ``p0 + i``), each request's scheduled drafts are
    matched to its tree (a breadth-first prefix, as the scheduler may cut the
-   list), node positions become ``p0 + depth``, and the step's layout is
-   published for the attention impl.
+   list) and node positions become ``p0 + depth``. The runner holds the
+   step's layout (:class:`~vllm_adaptive_spec.adapter.step.TreeStep`) until
+   its verification and publishes it while vLLM picks the step's graph, runs
+   its forward and samples it (:meth:`TreeRunnerMixin._step_published`).
 2. the forward: tree rows attend to the prefix, their ancestors and themselves.
 3. ``rejection_sampler`` is the :class:`TreeVerifier`; right after acceptance
    the accepted nodes' KV moves to slots ``p0 + 1 .. p0 + a`` in every layer,
@@ -25,6 +27,7 @@ owns the draft layers), and the runner keeps a proposer beside it.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -105,6 +108,7 @@ class TreeRunnerMixin:
         self._step_started = time.perf_counter()
         self._discarded_generators: dict[int, torch.Tensor] = {}
         self._branching_trees = 0  # this step's requests whose tree branches
+        self._tree_step: tree_step.TreeStep | None = None  # the step in flight, from layout to verification
         self._accepted_rows: dict[int, list[int]] = {}
         self._pending_acceptance: PendingAcceptance | None = None
         self._draft_backend = None
@@ -148,8 +152,35 @@ class TreeRunnerMixin:
         self._discarded_generators = self._discarded_cpu_generators()
         step = self._layout_trees(scheduler_output, num_scheduled_tokens)
         self._branching_trees = 0 if step is None or step.attention is None else len(step.attention.batch_indices)
-        tree_step.publish(step)
+        self._tree_step = step
         return result
+
+    @contextmanager
+    def _step_published(self):
+        """The step in flight published for one of vLLM's phases (nothing is
+        published when none is: a dummy run's phases, or a step without trees)."""
+        if self._tree_step is None:
+            yield
+            return
+        with tree_step.published(self._tree_step):
+            yield
+
+    def _determine_batch_execution_and_padding(self, *args, **kwargs):
+        with self._step_published():  # a branching step may not replay a FULL graph (``cudagraphs``)
+            return super()._determine_batch_execution_and_padding(*args, **kwargs)
+
+    def _model_forward(self, *args, **kwargs):
+        with self._step_published():
+            return super()._model_forward(*args, **kwargs)
+
+    def _sample(self, *args, **kwargs):
+        """vLLM's sampling, whose verifier is the :class:`TreeVerifier`; the
+        step's last phase, after which the runner lets it go."""
+        try:
+            with self._step_published():
+                return super()._sample(*args, **kwargs)
+        finally:
+            self._tree_step = None
 
     def _prepare_without_drafts(self, scheduler_output, num_scheduled_tokens):
         """A step in which no request has drafts (every step of a paused

@@ -2,9 +2,12 @@
 it), the attention impl and the verifier (which read it): a target step
 (:class:`TreeStep`) or one tree-drafting pass (:class:`DraftStep`).
 
-vLLM's attention metadata has no channel for a per-request mask, so the
-runner publishes the step here before the forward and clears it after
-verification. Dummy and profiling runs see ``None`` and stay causal.
+vLLM's attention metadata has no channel for a per-request mask, so a step
+is published here, by :func:`published` only, for the phases that read it:
+the runner's step from its layout to its verification (while vLLM picks
+its graph, runs the forward and samples), a drafting pass for its forward,
+a graph's capture for the capture. Dummy and profiling runs see ``None``
+and stay causal.
 """
 
 from __future__ import annotations
@@ -110,23 +113,22 @@ class TreeStep:
 _current: TreeStep | DraftStep | UniformRows | None = None
 
 
-def publish(step: TreeStep | DraftStep | UniformRows | None) -> None:
-    global _current
-    _current = step
-
-
 def current() -> TreeStep | DraftStep | UniformRows | None:
+    """The step published now, if any."""
     return _current
 
 
 @contextmanager
-def published(step: TreeStep | DraftStep | UniformRows):
-    """``step`` published for the duration (a graph's capture)."""
-    publish(step)
+def published(step: TreeStep | DraftStep | UniformRows | None):
+    """``step`` published for the duration (``None``: every row causal);
+    what was published before comes back after (a uniform step's capture
+    runs vLLM's phases inside it)."""
+    global _current
+    previous, _current = _current, step
     try:
         yield step
     finally:
-        publish(None)
+        _current = previous
 
 
 def uniform_rows(step) -> UniformRows | None:

@@ -218,7 +218,6 @@ class TreeVerifier(torch.nn.Module):
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None or sampling_metadata.logprob_token_ids:
             logprobs = self._logprobs(logits, starts, output, step, acceptance, sampling_metadata)
-        tree_step.publish(None)
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
 
     @staticmethod
