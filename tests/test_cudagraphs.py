@@ -25,8 +25,10 @@ from vllm_adaptive_spec.adapter.cudagraphs import (
     plugin_batch_sizes,
     uniform_tree_rows,
 )
+from vllm_adaptive_spec.adapter.runner import TreeRunnerMixin
 from vllm_adaptive_spec.step_widths import step_widths
 from vllm_adaptive_spec.tree import DraftTree
+from vllm_adaptive_spec.tree_buffers import TreeBuffers
 
 SPEC_TOKENS = 16  # vLLM's uniform decode batches: 17 rows a request
 SIZES = [17, 34, 51, 68]  # vLLM rounds capture sizes to multiples of 17 under speculation
@@ -207,7 +209,14 @@ def test_a_branching_uniform_step_replays_its_full_graph():
                                                                                      uniform=True))
 
 
-class TreeGraphsRunner(DecodeGraphsMixin, RecordingRunner):
+class TreeGraphsRunnerBase(RecordingRunner):
+    """The tree runner's own layout under the mixin (its vLLM parts faked)."""
+
+    _set_depth_positions = TreeRunnerMixin._set_depth_positions
+    _lay_out = TreeRunnerMixin._lay_out
+
+
+class TreeGraphsRunner(DecodeGraphsMixin, TreeGraphsRunnerBase):
     def __init__(self) -> None:
         RecordingRunner.__init__(self)
         self.cudagraph_dispatcher.tree_rows = frozenset({3, 5, 17})
@@ -243,19 +252,25 @@ def test_a_failed_capture_drops_its_key_and_the_step_runs_piecewise():
 
 
 def test_a_uniform_steps_masks_reach_the_persistent_buffer():
-    """Every request's row masks (its tree's; causal for a request without
-    one) are copied into the buffer the graphs read, and the step's rows are
-    the graph-safe ones."""
+    """A uniform step is laid out from the persistent tree buffers, every
+    request's row masks (its tree's; causal for a request without one) reach
+    the buffer the graphs read, node rows get their depth positions, and the
+    step's rows are the graph-safe ones."""
     runner = TreeGraphsRunner()
     runner.input_batch = SimpleNamespace(num_reqs=3)
+    runner.tree_buffers = TreeBuffers(max_reqs=3, capacity=16, device=torch.device("cpu"))
+    runner.device, runner.positions = torch.device("cpu"), torch.arange(9)
     tree = DraftTree(tokens=[5, 6], parents=[-1, -1], q=[0.6, 0.4])
-    built = tree_step.build_step([0, 2], [tree, DraftTree.chain([7])], [0, 6], [3, 3], torch.device("cpu"), [0, 1])
-    step = runner._graph_rows(built, np.array([3, 3, 3]))
+    layout = ([0, 2], [tree, DraftTree.chain([7])], [0, 6], [3, 3], [0, 1])
+    step = runner._lay_out(*layout, np.array([3, 3, 3]))
     assert step.attention is None and step.uniform.rows == 3 and step.uniform.mask is runner.uniform_mask
     assert runner.uniform_mask[:9, :3].int().tolist() == [
         [1, 0, 0], [1, 1, 0], [1, 0, 1],  # the branching tree
         [1, 0, 0], [1, 1, 0], [1, 1, 1],  # no tree: causal
         [1, 0, 0], [1, 1, 0], [1, 0, 0],  # a chain of one, then a padding row
     ]
+    assert runner.positions.tolist() == [0, 1, 1, 3, 4, 5, 6, 7, 8]  # siblings share a depth
     # A step that is not uniform keeps the ragged tree path.
-    assert runner._graph_rows(built, np.array([3, 1, 3])) is built
+    ragged = runner._lay_out(*layout, np.array([3, 1, 3]))
+    assert ragged.uniform is None and ragged.attention is not None
+

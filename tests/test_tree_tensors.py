@@ -1,5 +1,5 @@
-"""The step's device part at fixed capacity (issue 52): equal to the
-reference path on random trees, ties included; traced whole by
+"""The step's device part at fixed capacity (issue 52), from the persistent
+tree buffers: equal to the reference path on random trees, ties included; traced whole by
 ``torch.compile(fullgraph=True)`` (no host read, no data-dependent shape);
 the same torch operations whatever the batch and the width."""
 
@@ -16,6 +16,7 @@ from test_verify import naive_accept
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_adaptive_spec.tree import DraftTree, TreeBatch
+from vllm_adaptive_spec.tree_buffers import TreeBuffers
 from vllm_adaptive_spec.tree_tensors import (
     TreeTensors,
     greedy_targets,
@@ -52,10 +53,20 @@ def random_step(seed: int, batch: int, width: int):
     return trees, TreeTensors.from_trees(trees, width), logits, base
 
 
-def device_step(tree: TreeTensors, base: torch.Tensor, logits: torch.Tensor, noise: torch.Tensor, max_drafts: int):
-    """The step's device part: layout, greedy and sampled acceptance, the
-    output and the KV moves, and a selection within half the width."""
-    batch, width = tree.tokens.shape
+def buffered(trees: list[DraftTree], width: int) -> tuple[TreeBuffers, torch.Tensor]:
+    """The trees in persistent buffers wider than the step, in slots that
+    are not their batch order (vLLM's reordering: the index map)."""
+    buffers = TreeBuffers(len(trees) + 3, width + 5, torch.device("cpu"))
+    return buffers, buffers.write(buffers.host_rows(list(range(len(trees) + 2, 2, -1)), trees))
+
+
+def device_step(buffers: TreeBuffers, slots: torch.Tensor, width: int, base: torch.Tensor, logits: torch.Tensor,
+                noise: torch.Tensor, max_drafts: int):
+    """The step's device part: the trees read from the buffers, layout,
+    greedy and sampled acceptance, the output and the KV moves, and a
+    selection within half the width."""
+    tree = buffers.read(slots, width)
+    batch = tree.tokens.shape[0]
     first_rows = torch.arange(batch, device=base.device) * (1 + width) + 1
     greedy = verify_step(tree, greedy_targets(logits, batch), first_rows, max_drafts)
     sampled = verify_step(tree, sampled_targets(logits.softmax(-1), noise, batch), first_rows, max_drafts)
@@ -114,9 +125,11 @@ def test_verify_step_equals_the_naive_walk(seed):
 def test_the_device_step_compiles_whole_and_equals_eager(batch, width):
     torch._dynamo.reset()
     trees, tree, logits, base = random_step(2, batch, width)
+    buffers, slots = buffered(trees, width)
     noise = torch.empty_like(logits).exponential_(generator=torch.Generator().manual_seed(3))
     compiled = torch.compile(device_step, fullgraph=True, dynamic=False, backend="aot_eager")
-    eager, traced = device_step(tree, base, logits, noise, width + 2), compiled(tree, base, logits, noise, width + 2)
+    eager = device_step(buffers, slots, width, base, logits, noise, width + 2)
+    traced = compiled(buffers, slots, width, base, logits, noise, width + 2)
     assert len(leaves(traced)) == len(leaves(eager)) == 19
     for got, want in zip(leaves(traced), leaves(eager)):
         assert torch.equal(got, want)
@@ -144,10 +157,11 @@ class OpCounter(TorchDispatchMode):
 
 
 def dispatched(batch: int, width: int) -> Counter:
-    _, tree, logits, base = random_step(4, batch, width)
+    trees, _, logits, base = random_step(4, batch, width)
+    buffers, slots = buffered(trees, width)
     noise = torch.ones_like(logits)
     with OpCounter() as counter:
-        device_step(tree, base, logits, noise, width)
+        device_step(buffers, slots, width, base, logits, noise, width)
     return counter.ops
 
 

@@ -28,8 +28,9 @@ keyed ``(b * R, b, uniform)`` for every plugin batch size ``b`` and every
 width ``W`` (vLLM's own ``R = 1 + num_speculative_tokens`` too) and replays
 a FULL graph in which every attention layer runs the tree kernel's
 graph-safe launch over all rows (``TreeImplMixin``), reading its masks from
-one persistent buffer the runner fills before the step
-(:class:`~vllm_adaptive_spec.adapter.step.UniformRows`). So these graphs are
+one persistent buffer the runner fills on the device before the step, from
+the trees in the persistent tree buffers (``tree_buffers``;
+:class:`~vllm_adaptive_spec.adapter.step.UniformRows`). So these graphs are
 captured with that step published: a graph captured without it would have
 frozen vLLM's causal kernel in. A capture that fails drops its key (the
 step then runs PIECEWISE) with one log line.
@@ -47,8 +48,8 @@ from vllm.forward_context import BatchDescriptor
 from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
 from vllm_adaptive_spec.adapter import step as tree_step
-from vllm_adaptive_spec.adapter.transfer import copy_to_device
 from vllm_adaptive_spec.step_widths import step_widths
+from vllm_adaptive_spec.tree_buffers import TreeBuffers
 
 logger = init_logger(__name__)
 
@@ -190,6 +191,7 @@ class DecodeGraphsMixin:
     runner and its dispatcher; for those steps and keys it is their own."""
 
     uniform_mask: torch.Tensor | None = None  # [max tokens, max rows]: each row's visible rows
+    tree_buffers: TreeBuffers | None = None  # a uniform step's trees, one row per batch slot
 
     def __init__(self, vllm_config, device) -> None:
         super().__init__(vllm_config, device)
@@ -204,6 +206,7 @@ class DecodeGraphsMixin:
         # (vLLM's, whose token comes from the root's row) reads the buffer as it was.
         self.uniform_mask = torch.zeros(max_tokens, max(rows), dtype=torch.bool, device=device)
         self.uniform_mask[:, 0] = True
+        self.tree_buffers = TreeBuffers(vllm_config.scheduler_config.max_num_seqs, max(rows) - 1, device)
 
     @contextmanager
     def _rows_a_request(self, rows: int):
@@ -244,16 +247,28 @@ class DecodeGraphsMixin:
                 logger.warning("adaptive_tree: capturing the tree step %s failed (%s); it runs PIECEWISE", desc, exc)
                 return None
 
-    def _graph_rows(self, step: tree_step.TreeStep | None, num_scheduled_tokens) -> tree_step.TreeStep | None:
-        """A uniform tree step's rows for the tree kernel's graph-safe launch:
-        every request's row masks (its tree's, causal for the rest) copied
-        into the persistent buffer the captured graphs read."""
+    def _uniform_graph_rows(self, num_scheduled_tokens) -> int | None:
+        """The rows a request of this step has, if it is a uniform tree step
+        the captured graphs serve (every request the same ``1 + W`` rows)."""
         num_reqs = self.input_batch.num_reqs
         rows = int(num_scheduled_tokens[0]) if num_reqs else 0
-        if (step is None or self.uniform_mask is None or rows not in self.cudagraph_dispatcher.tree_rows
-                or rows == 1 or not (num_scheduled_tokens[:num_reqs] == rows).all()):
-            return step
-        masks = torch.ones(num_reqs, rows, rows, dtype=torch.bool).tril()
-        masks[step.host_batch_indices] = step.host_query_mask.view(-1, rows, rows)
-        copy_to_device(self.uniform_mask[: num_reqs * rows, :rows], masks.view(-1, rows))
-        return replace(step, attention=None, uniform=tree_step.UniformRows(self.uniform_mask, rows))
+        if (self.uniform_mask is None or rows == 1 or rows not in self.cudagraph_dispatcher.tree_rows
+                or not (num_scheduled_tokens[:num_reqs] == rows).all()):
+            return None
+        return rows
+
+    def _lay_out(self, batch_indices, trees, starts, lengths, paddings, num_scheduled_tokens):
+        """A uniform tree step is laid out on the device from the persistent
+        tree buffers (``build_uniform_step``), and every request's row masks
+        (its tree's, causal for a request without one) go to the persistent
+        buffer the captured graphs read; any other step keeps the ragged layout."""
+        rows = self._uniform_graph_rows(num_scheduled_tokens)
+        if rows is None:
+            return super()._lay_out(batch_indices, trees, starts, lengths, paddings, num_scheduled_tokens)
+        step = tree_step.build_uniform_step(batch_indices, trees, rows, self.tree_buffers, self.device)
+        self._set_depth_positions(step)
+        num_reqs = self.input_batch.num_reqs
+        masks = self.uniform_mask[: num_reqs * rows, :rows].view(num_reqs, rows, rows)
+        masks.copy_(torch.ones(rows, rows, dtype=torch.bool, device=masks.device).tril())
+        masks.index_copy_(0, step.batch_indices, step.query_mask.view(-1, rows, rows))
+        return replace(step, uniform=tree_step.UniformRows(self.uniform_mask, rows))

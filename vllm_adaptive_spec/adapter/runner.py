@@ -256,19 +256,20 @@ class TreeRunnerMixin:
         if not trees:
             return None
         order = sorted(range(len(trees)), key=lambda k: batch_indices[k])
-        step = tree_step.build_step(
+        return self._lay_out(
             [batch_indices[k] for k in order],
             [trees[k] for k in order],
             [starts[k] for k in order],
             [lengths[k] for k in order],
-            self.device,
             [paddings[k] for k in order],
+            num_scheduled_tokens,
         )
-        self._set_depth_positions(step)
-        return self._graph_rows(step, num_scheduled_tokens)
 
-    def _graph_rows(self, step: tree_step.TreeStep, num_scheduled_tokens) -> tree_step.TreeStep:
-        """The step as CUDA graphs replay it (``cudagraphs.DecodeGraphsMixin``); unchanged without graphs."""
+    def _lay_out(self, batch_indices, trees, starts, lengths, paddings, num_scheduled_tokens) -> tree_step.TreeStep:
+        """The step's trees laid out over its rows (:func:`~vllm_adaptive_spec.adapter.step.build_step`,
+        ``cudagraphs.DecodeGraphsMixin`` for a step CUDA graphs replay), node rows at ``p0 + depth``."""
+        step = tree_step.build_step(batch_indices, trees, starts, lengths, self.device, paddings)
+        self._set_depth_positions(step)
         return step
 
     def _set_depth_positions(self, step: tree_step.TreeStep) -> None:

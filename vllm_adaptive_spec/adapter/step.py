@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_adaptive_spec.adapter.transfer import packed_to_device
+from vllm_adaptive_spec.adapter.transfer import packed_to_device, to_device
 from vllm_adaptive_spec.tree import DraftTree, TreeBatch
+from vllm_adaptive_spec.tree_buffers import TreeBuffers
+from vllm_adaptive_spec.tree_tensors import row_visibility
 
 
 @dataclass
@@ -214,4 +216,37 @@ def build_step(
         root_rows=moved[10],
         host_query_mask=host_query_mask,
         attention=attention,
+    )
+
+
+def build_uniform_step(
+    slots: list[int], trees: list[DraftTree], rows: int, buffers: TreeBuffers, device: torch.device,
+) -> TreeStep:
+    """Lay out a uniform step (every request of the batch ``rows`` query
+    rows: root, its tree's nodes, then padding; ``step_widths``) from the
+    persistent tree buffers: the trees (of batch rows ``slots``) travel in
+    one pinned, non-blocking copy, and every row index, position offset and
+    mask is derived from them on the device, in operations whose count
+    depends on neither the batch nor the width. The same layout as
+    :func:`build_step` gives such a step, at the step's width."""
+    width = rows - 1
+    index = buffers.write(to_device(buffers.host_rows(slots, trees), torch.long, device))
+    tree = buffers.read(index, width)
+    base = index * rows  # each request's first row, its root's
+    nodes = torch.arange(width, device=base.device)
+    host_first_rows = [slot * rows for slot in slots]
+    return TreeStep(
+        batch_indices=index,
+        trees=trees,
+        tree_batch=tree.batch,
+        ancestors=tree.ancestors,
+        query_rows=(base.unsqueeze(1) + torch.arange(rows, device=base.device)).flatten(),
+        query_start_loc=torch.arange(len(trees) + 1, dtype=torch.int32, device=base.device) * rows,
+        query_mask=row_visibility(tree).flatten(0, 1),
+        host_batch_indices=list(slots),
+        host_first_rows=host_first_rows,
+        host_root_rows=host_first_rows,
+        node_rows=(base.unsqueeze(1) + 1 + nodes).flatten(),
+        node_offsets=torch.where(tree.valid(), tree.depth - 1 - nodes, 0).flatten(),
+        root_rows=base,
     )

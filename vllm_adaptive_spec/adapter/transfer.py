@@ -23,13 +23,6 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return (host.pin_memory() if PIN_MEMORY else host).to(device, non_blocking=PIN_MEMORY)
 
 
-def copy_to_device(dest: torch.Tensor, host: torch.Tensor) -> None:
-    """``host`` into the device tensor ``dest`` (a persistent buffer), pinned and non-blocking."""
-    if PIN_MEMORY and dest.is_cuda:
-        host = host.pin_memory()
-    dest.copy_(host, non_blocking=dest.is_cuda)
-
-
 def packed_to_device(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Host tensors on ``device`` in one pinned, non-blocking copy: packed as
     int64 into one buffer, split there and reshaped (on CUDA bool parts come
