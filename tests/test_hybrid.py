@@ -122,3 +122,22 @@ def test_the_retrieval_trie_has_a_budget_of_its_own():
     assert not proposer.drafting_this_step()
     drafts = proposer.propose_trees(["a", "b"], [[6], [11]], np.array([8, 8]), tokens, [True, True], drafting=False)
     assert drafts == [[], []] and trie._paused == 1
+
+
+def test_uniform_steps_give_both_budgets_the_width_choice_over_one_cost_table():
+    """With uniform steps on, the model's and the trie's budgets choose
+    widths from one table of measured step shapes (decode-only steps of one
+    row count feed it), and still share one step-cost fit."""
+    from test_policies import proposer_for
+    from vllm_adaptive_spec.config import TreeConfig
+    from vllm_adaptive_spec.width_budget import WidthBudget
+
+    proposer = proposer_for(TreeConfig("hybrid", "dynatree", 8, {"l_max": 2, "evidence_prior": 0.0}, {"window": 1}))
+    proposer.uniform((2, 4, 8), batch_sizes=(1, 2, 4, 8))
+    model, trie = proposer.load_budget, proposer.paused_budget
+    assert isinstance(model, WidthBudget) and isinstance(trie, WidthBudget)
+    assert model.table is trie.table is proposer.cost_table and model.fit is trie.fit
+    assert model.realized and not trie.realized
+    proposer.observe_step(3 * 5, 0.02, 0, uniform_rows=5)  # 3 requests of 5 rows: the graph of 4
+    proposer.observe_step(20, 0.03, 12)  # prompt chunks: not a step shape of the table
+    assert proposer.cost_table.measured(4, 5) == 0.02 and model.fit.steps_seen == 2

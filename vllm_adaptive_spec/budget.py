@@ -429,23 +429,8 @@ class LoadBudget:
         The nodes of ``trees`` below the :meth:`floor` handed out for this
         step are dropped first (the floor then expires), so no node below it
         is kept whatever this step's drafting time turned out to be."""
-        self._settle()
-        step_floor, self._step_floor = self._step_floor, 0.0
-        if step_floor > 0.0:
-            trees = [_at_least(tree, step_floor) for tree in trees]
-        ids = request_ids or [None] * len(trees)
-        for request_id in ids:  # a request's record fades a step at a time, verified or not
-            record = self._requests.get(request_id)
-            if record is not None:
-                record[0] *= self.request_decay
-                record[1] *= self.request_decay
-        rhos = [self.calibration(request_id) for request_id in ids]
-
-        def expected(trees: list[DraftTree], rhos: list[float]) -> list[np.ndarray]:
-            return [np.sort(np.asarray(t.path_probabilities(), dtype=np.float64))[::-1][: self.max_budget] * rho
-                    for t, rho in zip(trees, rhos)]
-
-        p_hat = expected(trees, rhos)
+        trees, ids, rhos = self._calibrated(trees, request_ids)
+        p_hat = self.expected(trees, rhos)
         fit = self.fit.solve()
         if fit is None:
             wanted = [int((v >= self.cold_min_p).sum()) for v in p_hat]
@@ -495,7 +480,7 @@ class LoadBudget:
         without = (len(trees) + plain) / plain_seconds
         if fallback is not None:
             scorer = fallback_budget or self
-            without = max(without, plan(expected(fallback, [scorer.calibration(r) for r in ids]), 0.0)[2])
+            without = max(without, plan(self.expected(fallback, [scorer.calibration(r) for r in ids]), 0.0)[2])
         measurable = bool(trees) and delta > 0.0
         seconds = 0.0
         if self.realized:  # the step's modelled cost, for judging it on what it commits (_settle)
@@ -503,6 +488,30 @@ class LoadBudget:
                        + eta * sum(1 for t in chosen if len(t)) + xi * sum(1 for t in chosen if t.branches()))
         self._account(with_drafting if measurable else None, without, len(trees) + plain, seconds, plain_seconds)
         return chosen
+
+    def _calibrated(
+        self, trees: list[DraftTree], request_ids: list[str] | None
+    ) -> tuple[list[DraftTree], list[str | None], list[float]]:
+        """What every :meth:`choose` starts from: the last measured step
+        judged, ``trees`` without their nodes below this step's floor (which
+        then expires), each request's record faded by a step, and each
+        tree's calibration ``rho``."""
+        self._settle()
+        step_floor, self._step_floor = self._step_floor, 0.0
+        if step_floor > 0.0:
+            trees = [_at_least(tree, step_floor) for tree in trees]
+        ids = request_ids or [None] * len(trees)
+        for request_id in ids:  # a request's record fades a step at a time, verified or not
+            record = self._requests.get(request_id)
+            if record is not None:
+                record[0] *= self.request_decay
+                record[1] *= self.request_decay
+        return trees, ids, [self.calibration(request_id) for request_id in ids]
+
+    def expected(self, trees: list[DraftTree], rhos: list[float]) -> list[np.ndarray]:
+        """Each tree's ``p_hat`` (path probability times ``rho``) in keep order, descending."""
+        return [np.sort(np.asarray(t.path_probabilities(), dtype=np.float64))[::-1][: self.max_budget] * rho
+                for t, rho in zip(trees, rhos)]
 
     def _account(
         self, with_drafting: float | None, without: float, tokens: int = 0, seconds: float = 0.0,

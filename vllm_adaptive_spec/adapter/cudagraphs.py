@@ -85,6 +85,15 @@ def plugin_batch_sizes(max_num_seqs: int, max_tokens: int) -> list[int]:
     return sorted({size for size in pattern if size < limit} | {limit}) if limit >= 1 else []
 
 
+def graph_batch_sizes(vllm_config) -> tuple[int, ...]:
+    """The batch sizes a decode step is padded to where graphs replay it
+    (:func:`plugin_batch_sizes`); none without graphs."""
+    compilation, scheduler = vllm_config.compilation_config, vllm_config.scheduler_config
+    if compilation.cudagraph_mode in (None, CUDAGraphMode.NONE):
+        return ()
+    return tuple(plugin_batch_sizes(scheduler.max_num_seqs, compilation.max_cudagraph_capture_size or 0))
+
+
 def plain_decode_keys(cudagraph_mode: CUDAGraphMode, uniform_decode_query_len: int, max_tokens: int,
                       max_num_seqs: int, has_lora_config: bool) -> list[BatchDescriptor]:
     """The FULL-graph keys of draft-free decode batches (one row a request)

@@ -18,8 +18,11 @@ import torch
 from vllm_adaptive_spec.adapter.config_hook import tree_config_of
 from vllm_adaptive_spec.budget import LoadBudget
 from vllm_adaptive_spec.growth import grow
+from vllm_adaptive_spec.step_cost import StepCostFit
+from vllm_adaptive_spec.step_cost_table import StepCostTable
 from vllm_adaptive_spec.step_widths import uniform_drafts
 from vllm_adaptive_spec.tree import DraftTree
+from vllm_adaptive_spec.width_budget import WidthBudget
 
 
 @dataclass
@@ -107,13 +110,9 @@ class TreeProposer:
         self.max_model_len = vllm_config.model_config.max_model_len
         self.trees: dict[str, DraftTree] = {}
         self.stats = TreeStats()
-        self.load_budget = (
-            LoadBudget(self.config.budget, realized=getattr(self.drafter, "is_model", False))
-            if self.config.load_budget == "adaptive" else None
-        )
         self.recorder = None  # called with each verified tree and its accepted nodes (c2t-collect)
-        # The widths of uniform steps (``step_widths``), when the runner turns them on,
-        # within the scheduler's token budget per step.
+        # The widths of uniform steps (``step_widths``) once the runner turns them on
+        # (:meth:`uniform`), within the scheduler's token budget per step.
         self.widths: tuple[int, ...] | None = None
         self.max_step_tokens: int = vllm_config.scheduler_config.max_num_batched_tokens
         # The clock reading the load budget acts on (the engine's runner makes
@@ -124,16 +123,36 @@ class TreeProposer:
         paused_part = getattr(self.drafter, "paused_part", None)
         self._paused_part = (None, None) if paused_part is None else paused_part()
         self._from_paused_part: set[str] = set()  # requests whose last tree came from it
-        # That part's own load budget. Decision: its drafting is not free (drafting
-        # every step, the trie's index and growth take 4% of the step time at batch
-        # 64, where its trees rarely pay), so it pauses on its own measured cost, and
-        # its trees calibrate its own rho rather than the model's; the step-cost fit
-        # is shared.
-        self.paused_budget = (
-            LoadBudget(self.config.budget, self.load_budget.fit, realized=False)
-            if self.load_budget is not None and self._paused_part[0] is not None
-            else None
-        )
+        self.cost_table: StepCostTable | None = None  # uniform steps' measured costs (``uniform``)
+        self.load_budget, self.paused_budget = self._budgets_for(None)
+
+    def _budgets_for(self, widths: tuple[int, ...] | None) -> tuple[LoadBudget | None, LoadBudget | None]:
+        """The drafter's load budget and its paused part's: ``WidthBudget``
+        with uniform steps (``widths``), else ``LoadBudget``. Decision: the
+        paused part's drafting is not free (drafting every step, the trie's
+        index and growth take 4% of the step time at batch 64, where its
+        trees rarely pay), so it pauses on its own measured cost, and its
+        trees calibrate its own rho rather than the model's; the step's
+        measured costs are shared."""
+        if self.config.load_budget != "adaptive":
+            return None, None
+
+        def budget(fit: StepCostFit | None, realized: bool) -> LoadBudget:
+            if widths is None:
+                return LoadBudget(self.config.budget, fit, realized=realized)
+            return WidthBudget(self.config.budget, widths, self.cost_table, fit, realized=realized)
+
+        drafter_budget = budget(None, getattr(self.drafter, "is_model", False))
+        paused = budget(drafter_budget.fit, False) if self._paused_part[0] is not None else None
+        return drafter_budget, paused
+
+    def uniform(self, widths: tuple[int, ...], batch_sizes: tuple[int, ...] = ()) -> None:
+        """Turn uniform steps on (the runner, before any request): drafts
+        padded to ``widths``, and the load budgets choose a width from the
+        measured cost of each step shape (batches padded to ``batch_sizes``)."""
+        self.widths = widths
+        self.cost_table = StepCostTable(batch_sizes)
+        self.load_budget, self.paused_budget = self._budgets_for(widths)
 
     def load_model(self, *args, **kwargs) -> None:
         """Only the retrieval drafter runs as vLLM's drafter object, and it has no
@@ -185,11 +204,16 @@ class TreeProposer:
                 self.policy.observe(request_id, tree, len(nodes))
 
     def observe_step(
-        self, step_tokens: int, step_seconds: float, prefill_tokens: int, trees: int = 0, branching: int = 0
+        self, step_tokens: int, step_seconds: float, prefill_tokens: int, trees: int = 0, branching: int = 0,
+        uniform_rows: int | None = None,
     ) -> None:
-        """One engine step's tokens and time, for the step-cost fit the budgets share."""
+        """One engine step's tokens and time, for the step-cost fit the
+        budgets share and, with uniform steps, for the measured cost of its
+        shape (``uniform_rows``: the rows every request of a decode-only step had)."""
         if self.load_budget is not None:
             self.load_budget.fit.observe(step_tokens, step_seconds, prefill_tokens, trees, branching)
+        if self.cost_table is not None and uniform_rows:
+            self.cost_table.observe(step_tokens // uniform_rows, uniform_rows, step_seconds)
 
     def drafting_this_step(self) -> bool:
         """Whether this step drafts at all (the load budget may pause it); asked

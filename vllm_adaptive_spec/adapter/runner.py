@@ -35,7 +35,7 @@ from vllm.utils.torch_utils import PIN_MEMORY
 
 from kernels.kv_compaction import compact_kv
 from vllm_adaptive_spec.adapter import step as tree_step
-from vllm_adaptive_spec.adapter.cudagraphs import TreeCudagraphDispatcher
+from vllm_adaptive_spec.adapter.cudagraphs import TreeCudagraphDispatcher, graph_batch_sizes
 from vllm_adaptive_spec.adapter.draft_backend import PagedDraftBackend
 from vllm_adaptive_spec.adapter.proposer import TreeProposer, can_draft
 from vllm_adaptive_spec.adapter.pending import PendingAcceptance
@@ -123,7 +123,7 @@ class TreeRunnerMixin:
         if vllm_config.parallel_config.tensor_parallel_size > 1:
             self._tree_proposer.agree = rank0_reading
         if uniform_steps(self._tree_proposer.config.uniform_steps, vllm_config, device):
-            self._tree_proposer.widths = step_widths(self._tree_proposer.config.budget)
+            self._tree_proposer.uniform(step_widths(self._tree_proposer.config.budget), graph_batch_sizes(vllm_config))
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -338,9 +338,13 @@ class TreeRunnerMixin:
         drafts = scheduler_output.scheduled_spec_decode_tokens.values()
         spec_tokens = sum(len(d) for d in drafts)
         other_tokens = max(step_tokens - len(scheduler_output.num_scheduled_tokens) - spec_tokens, 0)
+        counts = scheduler_output.num_scheduled_tokens.values()
+        rows = next(iter(counts), 0)
+        uniform = rows if other_tokens == 0 and all(count == rows for count in counts) else None
         self.tree_proposer.observe_step(step_tokens, self.tree_proposer.agree(time.perf_counter() - self._step_started),
                                         other_tokens,
-                                        sum(1 for d in drafts if d and not placeholder_drafts(d)), self._branching_trees)
+                                        sum(1 for d in drafts if d and not placeholder_drafts(d)), self._branching_trees,
+                                        uniform)
         drafting = self.tree_proposer.drafting_this_step()
         first_pass_seconds = 0.0
         probe_rows = None
