@@ -101,13 +101,14 @@ def record_roots(worker) -> None:
     def recording(*args, **kwargs):
         kept = {r for r in runner.input_batch.req_ids if backend.paused_rows.rows(r)}
         own_share = first_pass(*args, **kwargs)
-        if backend._roots is None:
+        roots = backend.roots
+        if roots is None:
             return own_share
         batch = runner.input_batch
-        for row, k in backend._root_index.items():
+        for row, k in roots.index.items():
             prompt = batch.token_ids_cpu[row, : int(batch.num_prompt_tokens[row])]
-            key = f"{hashlib.sha1(prompt.tobytes()).hexdigest()}:{backend._context[row][1]}"
-            recorded.append([key, backend._roots.tokens[k, :2].tolist(), backend._roots.probs[k, :2].tolist(),
+            key = f"{hashlib.sha1(prompt.tobytes()).hexdigest()}:{roots.context[row][1]}"
+            recorded.append([key, roots.distribution.tokens[k, :2].tolist(), roots.distribution.probs[k, :2].tolist(),
                              batch.req_ids[row] in kept])
         return own_share
 
@@ -145,8 +146,7 @@ def limit_pass_rows(worker, rows: int) -> None:
     """Bound a model drafter's forward and count the first passes it splits."""
     backend = worker.model_runner._draft_backend
     backend.max_pass_rows = rows
-    _count_calls(worker, "split_passes", backend, "_feed_oldest",
-                 lambda tokens, *args: sum(len(t) for t in tokens) > rows)
+    _count_calls(worker, "split_passes", backend, "_feed_oldest", lambda pass_rows, *args: pass_rows.total() > rows)
 
 
 def _step_guard_report(worker) -> dict:

@@ -5,6 +5,8 @@ children."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from kernels.draft_distribution import DraftDistribution, draft_distribution_reference
@@ -31,14 +33,13 @@ class TableBackend:
         return DraftDistribution(*(x.view(*probs.shape[:-1], *x.shape[1:]) for x in flat))
 
     def begin(self, rows):
-        self.count = torch.zeros(len(rows), dtype=torch.long)
-        return self.summary(self.roots[rows])
+        return SimpleNamespace(roots=self.summary(self.roots[rows]), count=torch.zeros(len(rows), dtype=torch.long))
 
-    def feed(self, live, tokens, parents):
+    def feed(self, scratch, live, tokens, parents):
         rank = live.long().cumsum(1) - 1
-        ids = self.count.unsqueeze(1) + rank
+        ids = scratch.count.unsqueeze(1) + rank
         fed = live & (ids < self.capacity)
-        self.count += fed.sum(1)
+        scratch.count += fed.sum(1)
         self.fed_tokens.append(tokens[fed].tolist())
         dist = self.summary(self.table[tokens.clamp(min=0)])
         dist = dist._replace(probs=torch.where(fed.unsqueeze(-1), dist.probs, 0.0))

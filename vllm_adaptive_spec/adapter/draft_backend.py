@@ -4,6 +4,9 @@ KV in vLLM's paged cache.
 
 Per engine step, after verification:
 
+Two variants over one base, :class:`PagedDraftBackend`: an EAGLE-3 head
+(``adapter/draft_head.py``) and a draft LM (``adapter/draft_lm.py``).
+
 1. :meth:`PagedDraftBackend.first_pass` runs the draft model, causally and
    through vLLM's own attention kernel, on every request's newly committed
    tokens in chain order (the accepted path, compacted), writing their draft
@@ -29,6 +32,7 @@ on; dense distributions never leave the backend.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -38,7 +42,6 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from kernels.draft_distribution import DraftDistribution, draft_distribution
 from vllm_adaptive_spec.adapter import step as tree_step
-from vllm_adaptive_spec.paused_rows import PausedRows
 
 
 class _Committed(NamedTuple):
@@ -51,65 +54,134 @@ class _Committed(NamedTuple):
     drafts: bool
 
 
+class PassRows(NamedTuple):
+    """The rows of one draft forward, an entry a request: ``tokens`` and
+    ``positions`` of consecutive rows of batch row ``batch_rows[e]`` (and an
+    EAGLE-3 head's ``aux``, the target's hidden states of those rows)."""
+
+    tokens: list[torch.Tensor]
+    positions: list[torch.Tensor]
+    aux: list[torch.Tensor]
+    batch_rows: list[int]
+
+    def total(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    def split(self, take: list[int]) -> tuple["PassRows", "PassRows"]:
+        """The first ``take[e]`` rows of each entry (entries taking none left
+        out), and the rest."""
+        picked = [e for e, k in enumerate(take) if k > 0]
+
+        def head(parts):
+            return [parts[e][: take[e]] for e in picked] if parts else []
+
+        def rest(parts):
+            return [part[k:] for part, k in zip(parts, take)] if parts else []
+
+        first = PassRows(head(self.tokens), head(self.positions), head(self.aux), [self.batch_rows[e] for e in picked])
+        return first, PassRows(rest(self.tokens), rest(self.positions), rest(self.aux), self.batch_rows)
+
+
+class CommittedPass(NamedTuple):
+    """What a variant makes of the step's committed rows: the first pass's
+    ``rows``, each drafting batch row's ``(C, root row position)`` in
+    ``context`` (``C``: its committed draft context), and how many of the
+    rows are this step's own (the rest catch up on paused steps)."""
+
+    rows: PassRows
+    context: dict[int, tuple[int, int]]
+    own_rows: int
+
+
+class StepRoots(NamedTuple):
+    """What the step's first pass leaves for its trees: the roots' draft
+    ``distribution`` (row ``index[batch row]``), each drafting batch row's
+    ``context`` (:class:`CommittedPass`), an EAGLE-3 head's ``hidden``
+    state of each root row, and the pass's ``block_table``."""
+
+    distribution: DraftDistribution
+    index: dict[int, int]
+    context: dict[int, tuple[int, int]]
+    hidden: torch.Tensor | None
+    block_table: torch.Tensor
+
+
+@dataclass
+class TreeScratch:
+    """One step's trees as the draft model grows them, ``[B]`` or ``[B, N]``
+    per drafting request (batch rows ``rows``): the ``roots``' draft
+    distributions, each request's committed draft ``context`` length ``C``
+    and root position, how many nodes it may still feed (``capacity``, its
+    KV scratch) and has fed (``count``), its nodes' ``depth`` and
+    ``ancestors`` (ancestor-or-self), and an EAGLE-3 head's hidden states
+    (``hidden`` per node, ``root_hidden`` per request)."""
+
+    roots: DraftDistribution
+    rows: torch.Tensor
+    context: torch.Tensor
+    root_position: torch.Tensor
+    capacity: torch.Tensor
+    count: torch.Tensor
+    depth: torch.Tensor
+    ancestors: torch.Tensor
+    block_table: torch.Tensor | None
+    hidden: torch.Tensor | None = None
+    root_hidden: torch.Tensor | None = None
+
+
 class PagedDraftBackend:
-    # Bytes of paused steps' rows kept for EAGLE-3 (all requests; see
-    # paused_rows.py): 9,700 rows of the demo model (float32, three 576-wide
-    # hidden states), 2,700 of an 8B model in bf16. Beyond it the requests
-    # keeping the most rows give theirs up (until half of it is left), and
-    # with them the head's drafts for the rest of their lives. Decision: not
-    # fed instead. A head paused that long is one that does not pay, and
-    # feeding the rows anyway would run it over every prompt the server
-    # receives (under load on the CPU, a tenth of the server's time); a request
-    # that finishes while paused is never fed: its rows cost only their gather.
-    STASH_BYTES = 64 << 20
+    """What both draft models share (:class:`~vllm_adaptive_spec.adapter.draft_head.HeadDraftBackend`,
+    :class:`~vllm_adaptive_spec.adapter.draft_lm.LMDraftBackend`): the step's
+    committed rows, the first pass, tree layers, the forward over vLLM's paged cache."""
 
     def __init__(self, runner, native, max_nodes: int) -> None:
         self.runner = runner
         self.native = native
-        self.is_eagle3 = native.method == "eagle3"
-        self._draft_vocab: torch.Tensor | None = None  # see _target_ids
         self.max_nodes = max_nodes
         self.max_pass_rows = native.max_num_tokens  # rows one draft forward takes (vLLM's buffers)
         self.top_k, self.top_m = 1, 0  # what each pass keeps of its distributions (set by the drafter)
-        self._roots: DraftDistribution | None = None
-        self._root_index: dict[int, int] = {}  # batch row -> row of _roots
-        self._root_hidden: dict[int, torch.Tensor] = {}
-        self._context: dict[int, tuple[int, int]] = {}  # batch row -> (C, root row position)
-        self._behind: dict[str, int] = {}  # draft LM: request -> first position without draft KV
-        self.paused_rows = PausedRows(self.STASH_BYTES)  # EAGLE-3: rows of paused steps, not yet fed
+        self.roots: StepRoots | None = None  # the last first pass's, for this step's trees
 
+    # -- what the variants differ in ------------------------------------------------
     def forget(self, request_ids) -> None:
-        for request_id in request_ids:
-            self._behind.pop(request_id, None)
-        self.paused_rows.drop(request_ids)
+        raise NotImplementedError
 
     def requests_held(self) -> int:
-        """Requests with draft state between steps: where a paused draft LM's
-        KV stops, an EAGLE-3 head's kept rows, or that it gave them up."""
-        return len(self._behind) + self.paused_rows.requests_held()
+        """Requests with draft state kept between steps (0 when idle)."""
+        raise NotImplementedError
 
     def can_draft(self, request_id: str) -> bool:
-        """Whether the draft model can draft for the request (False once an
-        EAGLE-3 head gave up its kept rows: its draft KV would have a hole)."""
-        return request_id not in self.paused_rows.given_up
+        """Whether the draft model can draft for the request."""
+        return True
 
+    def _behind(self, request_id: str, length: int) -> int:
+        """Rows the request's draft state needs fed to catch up."""
+        raise NotImplementedError
+
+    def _committed_pass(self, entries: list[_Committed], aux_hidden_states) -> CommittedPass:
+        raise NotImplementedError
+
+    def _combine(self, aux: list[torch.Tensor]) -> torch.Tensor | None:
+        """The first pass's hidden-state input (none for a draft LM)."""
+        return None
+
+    def _forward(self, tokens, positions, hidden):
+        """The draft model on one pass: ``(normed, prenorm)`` hidden states."""
+        raise NotImplementedError
+
+    def _target_ids(self) -> torch.Tensor | None:
+        """Target token ids of the draft vocabulary, where it is reduced."""
+        return None
+
+    # -- step start ---------------------------------------------------------------
     def least_behind(self, count: int) -> set[int]:
         """The ``count`` batch rows whose draft state needs the fewest rows
         fed to catch up (a probe drafts for these only)."""
         batch = self.runner.input_batch
         lengths = batch.num_tokens_no_spec
+        order = sorted(range(batch.num_reqs), key=lambda i: self._behind(batch.req_ids[i], int(lengths[i])))
+        return set(order[:count])
 
-        def behind(i: int) -> int:
-            request_id = batch.req_ids[i]
-            if self.is_eagle3:
-                if request_id in self.paused_rows.given_up:
-                    return 1 << 62
-                return self.paused_rows.rows(request_id)
-            return int(lengths[i]) - self._behind.get(request_id, int(lengths[i]))
-
-        return set(sorted(range(batch.num_reqs), key=behind)[:count])
-
-    # -- step start ---------------------------------------------------------------
     def first_pass(self, aux_hidden_states, block_table: torch.Tensor, accepted: dict[int, list[int]],
                    sampled: list[list[int]], drafting: bool = True, only_rows: set[int] | None = None) -> float:
         """``accepted[row]``: for requests verified with a tree, the query rows
@@ -124,43 +196,25 @@ class PagedDraftBackend:
         step only, keeps their rows (:class:`PausedRows`). The next drafting
         step feeds every token since (batched catch-up passes of at most
         ``max_pass_rows`` rows), so the draft KV is complete when drafting
-        resumes; beyond ``STASH_BYTES`` of kept rows the largest are
-        dropped and their requests never drafted by the head again
-        (:meth:`can_draft`). ``only_rows`` (a probe): the batch rows that
-        draft; the others are treated as paused.
+        resumes. ``only_rows`` (a probe): the batch rows that draft; the
+        others are treated as paused. The roots it leaves are :attr:`roots`.
 
         Returns the share of the rows fed that are this step's own (the rest
         catch up on paused steps): the load budget counts that share of the
         pass's time as the step's drafting cost, since a catch-up is paid once
         whatever is decided next."""
-        self._roots = None
-        self._root_index.clear()
-        self._root_hidden.clear()
-        self._context.clear()
-
-        tokens, pos, aux, batch_rows = [], [], [], []
-        entries = self._committed(accepted, sampled, drafting, only_rows)
-        if self.is_eagle3:
-            own_rows = self._head_entries(entries, aux_hidden_states, tokens, pos, aux, batch_rows)
-        else:
-            own_rows = self._lm_entries(entries, tokens, pos, batch_rows)
-        if self.is_eagle3:
-            self.paused_rows.bound()
-        if not batch_rows:
+        self.roots = None
+        committed = self._committed_pass(self._committed(accepted, sampled, drafting, only_rows), aux_hidden_states)
+        rows = committed.rows
+        if not rows.batch_rows:
             return 0.0
-        own_share = own_rows / sum(len(t) for t in tokens)
-        self._feed_oldest(tokens, pos, aux, batch_rows, block_table)
-        logits, out_hidden, last = self._feed_rows(tokens, pos, aux, batch_rows, block_table, drafting)
-        if not drafting:
-            self._context.clear()
-            return 0.0
-        self._roots = self._distribution(logits)
-        for k, i in enumerate(batch_rows):
-            self._root_index[i] = k
-            if out_hidden is not None:
-                self._root_hidden[i] = out_hidden[last[k]]
-        self._block_table = block_table
-        return own_share
+        own_share = committed.own_rows / rows.total()
+        logits, out_hidden, last = self._feed_rows(self._feed_oldest(rows, block_table), block_table, drafting)
+        if drafting:
+            index = {i: k for k, i in enumerate(rows.batch_rows)}
+            hidden = None if out_hidden is None else out_hidden[last.to(out_hidden.device)]
+            self.roots = StepRoots(self._distribution(logits), index, committed.context, hidden, block_table)
+        return own_share if drafting else 0.0
 
     def _committed(self, accepted, sampled, drafting: bool, only_rows) -> list[_Committed]:
         """Every request that committed rows this step (:class:`_Committed`)."""
@@ -189,164 +243,78 @@ class PagedDraftBackend:
             entries.append(_Committed(i, rows, p0, next_token, drafting and (only_rows is None or i in only_rows)))
         return entries
 
-    def _head_entries(self, entries, aux_hidden_states, tokens, pos, aux, batch_rows) -> int:
-        """EAGLE-3: the step's rows of every request, gathered for the whole
-        batch at once: each row's input token (the next one; the last row's
-        is the token after the chain) and the target's auxiliary hidden
-        states. Paused requests' rows are kept as one block
-        (:meth:`PausedRows.keep`: a paused step costs these gathers, not an
-        operation per request); drafting ones are appended to the pass, after
-        the rows they kept. Returns the rows that are this step's own."""
-        entries = [e for e in entries if e.next_token is not None]
-        if not entries:
-            return 0
-        lengths = [len(e.rows) for e in entries]
-        ends = np.cumsum(lengths)
-        rows = np.concatenate([e.rows for e in entries])
-        if (np.diff(rows) == 1).all():  # no tree verified: the batch's rows in order, sliced
-            index = slice(int(rows[0]), int(rows[0]) + len(rows))
-        else:
-            index = torch.from_numpy(rows).to(self.runner.device)
-        ids = self.runner.input_ids.gpu[index].to(torch.long)
-        following = torch.empty_like(ids)
-        following[:-1] = ids[1:]
-        following[torch.from_numpy(ends - 1).to(ids.device)] = torch.tensor([e.next_token for e in entries],
-                                                                             dtype=torch.long, device=ids.device)
-        hidden = torch.cat([h[index] for h in aux_hidden_states], dim=-1)  # a copy: vLLM reuses its buffers
-        own = 0
-        paused = []
-        req_ids = self.runner.input_batch.req_ids
-        given_up = self.paused_rows.given_up
-        for (i, _, p0, _, drafts), end, m in zip(entries, ends.tolist(), lengths):
-            request_id = req_ids[i]
-            if request_id in given_up:
-                continue
-            if not drafts:
-                paused.append((request_id, p0, end - m, m))
-                continue
-            step_tokens, step_hidden = following[end - m:end], hidden[end - m:end]
-            kept = self.paused_rows.take(request_id, p0)
-            if kept is None:
-                start = p0
-            else:
-                start, kept_tokens, kept_hidden = kept
-                step_tokens, step_hidden = torch.cat([*kept_tokens, step_tokens]), torch.cat([*kept_hidden, step_hidden])
-            tokens.append(step_tokens)
-            pos.append(torch.arange(start, p0 + m))
-            aux.append(step_hidden)
-            self._context[i] = (p0 + m, p0 + m - 1)
-            own += m
-            batch_rows.append(i)
-        self.paused_rows.keep(following, hidden, paused)
-        return own
-
-    def _lm_entries(self, entries, tokens, pos, batch_rows) -> int:
-        """Draft LM: each drafting request's tokens since its draft KV stops
-        (paused steps' tokens first), its committed rows and the token after
-        them; a paused request remembers where its KV stops. Returns the rows
-        that are this step's own."""
-        batch = self.runner.input_batch
-        input_ids = self.runner.input_ids.gpu
-        own = 0
-        for i, rows, p0, next_token, drafts in entries:
-            if not drafts:
-                self._behind.setdefault(batch.req_ids[i], p0)
-                continue
-            if next_token is None:
-                continue
-            m = len(rows)
-            ids = input_ids[torch.from_numpy(rows).to(input_ids.device)].to(torch.long)
-            start = min(self._behind.pop(batch.req_ids[i], p0), p0)
-            missed = torch.from_numpy(batch.token_ids_cpu[i, start:p0].astype(np.int64)).to(ids.device)
-            tokens.append(torch.cat([missed, ids, ids.new_tensor([next_token])]))
-            pos.append(torch.arange(start, p0 + m + 1))
-            self._context[i] = (p0 + m + 1, p0 + m)
-            own += m + 1
-            batch_rows.append(i)
-        return own
-
-    def _feed_oldest(self, tokens, pos, aux, batch_rows, block_table) -> None:
+    def _feed_oldest(self, rows: PassRows, block_table) -> PassRows:
         """While a pass's rows exceed what one draft forward takes (vLLM's
         buffers hold ``max_num_batched_tokens``; a catch-up after a long pause
         holds more), feed each request's oldest rows in a pass of their own,
-        keeping at least its last row for the pass that gives the roots."""
-        while sum(len(t) for t in tokens) > self.max_pass_rows:
+        keeping at least its last row for the pass that gives the roots; the
+        rows left."""
+        while rows.total() > self.max_pass_rows:
             room, take = self.max_pass_rows, []
-            for entry in tokens:
+            for entry in rows.tokens:
                 take.append(min(len(entry) - 1, room))
                 room -= take[-1]
-            picked = [e for e, k in enumerate(take) if k > 0]
-            if not picked:  # a row per request is more than a pass takes: vLLM schedules no such step
-                return
-            self._feed_rows([tokens[e][: take[e]] for e in picked], [pos[e][: take[e]] for e in picked],
-                            [aux[e][: take[e]] for e in picked] if aux else [], [batch_rows[e] for e in picked],
-                            block_table, logits=False)
-            for e in picked:
-                tokens[e], pos[e] = tokens[e][take[e]:], pos[e][take[e]:]
-                if aux:
-                    aux[e] = aux[e][take[e]:]
+            if not any(take):  # a row per request is more than a pass takes: vLLM schedules no such step
+                return rows
+            oldest, rows = rows.split(take)
+            self._feed_rows(oldest, block_table, logits=False)
+        return rows
 
-    def _feed_rows(self, tokens, pos, aux, batch_rows, block_table, logits: bool):
-        """One draft forward over entries of consecutive rows (a request
-        each, ``batch_rows``; ``aux``: EAGLE-3's hidden states): the logits
-        and hidden states of each entry's last row (no logits unless
-        ``logits``), and those rows' indexes."""
-        lens_t = torch.tensor([len(t) for t in tokens], dtype=torch.int32)
-        starts = torch.zeros(len(tokens) + 1, dtype=torch.int32)
+    def _feed_rows(self, rows: PassRows, block_table, logits: bool):
+        """One draft forward over ``rows``: the logits and hidden states of
+        each entry's last row (no logits unless ``logits``), and those rows'
+        indexes."""
+        lens_t = torch.tensor([len(t) for t in rows.tokens], dtype=torch.int32)
+        starts = torch.zeros(len(rows.tokens) + 1, dtype=torch.int32)
         starts[1:] = lens_t.cumsum(0)
-        positions_t = torch.cat(pos)
-        rows_t = torch.tensor(batch_rows, dtype=torch.long)
+        positions_t = torch.cat(rows.positions)
+        rows_t = torch.tensor(rows.batch_rows, dtype=torch.long)
         slots = self._slots(block_table, torch.repeat_interleave(rows_t, lens_t.long()), positions_t)
-        seq_lens = (torch.stack([p[-1] for p in pos]) + 1).to(torch.int32)
-        hidden = self.native.model.combine_hidden_states(torch.cat(aux)) if self.is_eagle3 else None
+        seq_lens = (torch.stack([p[-1] for p in rows.positions]) + 1).to(torch.int32)
         last = starts[1:].long() - 1
-        out_logits, out_hidden = self._run(torch.cat(tokens), positions_t, hidden, slots, starts, seq_lens,
-                                           block_table[rows_t], logit_rows=last if logits else last[:0])
+        out_logits, out_hidden = self._run(torch.cat(rows.tokens), positions_t, self._combine(rows.aux), slots, starts,
+                                           seq_lens, block_table[rows_t], logit_rows=last if logits else last[:0])
         return out_logits, out_hidden, last
 
     # -- tree growth ----------------------------------------------------------------
-    def begin(self, rows: list[int]) -> DraftDistribution:
-        """Start one tree per drafting request (batch rows); the roots' draft
-        distributions, ``[B, top_k]`` (zero probabilities where a request has none)."""
-        runner = self.runner
-        block_size = runner.input_batch.block_table[0].block_size
-        allocated = runner.input_batch.block_table[0].num_blocks_per_row
+    def begin(self, rows: list[int]) -> TreeScratch:
+        """Start one tree per drafting request (batch rows): the roots' draft
+        distributions, ``[B, top_k]`` (zero probabilities where a request has
+        none), and the scratch its layers grow."""
+        roots = self.roots
+        context = {} if roots is None else roots.context
+        block_size = self.runner.input_batch.block_table[0].block_size
+        allocated = self.runner.input_batch.block_table[0].num_blocks_per_row
         batch = len(rows)
-        self.rows = torch.tensor(rows, dtype=torch.long)
-        self.context = torch.tensor([self._context.get(i, (0, 0))[0] for i in rows], dtype=torch.long)
-        self.root_position = torch.tensor([self._context.get(i, (0, 0))[1] for i in rows], dtype=torch.long)
-        ready = torch.tensor([i in self._context for i in rows], dtype=torch.bool)
-        room = torch.from_numpy(np.asarray(allocated[rows], dtype=np.int64)) * block_size - self.context
-        self.capacity = torch.where(ready, room.clamp(0, self.max_nodes), 0)
-        self.count = torch.zeros(batch, dtype=torch.long)
-        self.depth = torch.zeros(batch, self.max_nodes, dtype=torch.long)
-        self.ancestors = torch.zeros(batch, self.max_nodes, self.max_nodes, dtype=torch.bool)
-        self.hidden = None
-        roots = _empty_distribution((batch,), self.top_k)
-        found = [(b, self._root_index[i]) for b, i in enumerate(rows) if i in self._root_index]
+        committed = torch.tensor([context.get(i, (0, 0))[0] for i in rows], dtype=torch.long)
+        ready = torch.tensor([i in context for i in rows], dtype=torch.bool)
+        room = torch.from_numpy(np.asarray(allocated[rows], dtype=np.int64)) * block_size - committed
+        distribution = _empty_distribution((batch,), self.top_k)
+        found = [] if roots is None else [(b, roots.index[i]) for b, i in enumerate(rows) if i in roots.index]
         if found:
             at, source = (torch.tensor(x, dtype=torch.long) for x in zip(*found))
-            for mine, theirs in zip(roots, self._roots):
+            for mine, theirs in zip(distribution, roots.distribution):
                 mine[at] = theirs[source.to(theirs.device)].to(mine.device)
-        if self.is_eagle3 and self._root_hidden:
-            width = next(iter(self._root_hidden.values())).shape[-1]
-            dtype = next(iter(self._root_hidden.values())).dtype
-            device = self.runner.device
-            self.root_hidden = torch.zeros(batch, width, dtype=dtype, device=device)
-            for b, i in enumerate(rows):
-                if i in self._root_hidden:
-                    self.root_hidden[b] = self._root_hidden[i]
-            self.hidden = torch.zeros(batch, self.max_nodes, width, dtype=dtype, device=device)
-        return roots
+        return TreeScratch(
+            roots=distribution,
+            rows=torch.tensor(rows, dtype=torch.long),
+            context=committed,
+            root_position=torch.tensor([context.get(i, (0, 0))[1] for i in rows], dtype=torch.long),
+            capacity=torch.where(ready, room.clamp(0, self.max_nodes), 0),
+            count=torch.zeros(batch, dtype=torch.long),
+            depth=torch.zeros(batch, self.max_nodes, dtype=torch.long),
+            ancestors=torch.zeros(batch, self.max_nodes, self.max_nodes, dtype=torch.bool),
+            block_table=None if roots is None else roots.block_table,
+        )
 
-    def feed(self, live: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor):
+    def feed(self, scratch: TreeScratch, live: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor):
         """Run the draft model on the live frontier nodes; their node ids
         (-1: not fed) and draft distributions, ``[B, F, top_k]``."""
         rank = live.long().cumsum(1) - 1
-        ids = self.count.unsqueeze(1) + rank
-        fed = live & (ids < self.capacity.unsqueeze(1))
+        ids = scratch.count.unsqueeze(1) + rank
+        fed = live & (ids < scratch.capacity.unsqueeze(1))
         ids = torch.where(fed, ids, -1)
-        self.count += fed.sum(1)
+        scratch.count += fed.sum(1)
         b_idx, f_idx = fed.nonzero(as_tuple=True)
         out = _empty_distribution(live.shape, self.top_k)
         if b_idx.numel() == 0:
@@ -355,49 +323,50 @@ class PagedDraftBackend:
         parent = parents[b_idx, f_idx]
         has_parent = parent >= 0
         safe_parent = parent.clamp(min=0)
-        depth = torch.where(has_parent, self.depth[b_idx, safe_parent] + 1, 1)
-        self.depth[b_idx, node] = depth
-        lineage = self.ancestors[b_idx, safe_parent] & has_parent.unsqueeze(1)
+        depth = torch.where(has_parent, scratch.depth[b_idx, safe_parent] + 1, 1)
+        scratch.depth[b_idx, node] = depth
+        lineage = scratch.ancestors[b_idx, safe_parent] & has_parent.unsqueeze(1)
         lineage[torch.arange(node.shape[0]), node] = True
-        self.ancestors[b_idx, node] = lineage
+        scratch.ancestors[b_idx, node] = lineage
 
         requests = fed.any(1).nonzero(as_tuple=True)[0]
         per_request = fed.sum(1)[requests].to(torch.int32)
         starts = torch.zeros(requests.shape[0] + 1, dtype=torch.int32)
         starts[1:] = per_request.cumsum(0)
-        window = self.count[requests]
-        positions = self.root_position[b_idx] + depth
-        slots = self._slots(self._block_table, self.rows[b_idx], self.context[b_idx] + node)
-        seq_lens = (self.context[requests] + window).to(torch.int32)
+        window = scratch.count[requests]
+        positions = scratch.root_position[b_idx] + depth
+        slots = self._slots(scratch.block_table, scratch.rows[b_idx], scratch.context[b_idx] + node)
+        seq_lens = (scratch.context[requests] + window).to(torch.int32)
         hidden = None
-        if self.is_eagle3:
-            on_device = has_parent.unsqueeze(1).to(self.hidden.device)
-            hidden = torch.where(on_device, self.hidden[b_idx, safe_parent], self.root_hidden[b_idx])
-        mask = self.ancestors[b_idx, node, : int(window.max())]
-        # A layer of one node per request that sees its whole tree (a chain) is
-        # plain causal decoding: vLLM's own kernel serves it.
-        request_of_row = torch.repeat_interleave(torch.arange(requests.shape[0]), per_request.long())
-        causal = bool((per_request == 1).all()) and bool((mask.sum(1) == window[request_of_row]).all())
-        step = None
-        if not causal:
-            device = self.runner.device
-            step = tree_step.DraftStep(
-                batch_indices=torch.arange(requests.shape[0], device=device),
-                query_rows=torch.arange(node.shape[0], device=device),
-                query_start_loc=starts.to(device),
-                query_mask=mask.to(device),
-                window_lens=window.to(device, torch.int32),
-                max_query_len=int(per_request.max()),
-            )
-        with tree_step.published(step):
-            logits, out_hidden = self._run(
-                tokens[b_idx, f_idx], positions, hidden, slots, starts, seq_lens, self._block_table[self.rows[requests]]
-            )
-        if out_hidden is not None:
-            self.hidden[b_idx, node] = out_hidden
+        if scratch.hidden is not None:
+            on_device = has_parent.unsqueeze(1).to(scratch.hidden.device)
+            hidden = torch.where(on_device, scratch.hidden[b_idx, safe_parent], scratch.root_hidden[b_idx])
+        mask = scratch.ancestors[b_idx, node, : int(window.max())]
+        with tree_step.published(self._layer_step(requests, per_request, node, starts, mask, window)):
+            logits, out_hidden = self._run(tokens[b_idx, f_idx], positions, hidden, slots, starts, seq_lens,
+                                           scratch.block_table[scratch.rows[requests]])
+        if scratch.hidden is not None:
+            scratch.hidden[b_idx, node] = out_hidden
         for mine, theirs in zip(out, self._distribution(logits)):
             mine[b_idx, f_idx] = theirs.to(mine.device)
         return ids, out
+
+    def _layer_step(self, requests, per_request, node, starts, mask, window) -> tree_step.DraftStep | None:
+        """The layer's rows for the tree path, or None where the layer is a
+        chain's (one node per request that sees its whole tree): plain causal
+        decoding, which vLLM's own kernel serves."""
+        request_of_row = torch.repeat_interleave(torch.arange(requests.shape[0]), per_request.long())
+        if bool((per_request == 1).all()) and bool((mask.sum(1) == window[request_of_row]).all()):
+            return None
+        device = self.runner.device
+        return tree_step.DraftStep(
+            batch_indices=torch.arange(requests.shape[0], device=device),
+            query_rows=torch.arange(node.shape[0], device=device),
+            query_start_loc=starts.to(device),
+            query_mask=mask.to(device),
+            window_lens=window.to(device, torch.int32),
+            max_query_len=int(per_request.max()),
+        )
 
     # -- one forward of the draft model ----------------------------------------------
     def _slots(self, block_table: torch.Tensor, batch_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -433,25 +402,12 @@ class PagedDraftBackend:
         with set_forward_context(
             per_layer, native.vllm_config, num_tokens=num_tokens, slot_mapping=native._get_slot_mapping(num_tokens, slots)
         ):
-            if self.is_eagle3:
-                normed, prenorm = native.model(input_ids=tokens, positions=positions, hidden_states=hidden)
-            else:
-                normed, prenorm = native.model(input_ids=tokens, positions=positions), None
+            normed, prenorm = self._forward(tokens, positions, hidden)
         if logit_rows is not None:
             normed = normed[logit_rows.to(device)]
         if self._target_ids() is not None:
             return native.model.logits_processor(native.model.lm_head, normed), prenorm
         return native.model.compute_logits(normed), prenorm
-
-    def _target_ids(self) -> torch.Tensor | None:
-        """An EAGLE-3 head's LM head covers a reduced vocabulary, whose logits
-        vLLM scatters into a -inf row of the target's: passes reduce the
-        head's own logits and map their top tokens (``d2t``) instead, a sixth
-        of the work for 8k of 49k tokens. Read once the weights are loaded."""
-        d2t = getattr(self.native.model, "draft_id_to_target_id", None) if self.is_eagle3 else None
-        if d2t is not None and self._draft_vocab is None:
-            self._draft_vocab = d2t.detach() + torch.arange(d2t.shape[0], device=d2t.device)
-        return self._draft_vocab
 
     def _distribution(self, logits: torch.Tensor) -> DraftDistribution:
         """The pass's distributions, tokens in the target's vocabulary (ties:

@@ -14,7 +14,7 @@ Per engine step:
    the accepted nodes' KV moves to slots ``p0 + 1 .. p0 + a`` in every layer,
    so vLLM's "first ``a`` drafts were accepted" bookkeeping holds.
 4. ``propose_draft_token_ids``: a model drafter first runs on the committed
-   tokens (:class:`PagedDraftBackend`), then the proposer grows the next
+   tokens (``draft_backend``), then the proposer grows the next
    trees, cut by the load budget (``load_budget: adaptive``) to the nodes
    worth verifying at the measured costs. A probe of a paused model drafter
    drafts only for the requests whose draft state is least behind.
@@ -36,7 +36,8 @@ from vllm.utils.torch_utils import PIN_MEMORY
 from kernels.kv_compaction import compact_kv
 from vllm_adaptive_spec.adapter import step as tree_step
 from vllm_adaptive_spec.adapter.cudagraphs import TreeCudagraphDispatcher, graph_batch_sizes
-from vllm_adaptive_spec.adapter.draft_backend import PagedDraftBackend
+from vllm_adaptive_spec.adapter.draft_head import HeadDraftBackend
+from vllm_adaptive_spec.adapter.draft_lm import LMDraftBackend
 from vllm_adaptive_spec.adapter.proposer import TreeProposer, can_draft
 from vllm_adaptive_spec.adapter.pending import PendingAcceptance
 from vllm_adaptive_spec.adapter.sampling_controls import builtin_logits_processors
@@ -117,7 +118,8 @@ class TreeRunnerMixin:
         else:
             self._tree_proposer = TreeProposer(vllm_config)
             config = self._tree_proposer.config
-            self._draft_backend = PagedDraftBackend(self, self.drafter, config.draft_slots())
+            variant = HeadDraftBackend if self.drafter.method == "eagle3" else LMDraftBackend
+            self._draft_backend = variant(self, self.drafter, config.draft_slots())
             policy = self._tree_proposer.policy
             self._tree_proposer.drafter.bind(self._draft_backend, policy.fanout, policy.entropy_top_m)
         if vllm_config.parallel_config.tensor_parallel_size > 1:

@@ -7,12 +7,13 @@ candidate becomes which fed node. The backend (the engine adapter, or a test
 double) owns the model, its KV cache and attention:
 
 * ``begin(rows)``: start trees for the drafting requests (their rows in the
-  engine batch); returns the root distributions (from the pass over the
-  request's newly committed tokens, already run);
-* ``feed(live, tokens, parents)``: run the draft model on new nodes
-  (``[B, F]`` each; ``parents`` are node ids, -1 for the root); returns the
-  nodes' ids (-1 where not fed, e.g. out of KV scratch) and their draft
-  distributions.
+  engine batch); returns the trees' scratch, whose ``roots`` are the root
+  distributions (from the pass over the request's newly committed tokens,
+  already run);
+* ``feed(scratch, live, tokens, parents)``: run the draft model on new nodes
+  (``[B, F]`` each; ``parents`` are node ids, -1 for the root) of the trees
+  of ``scratch``; returns the nodes' ids (-1 where not fed, e.g. out of KV
+  scratch) and their draft distributions.
 
 Distributions are :class:`kernels.draft_distribution.DraftDistribution`
 summaries (top ``top_k`` tokens and probabilities, confidence, top-``top_m``
@@ -36,14 +37,18 @@ from vllm_adaptive_spec.policies import Param
 ROOT_HANDLE = -1
 
 
+class TreeScratch(Protocol):
+    roots: DraftDistribution  # [B, top_k]
+
+
 class DraftBackend(Protocol):
     top_k: int
     top_m: int
 
-    def begin(self, rows: list[int]) -> DraftDistribution: ...
+    def begin(self, rows: list[int]) -> TreeScratch: ...
 
     def feed(
-        self, live: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor
+        self, scratch: TreeScratch, live: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor
     ) -> tuple[torch.Tensor, DraftDistribution]: ...
 
 
@@ -58,6 +63,7 @@ class ModelDrafter:
     def __init__(self) -> None:
         self.backend: DraftBackend | None = None
         self.fanout = 1
+        self._scratch: TreeScratch | None = None  # this step's trees, as the backend grows them
         self._tokens: torch.Tensor | None = None  # last candidates' tokens [B, F * C]
         self._parents: torch.Tensor | None = None  # their parent node ids [B, F * C]
 
@@ -71,7 +77,7 @@ class ModelDrafter:
     def prepare(self, request_ids: list[str], contexts, rows: list[int], prompt_lens=None) -> None:
         if self.backend is None:
             raise RuntimeError(f"the {self.name} drafter has no backend; the engine adapter binds one")
-        self._root = self.backend.begin(rows)
+        self._scratch = self.backend.begin(rows)
 
     def forget(self, request_id: str, finished: bool = False) -> None:
         """Model drafters keep nothing per request between steps (the KV is the engine's)."""
@@ -88,10 +94,11 @@ class ModelDrafter:
         draft distributions, and ``live`` without the nodes not fed."""
         batch, width = handles.shape
         if bool((handles == ROOT_HANDLE).all()):
-            dist = DraftDistribution(*(x.unsqueeze(1).expand(batch, width, *x.shape[1:]) for x in self._root))
+            roots = self._scratch.roots
+            dist = DraftDistribution(*(x.unsqueeze(1).expand(batch, width, *x.shape[1:]) for x in roots))
             return torch.full((batch, width), ROOT_HANDLE, dtype=torch.long), dist, live
         flat = handles.clamp(min=0)
-        nodes, dist = self.backend.feed(live, tokens.gather(1, flat), parents.gather(1, flat))
+        nodes, dist = self.backend.feed(self._scratch, live, tokens.gather(1, flat), parents.gather(1, flat))
         return nodes, dist, live & (nodes >= 0)
 
     def expand(self, handles: torch.Tensor, live: torch.Tensor) -> Candidates:
