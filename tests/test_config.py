@@ -10,7 +10,8 @@ from vllm_adaptive_spec.config import TreeConfig, TreeConfigError, parse_tree_co
 from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
 from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy
 
-TREE_KEYS = "'drafter', 'evidence_prior', 'l_max', 'l_min', 'load_budget', 'max_depth', 'max_matches', 'policy'"
+TREE_KEYS = ("'drafter', 'evidence_prior', 'l_max', 'l_min', 'load_budget', 'matcher', 'max_depth', 'max_matches', "
+             "'policy'")
 
 
 def spec(budget=4, **tree):
@@ -22,7 +23,7 @@ def test_defaults_and_round_trip():
     assert config == TreeConfig(
         "retrieval", "retrieval", 4,
         {"l_max": 8, "l_min": 1, "max_matches": 32, "max_depth": 16, "evidence_prior": 4.0,
-         "datastore": "off", "datastore_tokens": 100_000, "corpus": ""},
+         "datastore": "off", "datastore_tokens": 100_000, "corpus": "", "matcher": "auto"},
         {"min_p": 0.05},
     )
     custom = parse_tree_config(
@@ -30,7 +31,8 @@ def test_defaults_and_round_trip():
     )
     assert custom.policy == "chain" and custom.budget == 128
     assert custom.drafter_params == {"l_max": 4, "l_min": 2, "max_matches": 3, "max_depth": 5, "evidence_prior": 4.0,
-                                     "datastore": "shared", "datastore_tokens": 50, "corpus": ""}
+                                     "datastore": "shared", "datastore_tokens": 50, "corpus": "",
+                                     "matcher": "auto"}
     assert TreeConfig.from_dict(json.loads(json.dumps(custom.to_dict()))) == custom
     drafter, policy = custom.make_drafter(), custom.make_policy()
     assert isinstance(drafter, RetrievalDrafter) and isinstance(policy, ChainPolicy)

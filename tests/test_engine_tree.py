@@ -133,12 +133,13 @@ def test_greedy_tree_equals_no_speculation(batch_size, demo_model, prompts, prom
 
 
 def test_uniform_steps_keep_greedy_output(demo_model, prompts, prompt_ids, baseline, tmp_path):
-    """Width-bucketed uniform steps (``step_widths``; on with CUDA graphs,
-    forced on here): every decoding request of a drafting step gets the
-    step's width of drafts, its tree's nodes then -1; the padding rows are
-    laid out, verified and never accepted, and greedy output still equals
-    no speculation."""
-    spec = {**TREE, "tree": {**TREE["tree"], "uniform_steps": "on"}}
+    """What a CUDA engine runs by default, forced on here: width-bucketed
+    uniform steps (``step_widths``) and the retrieval drafter's tensor
+    matcher. Every decoding request of a drafting step gets the step's width
+    of drafts, its tree's nodes then -1; the padding rows are laid out,
+    verified and never accepted, and greedy output still equals no
+    speculation."""
+    spec = {**TREE, "tree": {**TREE["tree"], "uniform_steps": "on", "matcher": "tensors"}}
     run = _run_and_compare(tmp_path, demo_model, prompts, prompt_ids, baseline, list(range(len(prompt_ids))), 8,
                            spec, LOGPROBS)
     assert run.tau > 1.3, f"tau {run.tau:.2f}"

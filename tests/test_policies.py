@@ -281,6 +281,7 @@ def proposer_for(config):
 
     return TreeProposer(SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: config.to_dict()},
                                         model_config=SimpleNamespace(max_model_len=256),
+                                        device_config=SimpleNamespace(device_type="cpu"),
                                         scheduler_config=SimpleNamespace(max_num_batched_tokens=2048)))
 
 

@@ -18,6 +18,8 @@ from typing import Any
 
 from vllm_adaptive_spec.classifier import FILE_NAME
 from vllm_adaptive_spec.drafters import DRAFTER_POLICIES, DRAFTERS
+from vllm_adaptive_spec.drafters.retrieval import resolve_matcher
+from vllm_adaptive_spec.drafters.retrieval_tensors import TensorRetrievalDrafter
 from vllm_adaptive_spec.policies import POLICIES, Param
 
 METHOD = "adaptive_tree"
@@ -67,8 +69,15 @@ class TreeConfig:
     def from_dict(data: dict[str, Any]) -> "TreeConfig":
         return TreeConfig(**data)
 
-    def make_drafter(self):
-        return DRAFTERS[self.drafter](**self.drafter_params)
+    def make_drafter(self, device_type: str = "cpu"):
+        """The drafter, for an engine on ``device_type`` (which picks the
+        retrieval drafter's matcher, ``retrieval.resolve_matcher``)."""
+        params = self.drafter_params
+        if self.drafter == "retrieval" and resolve_matcher(
+                params.get("matcher", "auto"), device_type, params.get("datastore", "off"), params.get("corpus", "")
+        ) == "tensors":
+            return TensorRetrievalDrafter(device_type, **params)
+        return DRAFTERS[self.drafter](**params)
 
     @property
     def model_kind(self) -> str | None:

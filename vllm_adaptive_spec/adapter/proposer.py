@@ -99,7 +99,7 @@ class TreeProposer:
         self.config = tree_config_of(vllm_config)
         if self.config is None:
             raise ValueError("TreeProposer is only used with method='adaptive_tree'")
-        self.drafter = self.config.make_drafter()
+        self.drafter = self.config.make_drafter(vllm_config.device_config.device_type)
         if getattr(self.drafter, "corpus_path", ""):
             from transformers import AutoTokenizer
 

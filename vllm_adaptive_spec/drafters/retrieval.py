@@ -63,6 +63,23 @@ from vllm_adaptive_spec.tree import ROOT, DraftTree
 
 ROOT_HANDLE = -1
 EVIDENCE_EXPONENT = 1.3
+MATCHERS = ("auto", "trie", "tensors")
+
+
+def resolve_matcher(matcher: str, device_type: str, datastore: str = "off", corpus: str = "") -> str:
+    """Which implementation builds the trees: ``trie`` (this module: an
+    incremental suffix index and lazy tries, in Python) or ``tensors``
+    (``retrieval_tensors``: batched tensor operations where the tokens are).
+    ``auto``: tensors on CUDA, the trie elsewhere (on the CPU the trie is
+    several times faster, ``benchmarks/RESULTS.md``). The shared datastore
+    and the corpus are matched by the trie only."""
+    others = datastore != "off" or bool(corpus)
+    if matcher == "tensors" and others:
+        raise ValueError("retrieval matcher 'tensors' matches the request's own context only; "
+                         "datastore 'shared' and corpus need matcher 'trie' (or 'auto')")
+    if matcher == "auto":
+        return "tensors" if device_type == "cuda" and not others else "trie"
+    return matcher
 
 
 def _readable_file(path: str) -> bool:
@@ -144,6 +161,7 @@ class RetrievalDrafter:
         "datastore": Param(str, "off", "one of 'off', 'shared'", lambda v: v in ("off", "shared")),
         "datastore_tokens": Param(int, 100_000, "an integer >= 1", lambda v: v >= 1),
         "corpus": Param(str, "", "the path of a readable text file, or '' for none", _readable_file),
+        "matcher": Param(str, "auto", "one of 'auto', 'trie', 'tensors'", lambda v: v in MATCHERS),
     }
 
     def __init__(
@@ -156,7 +174,9 @@ class RetrievalDrafter:
         datastore: str = "off",
         datastore_tokens: int = 100_000,
         corpus: str = "",
+        matcher: str = "auto",
     ) -> None:
+        resolve_matcher(matcher, "cpu", datastore, corpus)  # refuses what no device allows
         if l_min > l_max:
             raise ValueError(f"l_min ({l_min}) must not exceed l_max ({l_max})")
         self.l_max, self.l_min = l_max, l_min

@@ -1,0 +1,139 @@
+"""The retrieval drafter's tensor matcher (issue 53, item 1) against its
+trie: the same candidate trees, floats and ties included, on random token
+streams (small vocabularies, so matches and count ties are many) and on the
+project's prompts; the same layer-by-layer growth; traced whole by
+``torch.compile(fullgraph=True)``; the same operations at every batch size
+and context length."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vllm_adaptive_spec.config import TreeConfig
+from vllm_adaptive_spec.drafters.retrieval import EVIDENCE_EXPONENT, RetrievalDrafter, resolve_matcher
+from vllm_adaptive_spec.drafters.retrieval_tensors import (
+    TensorRetrievalDrafter,
+    candidate_trees,
+    continuations,
+    evidence_table,
+    longest_matches,
+)
+from vllm_adaptive_spec.growth import grow
+from vllm_adaptive_spec.policies import ChainPolicy
+
+PROMPTS = Path(__file__).parent.parent / "vllm_adaptive_spec" / "data" / "prompts.jsonl"
+
+
+def both(params: dict, contexts: list[list[int]]) -> tuple[RetrievalDrafter, TensorRetrievalDrafter]:
+    ids = [f"r{b}" for b in range(len(contexts))]
+    trie, tensors = RetrievalDrafter(**params), TensorRetrievalDrafter("cpu", **params)
+    for drafter in (trie, tensors):
+        drafter.prepare(ids, contexts)
+    return trie, tensors
+
+
+def random_contexts(rng: random.Random, batch: int, vocab: int) -> list[list[int]]:
+    return [[rng.randrange(vocab) for _ in range(rng.randint(1, 80))] for _ in range(batch)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_same_trees_as_the_trie_on_random_streams(seed):
+    rng = random.Random(seed)
+    l_max = rng.randint(1, 8)
+    params = {"l_max": l_max, "l_min": 1 if seed % 4 else min(l_max, 2), "max_matches": rng.choice([1, 4, 32]),
+              "max_depth": rng.choice([1, 5, 16]), "evidence_prior": rng.choice([0.0, 2.0, 4.0])}
+    trie, tensors = both(params, random_contexts(rng, 6, rng.choice([2, 4, 9])))
+    for floor in (0.0, 0.05, 0.3):
+        assert tensors.candidate_trees(floor) == trie.candidate_trees(floor)
+    assert sum(len(t) for t in trie.candidate_trees()) > 0
+
+
+def test_the_same_trees_as_the_trie_on_the_projects_prompts(demo_tokenizer):
+    """Each prompt's tokens (as the chat template lays them out) cut at every
+    16th position, as the steps of a request would see its context grow."""
+    prompts = [json.loads(line)["messages"] for line in PROMPTS.read_text(encoding="utf-8").splitlines()]
+    texts = [demo_tokenizer.apply_chat_template(messages, tokenize=False) for messages in prompts]
+    streams = [demo_tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    contexts = [stream[:cut] for stream in streams for cut in range(16, len(stream) + 1, 16)]
+    trie, tensors = both({}, contexts)
+    assert tensors.candidate_trees(0.05) == trie.candidate_trees(0.05)
+    assert tensors.candidate_trees(0.0) == trie.candidate_trees(0.0)
+    assert sum(1 for t in trie.candidate_trees(0.05) if len(t)) > len(contexts) // 4
+
+
+def test_the_layer_loop_grows_the_same_trees():
+    """The chain policy grows layer by layer through ``children`` (and so does
+    the hybrid): the tensor matcher answers them from its whole trees."""
+    rng = random.Random(7)
+    trie, tensors = both({"max_depth": 6}, random_contexts(rng, 8, 3))
+    budget = torch.full((8,), 6)
+    assert grow(tensors, ChainPolicy(), budget, 6)[0] == grow(trie, ChainPolicy(), budget, 6)[0]
+    assert tensors.children(0, 10_000) == []
+
+
+def device_trees(tokens, lengths, kappa, floor: float):
+    matches = longest_matches(tokens, lengths, 1, 8, 32)
+    cont = continuations(tokens, lengths, matches.ends, 16)
+    return candidate_trees(cont, matches.length, kappa, floor)
+
+
+def padded_batch(seed: int, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 5, (batch, width), generator=gen), torch.randint(1, width + 1, (batch,), generator=gen)
+
+
+def kappa_table() -> torch.Tensor:
+    return torch.tensor(evidence_table(4.0, 8, 16, EVIDENCE_EXPONENT), dtype=torch.float64)
+
+
+def test_the_device_part_compiles_whole_and_equals_eager():
+    torch._dynamo.reset()
+    tokens, lengths = padded_batch(0, 4, 40)
+    compiled = torch.compile(device_trees, fullgraph=True, dynamic=False, backend="aot_eager")
+    eager, traced = device_trees(tokens, lengths, kappa_table(), 0.05), compiled(tokens, lengths, kappa_table(), 0.05)
+    for got, want in zip(traced, eager):
+        assert torch.equal(got, want)
+    assert eager.num_nodes.sum() > 0
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_same_operations_at_every_batch_and_context():
+    """No loop over requests, positions or nodes: the operations dispatched
+    are the same at batch 8 and 64 and for contexts of 64 and 512 tokens,
+    and none reads a value back."""
+    counts = []
+    for batch, width in ((8, 64), (64, 64), (8, 512), (64, 512)):
+        tokens, lengths = padded_batch(batch + width, batch, width)
+        with OpCounter() as counter:
+            device_trees(tokens, lengths, kappa_table(), 0.05)
+        counts.append(counter.ops)
+    assert all(count == counts[0] for count in counts)
+    assert not any("_local_scalar_dense" in op or "nonzero" in op for op in counts[0])
+
+
+def test_the_matcher_follows_the_device_and_refuses_what_it_cannot_match():
+    assert resolve_matcher("auto", "cuda") == "tensors" and resolve_matcher("auto", "cpu") == "trie"
+    assert resolve_matcher("auto", "cuda", datastore="shared") == "trie"
+    with pytest.raises(ValueError, match="datastore 'shared' and corpus need matcher 'trie'"):
+        RetrievalDrafter(matcher="tensors", datastore="shared")
+    config = TreeConfig("retrieval", "retrieval", 16, {"matcher": "tensors"}, {})
+    assert isinstance(config.make_drafter("cpu"), TensorRetrievalDrafter)
+    assert type(TreeConfig("retrieval", "retrieval", 16).make_drafter("cpu")) is RetrievalDrafter
+    np.testing.assert_array_equal(np.diff(kappa_table().numpy()[1:]) < 0, True)  # kappa falls with evidence

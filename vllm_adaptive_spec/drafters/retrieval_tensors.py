@@ -1,0 +1,207 @@
+"""The retrieval drafter's trees as batched tensor operations (issue 53, item 1).
+
+The same trees as :class:`~vllm_adaptive_spec.drafters.retrieval.RetrievalDrafter`
+(its suffix index and lazy tries), ties included, computed for a whole batch
+at once from its tokens ``[B, L]`` (each request's context, left-aligned,
+``lengths`` [B]), so that they can run where the tokens are (the GPU) with a
+number of operations that depends on neither the batch nor the contexts:
+
+1. :func:`longest_matches`: for every length ``k`` from ``l_min`` to
+   ``l_max``, where the context's last ``k`` tokens occurred before (a
+   comparison of every position with the suffix, ``[B, L, l_max]``); the
+   longest such ``k`` and its most recent ``max_matches`` ends.
+2. :func:`continuations`: the ``max_depth`` tokens after each end ``[B, M, D]``.
+3. :func:`candidate_trees`: the trie of those continuations by prefix
+   (continuations ``i`` and ``j`` share the node at depth ``d`` when their
+   first ``d + 1`` tokens agree; a node is named by its first continuation),
+   each node's ``q`` from its count and its siblings' total as
+   ``retrieval.py`` defines it, path probabilities, the nodes at or above
+   the floor, and their breadth-first order (children by descending ``q``,
+   first seen first), one fixed round per depth.
+
+The evidence prior ``kappa`` takes one value per matched length plus depth;
+those values are computed on the host, as the drafter computes them, so that
+every ``q`` and ``p`` is the same float.
+
+Decision (``matcher: auto``): the tensors on CUDA, the trie on the CPU. On
+the CPU the tensors compare every position of every context with the
+suffix and every pair of continuations, where the trie updates its index
+with the step's new tokens and builds only the nodes it is asked for; the
+tensor version measured several times slower there (``benchmarks/RESULTS.md``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from vllm_adaptive_spec.drafters.retrieval import EVIDENCE_EXPONENT, RetrievalDrafter
+from vllm_adaptive_spec.tree import ROOT, DraftTree
+
+PAD = -1
+
+
+class Matches(NamedTuple):
+    """``length`` [B]: the longest matched suffix (0: none); ``ends`` [B, M]:
+    where it ended before, most recent first (-1: no more)."""
+
+    length: torch.Tensor
+    ends: torch.Tensor
+
+
+class CandidateTrees(NamedTuple):
+    """Breadth-first trees ``[B, N]``: ``tokens``, ``parents`` (-1: the
+    root's child), ``q`` (float64), ``num_nodes`` [B]; slots beyond a tree's
+    nodes hold -1 / -1 / 0."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    q: torch.Tensor
+    num_nodes: torch.Tensor
+
+    def to_trees(self) -> list[DraftTree]:
+        """On the host, in one read."""
+        tokens, parents, q, counts = (x.tolist() for x in (self.tokens, self.parents, self.q, self.num_nodes))
+        return [DraftTree(t[:n], r[:n], w[:n]) for t, r, w, n in zip(tokens, parents, q, counts)]
+
+
+def longest_matches(tokens: torch.Tensor, lengths: torch.Tensor, l_min: int, l_max: int, max_matches: int) -> Matches:
+    batch, width = tokens.shape
+    device = tokens.device
+    last = lengths - 1
+    back = torch.arange(l_max, device=device)  # t: tokens back from an end
+    ends = torch.arange(width, device=device)
+    suffix = tokens.gather(1, (last.unsqueeze(1) - back).clamp(min=0))  # [B, l_max], the t-th token back
+    window = tokens[:, (ends.unsqueeze(1) - back).clamp(min=0)]  # [B, L, l_max]
+    equal = (window == suffix.unsqueeze(1)) & (ends.unsqueeze(1) >= back) & (last.view(-1, 1, 1) >= back)
+    runs = _all_so_far(equal)  # runs[b, j, k-1]: the suffix of length k ends at j
+    before = ends.unsqueeze(0) < last.unsqueeze(1)  # the suffix's own occurrence is not a match
+    found = (runs & before.unsqueeze(2)).any(1)  # [B, l_max]
+    sizes = torch.arange(1, l_max + 1, device=device)
+    length = torch.where(found & (sizes >= l_min), sizes, 0).amax(1)
+    at = runs.gather(2, (length - 1).clamp(min=0).view(-1, 1, 1).expand(batch, width, 1)).squeeze(2)
+    matched = at & before & (length > 0).unsqueeze(1)
+    recent = torch.where(matched, ends, PAD)
+    if width < max_matches:
+        recent = torch.nn.functional.pad(recent, (0, max_matches - width), value=PAD)
+    return Matches(length, recent.topk(max_matches, dim=1).values)
+
+
+def _all_so_far(flags: torch.Tensor) -> torch.Tensor:
+    """Along the last dimension, whether every flag up to each position is set
+    (a cumulative sum of the unset ones: CPU ``cummin`` is many times slower)."""
+    return torch.cumsum((~flags).to(torch.int32), dim=-1) == 0
+
+
+def continuations(tokens: torch.Tensor, lengths: torch.Tensor, ends: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """``[B, M, D]`` the tokens after each end (-1 beyond the context or where there is no end)."""
+    at = ends.unsqueeze(2) + 1 + torch.arange(max_depth, device=tokens.device)
+    valid = (ends.unsqueeze(2) >= 0) & (at < lengths.view(-1, 1, 1))
+    picked = tokens.gather(1, at.clamp(max=tokens.shape[1] - 1).flatten(1)).view(at.shape)
+    return torch.where(valid, picked, PAD)
+
+
+def evidence_table(evidence_prior: float, l_max: int, max_depth: int, exponent: float) -> list[float]:
+    """``kappa`` for every matched length plus depth (index 0 unused), as the host drafter computes it."""
+    return [0.0] + [evidence_prior * v ** -exponent for v in range(1, l_max + max_depth + 1)]
+
+
+def candidate_trees(cont: torch.Tensor, length: torch.Tensor, kappa: torch.Tensor, floor: float) -> CandidateTrees:
+    """The trie of the continuations ``cont`` [B, M, D] (priority order)
+    after a match of ``length`` [B], as breadth-first trees of the nodes
+    whose path probability is at least ``floor``; ``kappa`` float64
+    (:func:`evidence_table`)."""
+    batch, matches, depth = cont.shape
+    valid = cont >= 0
+    pair = (cont.unsqueeze(2) == cont.unsqueeze(1)) & valid.unsqueeze(2) & valid.unsqueeze(1)  # [B, M, M, D]
+    same = _all_so_far(pair)  # the same prefix up to each depth
+    names = torch.arange(matches, device=cont.device).view(1, 1, -1, 1)
+    # [B, M, D]: a node's name, its first continuation (past a continuation's end: any name)
+    first = torch.where(same, names, matches - 1).amin(2)
+    node = valid & (first == torch.arange(matches, device=cont.device).view(1, -1, 1))
+    count = same.sum(2).to(torch.float64)
+    # The siblings' total: the continuations through the parent (the root: all) that go one deeper.
+    total = torch.cat([valid[..., :1].sum(1, keepdim=True).expand(batch, matches, 1),
+                       (same[..., :-1] & valid.unsqueeze(1)[..., 1:]).sum(2)], dim=2).to(torch.float64)
+    evidence = kappa[(length.view(-1, 1, 1) + torch.arange(depth, device=cont.device)).clamp(max=kappa.shape[0] - 1)]
+    q = torch.where(valid, count / total.clamp(min=1) * count / (count + evidence), 0.0)
+    along = q.gather(1, first)  # the q of each continuation's nodes, down its path
+    p = [along[..., 0]]
+    for d in range(1, depth):  # left to right, as the host multiplies
+        p.append(p[-1] * along[..., d])
+    return _breadth_first(cont, first, q, node & (torch.stack(p, dim=2) >= floor))
+
+
+def _breadth_first(cont, first, q, kept) -> CandidateTrees:
+    """The kept nodes in breadth-first order, depth after depth: a node's
+    place is by its parent's place, then descending ``q``, then its name."""
+    batch, matches, depth = cont.shape
+    device = cont.device
+    names = torch.arange(matches, device=device).expand(batch, matches)
+    index = torch.full((batch, matches, depth), PAD, dtype=torch.long, device=device)
+    parent = torch.full((batch, matches, depth), ROOT, dtype=torch.long, device=device)
+    placed = torch.zeros(batch, dtype=torch.long, device=device)
+    last = matches * depth  # a key after every place
+    for d in range(depth):
+        if d:
+            parent[..., d] = index[..., d - 1].gather(1, first[..., d - 1])
+        here = kept[..., d]
+        order = torch.sort(-q[..., d], dim=1, stable=True).indices  # ties: the lower name first
+        keys = torch.where(here, parent[..., d], last).gather(1, order)
+        order = order.gather(1, torch.sort(keys, dim=1, stable=True).indices)
+        rank = torch.empty_like(order).scatter_(1, order, names)
+        index[..., d] = torch.where(here, placed.unsqueeze(1) + rank, PAD)
+        placed = placed + here.sum(1)
+    slot = torch.where(kept, index, last).flatten(1)  # the rest into a spill column, cut off
+
+    def laid_out(values, fill, dtype):
+        out = torch.full((batch, last + 1), fill, dtype=dtype, device=device)
+        return out.scatter_(1, slot, values.flatten(1).to(dtype))[:, :last]
+
+    return CandidateTrees(laid_out(cont, PAD, torch.long), laid_out(parent, ROOT, torch.long),
+                          laid_out(q, 0.0, torch.float64), placed)
+
+
+class TensorRetrievalDrafter(RetrievalDrafter):
+    """The retrieval drafter with ``matcher: tensors``: each step's trees from
+    the requests' whole contexts on ``device`` (no index kept between steps),
+    the same trees as the trie's. The trees reach the host in one read, where
+    the policy, the load budget and the scheduler take them."""
+
+    def __init__(self, device: str | torch.device = "cpu", **params) -> None:
+        super().__init__(**params)
+        self.device = torch.device(device)
+        self._kappa = torch.tensor(evidence_table(self.evidence_prior, self.l_max, self.max_depth, EVIDENCE_EXPONENT),
+                                   dtype=torch.float64, device=self.device)
+        self._tokens = self._lengths = None
+        self._cached: dict[float, list[DraftTree]] = {}
+        self._kids: dict[int, dict[int, list[tuple[int, float, int]]]] = {}
+
+    def prepare(self, request_ids: list[str], contexts, rows=None, prompt_lens=None) -> None:
+        lengths = [len(context) for context in contexts]
+        padded = np.zeros((len(contexts), max(lengths, default=1)), dtype=np.int64)
+        for b, context in enumerate(contexts):
+            padded[b, : lengths[b]] = context
+        self._tokens = torch.from_numpy(padded).to(self.device, non_blocking=True)
+        self._lengths = torch.tensor(lengths, dtype=torch.long).to(self.device, non_blocking=True)
+        self._cached, self._kids = {}, {}
+
+    def candidate_trees(self, floor: float = 0.0) -> list[DraftTree]:
+        if floor not in self._cached:
+            matches = longest_matches(self._tokens, self._lengths, self.l_min, self.l_max, self.max_matches)
+            cont = continuations(self._tokens, self._lengths, matches.ends, self.max_depth)
+            self._cached[floor] = candidate_trees(cont, matches.length, self._kappa, floor).to_trees()
+        return self._cached[floor]
+
+    def children(self, b: int, handle: int) -> list[tuple[int, float, int]]:
+        """From the whole candidate tree: its nodes are breadth-first, each
+        node's children together and by descending ``q``, as the trie's."""
+        if b not in self._kids:
+            kids: dict[int, list[tuple[int, float, int]]] = {}
+            tree = self.candidate_trees()[b]
+            for node, (token, parent, q) in enumerate(zip(tree.tokens, tree.parents, tree.q)):
+                kids.setdefault(parent, []).append((token, q, node))
+            self._kids[b] = kids
+        return self._kids[b].get(handle, [])
