@@ -1,0 +1,90 @@
+"""The retrieval drafter's two matchers timed side by side: the trie (an
+incremental suffix index and lazy tries, Python) and the tensors
+(``drafters/retrieval_tensors.py``), the same trees (checked here on every
+step too). Per step and batch size: ``prepare`` with each request's context
+one token longer, then the candidate trees at the retrieval policy's floor
+(0.05), as the proposer asks for them.
+
+Workload: the held-out prompts (chat template of the demo model's
+tokenizer), each request's "answer" the prompt's own tokens again from a
+random point (retrieval's best case, where its trees are largest), steps
+interleaved between the matchers.
+
+Reproduce (one thread, as an engine's drafter runs)::
+
+    .venv/bin/python benchmarks/retrieval_matchers.py --batch-sizes 1,8,64 --steps 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from vllm_adaptive_spec.demo_model import ensure_demo_model
+from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
+from vllm_adaptive_spec.drafters.retrieval_tensors import TensorRetrievalDrafter
+
+HELDOUT = Path(__file__).parent / "data" / "heldout_prompts.jsonl"
+
+
+def streams(batch: int, length: int, seed: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_demo_model())
+    rows = [json.loads(line) for line in HELDOUT.read_text(encoding="utf-8").splitlines()]
+    rng = random.Random(seed)
+    out = []
+    for b in range(batch):
+        text = tokenizer.apply_chat_template(rows[b % len(rows)]["messages"], tokenize=False)
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        start = rng.randrange(len(prompt) // 2)
+        out.append((prompt + prompt[start:] * 4)[: len(prompt) + length])
+    return out
+
+
+def time_matchers(batch: int, steps: int, seed: int = 0) -> dict:
+    full = streams(batch, steps + 1, seed)
+    ids = [f"r{b}" for b in range(batch)]
+    drafters = {"trie": RetrievalDrafter(), "tensors": TensorRetrievalDrafter("cpu")}
+    seconds = {name: [] for name in drafters}
+    for step in range(steps, -1, -1):
+        contexts = [stream[: len(stream) - step] for stream in full]
+        trees = {}
+        for name, drafter in drafters.items():
+            started = time.perf_counter()
+            drafter.prepare(ids, contexts)
+            trees[name] = drafter.candidate_trees(0.05)
+            if step < steps:  # the first step builds the trie's index from the whole prompt
+                seconds[name].append(time.perf_counter() - started)
+        if trees["trie"] != trees["tensors"]:
+            raise AssertionError(f"the matchers' trees differ at batch {batch}, step {steps - step}")
+    nodes = sum(len(t) for t in trees["trie"]) / batch
+    return {"batch": batch, "nodes_per_tree": nodes,
+            **{f"{name}_ms": 1e3 * statistics.median(values) for name, values in seconds.items()}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch-sizes", default="1,8,64")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--out", help="a JSON file for the rows")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = [time_matchers(int(b), args.steps) for b in args.batch_sizes.split(",")]
+    print("| batch | nodes/tree | trie ms/step | tensors ms/step |\n|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['batch']} | {row['nodes_per_tree']:.1f} | {row['trie_ms']:.2f} | {row['tensors_ms']:.2f} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1), encoding="utf-8")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
