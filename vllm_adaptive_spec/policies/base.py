@@ -81,6 +81,12 @@ class TreePolicy:
         """The deepest layer grown for a largest budget of ``budget``."""
         return budget
 
+    def layer_width(self, budget: int) -> int:
+        """The most candidates one layer chooses per request (fixed-capacity
+        growth, ``growth_fixed``): a policy that never grows past the budget
+        chooses at most what is left of it."""
+        return budget
+
     def max_fed_nodes(self, budget: int) -> int:
         """Nodes a model drafter runs on while growing one tree (its KV scratch):
         a policy that never grows past the budget feeds at most ``budget - 1``

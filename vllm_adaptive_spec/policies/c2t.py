@@ -63,6 +63,9 @@ class C2TPolicy(TreePolicy):
             self._weights[device] = (c.w1, c.b1, c.w2, c.b2)
         return self._weights[device]
 
+    def layer_width(self, budget: int) -> int:
+        return self.top_k
+
     def select(self, layer: Layer) -> torch.Tensor:
         candidates, p = layer.candidates, layer.p
         if candidates.entropy is None:

@@ -14,6 +14,9 @@ class ChainPolicy(TreePolicy):
 
     name = "chain"
 
+    def layer_width(self, budget: int) -> int:
+        return 1
+
     def select(self, layer: Layer) -> torch.Tensor:
         chosen = torch.zeros_like(layer.candidates.q, dtype=torch.bool)
         chosen[:, 0, 0] = layer.size < layer.budget

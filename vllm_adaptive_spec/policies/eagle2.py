@@ -37,6 +37,9 @@ class Eagle2Policy(TreePolicy):
     def max_fed_nodes(self, budget: int) -> int:
         return self.top_k * (self.depth - 1)
 
+    def layer_width(self, budget: int) -> int:
+        return self.top_k
+
     def select(self, layer: Layer) -> torch.Tensor:
         width = torch.full_like(layer.budget, self.top_k)
         return best_of_layer(layer, layer.p > 0, width)

@@ -1,0 +1,127 @@
+"""Tree growth at fixed capacity (issue 53, item 2): the same trees as the
+ragged layer loop for every model-drafter policy whenever the width holds
+each layer, trees cut to the capacity otherwise (still trees), traced whole
+by ``torch.compile(fullgraph=True)``, the same operations at every batch
+size and budget."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from test_model_drafter import TableBackend
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vllm_adaptive_spec.drafters.model import Eagle3Drafter
+from vllm_adaptive_spec.growth import Candidates, grow
+from vllm_adaptive_spec.growth_fixed import grow_fixed
+from vllm_adaptive_spec.policies import C2TPolicy, ChainPolicy, DeaglePolicy, DynaTreePolicy, Eagle2Policy, TalonPolicy
+
+VOCAB = 1024  # C2T's classifier reads a top-1000 entropy
+CLASSIFIER = Path(__file__).parent.parent / "heads" / "smollm2-135m-eagle3" / "c2t_classifier.json"
+POLICIES = {
+    "chain": lambda: ChainPolicy(),
+    "eagle2": lambda: Eagle2Policy(top_k=4, depth=5),
+    "talon": lambda: TalonPolicy(top_k=4, k_c=4, max_depth=10),
+    "deagle": lambda: DeaglePolicy(top_k=4, depth=8),
+    "dynatree": lambda: DynaTreePolicy(),
+    "c2t": lambda: C2TPolicy(top_k=4, max_depth=6, classifier=str(CLASSIFIER)),
+}
+
+
+def tables(seed: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Peaked distributions over a few likely tokens, so trees branch and deepen."""
+    gen = torch.Generator().manual_seed(seed)
+    roots = (torch.randn(batch, VOCAB, generator=gen) * 4).softmax(-1)
+    table = (torch.randn(VOCAB, VOCAB, generator=gen) * 4).softmax(-1)
+    return roots, table
+
+
+def grown(policy, roots, table, budget: torch.Tensor, width: int | None):
+    """The trees of the ragged loop (``width`` None) or of the fixed one."""
+    batch = budget.shape[0]
+    drafter = Eagle3Drafter()
+    drafter.bind(TableBackend(roots, table), policy.fanout, policy.entropy_top_m)
+    ids = [f"r{b}" for b in range(batch)]
+    drafter.prepare(ids, [None] * batch, list(range(batch)))
+    policy.begin(ids)
+    if width is None:
+        return grow(drafter, policy, budget, drafter.max_depth)[0]
+    depth = min(drafter.max_depth, policy.depth_limit(int(budget.max())))
+    return grow_fixed(drafter, policy, budget, depth, width).to_trees()
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_the_same_trees_as_the_ragged_loop(name):
+    budget = torch.tensor([16, 5, 0, 24])
+    for seed in range(4):
+        roots, table = tables(seed, 4)
+        policy = POLICIES[name]()
+        width = policy.layer_width(int(budget.max()))
+        ragged = grown(policy, roots, table, budget, None)
+        assert grown(POLICIES[name](), roots, table, budget, width) == ragged
+        assert sum(len(t) for t in ragged) > 8
+
+
+def test_a_width_too_narrow_cuts_the_trees_to_their_capacity():
+    roots, table = tables(5, 3)
+    budget = torch.tensor([24, 24, 24])
+    full = grown(TalonPolicy(top_k=4, k_c=4), roots, table, budget, 24)
+    cut = grown(TalonPolicy(top_k=4, k_c=4), roots, table, budget, 2)
+    for small, large in zip(cut, full):
+        small.validate()
+        widest = max(Counter(small.depths()).values())
+        assert widest <= 2 < max(Counter(large.depths()).values()) and small.tokens[:2] == large.tokens[:2]
+
+
+class TableDrafter:
+    """A drafter of tensor operations only (a node's handle is its token):
+    its children are the top-``fanout`` tokens of its row of the table."""
+
+    def __init__(self, roots: torch.Tensor, table: torch.Tensor, fanout: int) -> None:
+        self.roots, self.table, self.fanout = roots, table, fanout
+
+    def expand(self, handles: torch.Tensor, live: torch.Tensor) -> Candidates:
+        rows = torch.where((handles < 0).unsqueeze(-1), self.roots.unsqueeze(1), self.table[handles.clamp(min=0)])
+        q, tokens = rows.topk(self.fanout, dim=-1)
+        q = torch.where(live.unsqueeze(-1), q, 0.0)
+        return Candidates(tokens=tokens, q=q, handles=tokens.clone())
+
+
+def fixed_trees(roots, table, budget):
+    policy = TalonPolicy(top_k=4, k_c=4, max_depth=6)
+    return grow_fixed(TableDrafter(roots, table, policy.fanout), policy, budget, 6, 8)
+
+
+def test_the_fixed_loop_compiles_whole_and_equals_eager():
+    torch._dynamo.reset()
+    roots, table = tables(1, 4)
+    budget = torch.tensor([8, 3, 0, 8])
+    compiled = torch.compile(fixed_trees, fullgraph=True, dynamic=False, backend="aot_eager")
+    eager, traced = fixed_trees(roots, table, budget), compiled(roots, table, budget)
+    for got, want in zip(traced, eager):
+        assert (got is None and want is None) or torch.equal(got, want)
+    assert eager.num_nodes.tolist()[2] == 0 and eager.num_nodes.sum() > 8
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_same_operations_at_every_batch_and_budget():
+    counts = []
+    for batch, budget in ((8, 4), (64, 4), (8, 8), (64, 8)):
+        roots, table = tables(batch, batch)
+        with OpCounter() as counter:
+            fixed_trees(roots, table, torch.full((batch,), budget))
+        counts.append(counter.ops)
+    assert all(count == counts[0] for count in counts)
+    assert not any("_local_scalar_dense" in op or "nonzero" in op for op in counts[0])
