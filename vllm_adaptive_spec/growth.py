@@ -17,7 +17,7 @@ operations per depth, which cost 13 ms a step at batch 16 (16 layers deep).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -125,8 +125,9 @@ def grow(
     if whole is not None and choose is not None:
         trees = whole(max(getattr(policy, "floor", 0.0), floor))
         return [choose(tree, n) if n > 0 else DraftTree() for tree, n in zip(trees, budget.tolist())], stats
-    tokens, parents, q, p, score, entropy = [], [], [], [], [], []  # per layer, [B, L] each
+    tokens, parents, q, p, score, entropy, valid = [], [], [], [], [], [], []  # per layer, [B, L] each
     size = torch.zeros(batch, dtype=torch.long)
+    slots = 0  # the layers' slots so far
     frontier_handles = torch.full((batch, 1), ROOT, dtype=torch.long)
     frontier_index = torch.full((batch, 1), ROOT, dtype=torch.long)
     frontier_p = torch.ones(batch, 1)
@@ -160,7 +161,9 @@ def grow(
         if candidates.entropy is not None:
             entropy.append(candidates.entropy.gather(1, parent_slot))
         parents.append(frontier_index.gather(1, parent_slot))
-        new_index = size.unsqueeze(1) + torch.arange(width).unsqueeze(0)
+        valid.append(live)
+        new_index = slots + torch.arange(width).unsqueeze(0).expand(batch, -1)
+        slots += width
         tokens[-1], parents[-1] = tokens[-1].masked_fill(~live, -1), parents[-1].masked_fill(~live, ROOT)
         q[-1], p[-1] = q[-1].masked_fill(~live, 0.0), p[-1].masked_fill(~live, 0.0)
         score[-1] = score[-1].masked_fill(~live, 0.0)
@@ -168,39 +171,62 @@ def grow(
         frontier_handles = candidates.handles.flatten(1).gather(1, order)
         frontier_index = new_index
         frontier_p, frontier_score, frontier_live = p[-1], score[-1], live & ~layer.stop.unsqueeze(1)
-    return _assemble(tokens, parents, q, score, entropy, policy, budget), stats
-
-
-def _assemble(tokens, parents, q, score, entropy, policy: Policy, budget: torch.Tensor) -> list[DraftTree]:
-    """The kept nodes of each request as a tree (``entropy``: per layer, the
-    parent's entropy of every node, where the drafter gave it)."""
-    batch = budget.shape[0]
     if not tokens:
-        return [DraftTree() for _ in range(batch)]
-    # Layers are packed per request; gather each request's nodes in order.
-    valid = torch.cat([t >= 0 for t in tokens], dim=1)
-    keep = policy.finish(torch.cat(score, dim=1), valid, budget) & valid
-    all_tokens, all_parents, all_q = (torch.cat(x, dim=1).tolist() for x in (tokens, parents, q))
-    all_entropy = torch.cat(entropy, dim=1).tolist() if len(entropy) == len(tokens) else None
-    trees = []
-    for b in range(batch):
-        # Slot -> node index in the grown tree (layers are left-packed, so the
-        # valid slots of a request, in slot order, are its nodes in BFS order).
-        slots = [s for s, v in enumerate(valid[b].tolist()) if v]
-        kept = keep[b].tolist()
-        new_index: dict[int, int] = {}
-        tree = DraftTree()
-        for node, slot in enumerate(slots):
-            if not kept[slot]:
-                continue
-            parent = all_parents[b][slot]
-            if parent != ROOT and parent not in new_index:
-                continue
-            new_index[node] = len(tree)
-            tree.tokens.append(all_tokens[b][slot])
-            tree.parents.append(ROOT if parent == ROOT else new_index[parent])
-            tree.q.append(all_q[b][slot])
-            if all_entropy is not None:
-                tree.parent_entropy.append(all_entropy[b][slot])
-        trees.append(tree)
-    return trees
+        return [DraftTree() for _ in range(batch)], stats
+    layers = Layers(*(torch.cat(x, dim=1) for x in (tokens, parents, q, score)),
+                    torch.cat(entropy, dim=1) if len(entropy) == len(tokens) else None, torch.cat(valid, dim=1))
+    return assemble(layers, policy, budget, len(tokens)).to_trees(), stats
+
+
+class GrownTrees(NamedTuple):
+    """Breadth-first trees ``[B, depth * width]``: ``tokens`` (-1 past a
+    tree's nodes), ``parents``, ``q``, the parents' ``entropy`` (None where
+    the drafter gives none) and ``num_nodes`` [B]."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    q: torch.Tensor
+    entropy: torch.Tensor | None
+    num_nodes: torch.Tensor
+
+    def to_trees(self) -> list[DraftTree]:
+        """On the host, in one read."""
+        rows = [x.tolist() for x in (self.tokens, self.parents, self.q, self.num_nodes)]
+        entropy = self.entropy.tolist() if self.entropy is not None else None
+        return [DraftTree(t[:n], r[:n], w[:n], entropy[b][:n] if entropy is not None else [])
+                for b, (t, r, w, n) in enumerate(zip(*rows))]
+
+
+class Layers(NamedTuple):
+    """Grown layers side by side, a slot each: a candidate chosen into a layer
+    (``valid``) or an empty slot; ``parents`` name the parent's slot."""
+
+    tokens: torch.Tensor  # [B, slots], layer after layer
+    parents: torch.Tensor  # the parent's slot (-1: the root)
+    q: torch.Tensor
+    score: torch.Tensor
+    entropy: torch.Tensor | None
+    valid: torch.Tensor
+
+
+def assemble(layers: Layers, policy: Policy, budget: torch.Tensor, depth: int) -> GrownTrees:
+    """The trees of ``depth`` grown layers: the nodes the policy keeps whose
+    ancestors are kept (slot order is breadth-first, every parent before its
+    children), renumbered, by tensor operations."""
+    batch, total = layers.tokens.shape
+    keep = policy.finish(layers.score, layers.valid, budget) & layers.valid
+    kept = keep.clone()
+    for _ in range(depth - 1):  # closed under ancestors: a round a layer
+        parent_kept = torch.where(layers.parents >= 0, kept.gather(1, layers.parents.clamp(min=0)), True)
+        kept = keep & parent_kept
+    new_index = torch.cumsum(kept.long(), dim=1) - 1
+    target = torch.where(kept, new_index, total)
+    new_parent = torch.where(layers.parents >= 0, new_index.gather(1, layers.parents.clamp(min=0)), ROOT)
+
+    def placed(values: torch.Tensor, fill) -> torch.Tensor:
+        out = torch.full((batch, total + 1), fill, dtype=values.dtype)
+        return out.scatter_(1, target, values)[:, :total]
+
+    entropy = None if layers.entropy is None else placed(layers.entropy, 0.0)
+    return GrownTrees(placed(layers.tokens, -1), placed(new_parent, ROOT), placed(layers.q, 0.0), entropy,
+                      kept.sum(1))
