@@ -64,6 +64,7 @@ class ModelDrafter:
         self.backend: DraftBackend | None = None
         self.fanout = 1
         self._scratch: TreeScratch | None = None  # this step's trees, as the backend grows them
+        self._at_root = True  # the next expansion is the roots' (their distributions are known)
         self._tokens: torch.Tensor | None = None  # last candidates' tokens [B, F * C]
         self._parents: torch.Tensor | None = None  # their parent node ids [B, F * C]
 
@@ -78,6 +79,7 @@ class ModelDrafter:
         if self.backend is None:
             raise RuntimeError(f"the {self.name} drafter has no backend; the engine adapter binds one")
         self._scratch = self.backend.begin(rows)
+        self._at_root = True
 
     def forget(self, request_id: str, finished: bool = False) -> None:
         """Model drafters keep nothing per request between steps (the KV is the engine's)."""
@@ -93,7 +95,8 @@ class ModelDrafter:
         to the backend: their node ids (the root's -1 at the root), their
         draft distributions, and ``live`` without the nodes not fed."""
         batch, width = handles.shape
-        if bool((handles == ROOT_HANDLE).all()):
+        if self._at_root:  # known on the host: no read of ``handles``
+            self._at_root = False
             roots = self._scratch.roots
             dist = DraftDistribution(*(x.unsqueeze(1).expand(batch, width, *x.shape[1:]) for x in roots))
             return torch.full((batch, width), ROOT_HANDLE, dtype=torch.long), dist, live
