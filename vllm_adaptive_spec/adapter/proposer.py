@@ -75,17 +75,15 @@ class TreeStats:
 
 def can_draft(sampling_params, num_output_tokens: int) -> bool:
     """Whether a request may get a tree: its sampling must be exactly what the
-    tree verifier reproduces. Requests with history-dependent processing
-    (penalties, bad words, min_tokens, logit bias, min_p, structured output,
-    thinking budget) are served without speculation instead."""
+    tree verifier reproduces (penalties along each row's path included,
+    ``tree_penalties``). Requests with other history-dependent processing
+    (bad words, min_tokens, logit bias, min_p, structured output, thinking
+    budget) are served without speculation instead."""
     sp = sampling_params
     if sp is None:
         return False
     return (
-        sp.presence_penalty == 0.0
-        and sp.frequency_penalty == 0.0
-        and sp.repetition_penalty == 1.0
-        and sp.min_p == 0.0
+        sp.min_p == 0.0
         and not sp.logit_bias
         and not sp.bad_words
         and sp.structured_outputs is None

@@ -8,8 +8,9 @@ stay untouched. Each request has ``1 + n`` logits rows (root, then its nodes).
   every other processor apply exactly as without speculation); so do
   requests with vLLM's placeholder drafts, sampled from their first row.
 * Tree rows are processed as vLLM's sampler processes a row (allowed-token
-  mask, temperature, then top-k and top-p through vLLM's own
-  ``apply_top_k_top_p``), then each row draws its target token
+  mask, presence, frequency and repetition penalties after the row's path
+  (``tree_penalties``), temperature, then top-k and top-p through vLLM's
+  own ``apply_top_k_top_p``), then each row draws its target token
   (argmax, or one exponential-race sample with the request's generator when
   seeded) and ``verify.accept`` walks the tree (docs/algorithms.md section 1).
   Decision: the argmax is vLLM's ``Sampler.greedy_sample`` (on the CPU
@@ -35,6 +36,7 @@ from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
 from vllm_adaptive_spec.adapter import step as tree_step
 from vllm_adaptive_spec.adapter.transfer import to_device
+from vllm_adaptive_spec.adapter.tree_penalties import apply_row_penalties, row_histories
 from vllm_adaptive_spec.verify import PAD, Acceptance, accept, sample_with_noise
 
 
@@ -73,41 +75,50 @@ def tree_row_targets(
     requests: list[int],
     counts: list[int],
     sampling_metadata,
+    histories: torch.Tensor | None = None,
     max_rows: int = MAX_CHUNK_ROWS,
 ) -> torch.Tensor:
     """The target token of every row of ``requests`` (batch positions; each
     owns ``counts[k]`` consecutive logits rows from ``starts[request]``),
-    request after request. A greedy batch takes one argmax over all the
-    step's rows and keeps the tree rows' (no copy of them: on the CPU copying
-    a large step's rows cost 5x the argmax, and the rows of requests without
-    trees are one each); otherwise the rows are gathered and sampled chunk by
-    chunk (``row_chunks``)."""
+    request after request; ``histories``: the rows' histories for penalties
+    (``tree_penalties.row_histories``; None: the batch has none). A greedy
+    batch without penalties takes one argmax over all the step's rows and
+    keeps the tree rows' (no copy of them: on the CPU copying a large step's
+    rows cost 5x the argmax, and the rows of requests without trees are one
+    each); otherwise the rows are gathered and processed chunk by chunk
+    (``row_chunks``)."""
     device = logits.device
 
     def rows_of(positions) -> list[int]:
         return [starts[requests[k]] + j for k in positions for j in range(counts[k])]
 
-    if sampling_metadata.all_greedy and sampling_metadata.allowed_token_ids_mask is None:
+    if sampling_metadata.all_greedy and sampling_metadata.allowed_token_ids_mask is None and histories is None:
         every_row = Sampler.greedy_sample(logits.to(torch.float32))  # vLLM's CPU argmax takes float32 only
         return every_row[to_device(rows_of(range(len(requests))), torch.long, device)]
-    pieces = []
+    pieces, first_row = [], 0
     for chunk in row_chunks(counts, max_rows):
         owners = [requests[k] for k in chunk for _ in range(counts[k])]
         rows = to_device(rows_of(chunk), torch.long, device)
-        pieces.append(row_target_tokens(logits[rows], owners, sampling_metadata))
+        chunk_histories = None if histories is None else histories[first_row: first_row + len(owners)]
+        pieces.append(row_target_tokens(logits[rows], owners, sampling_metadata, chunk_histories))
+        first_row += len(owners)
     return torch.cat(pieces)
 
 
-def row_target_tokens(logits: torch.Tensor, owners: list[int], sampling_metadata) -> torch.Tensor:
+def row_target_tokens(logits: torch.Tensor, owners: list[int], sampling_metadata,
+                      histories: torch.Tensor | None = None) -> torch.Tensor:
     """One target token per logits row ``[R, V]`` (``owners``: each row's
     request in the batch, on the host, so that a seeded request's rows are
-    found without a look at the device): vLLM's greedy argmax of the row for
+    found without a look at the device; ``histories``: for penalties, as
+    ``tree_row_targets``): vLLM's greedy argmax of the processed row for
     greedy requests, a sample from the processed distribution otherwise."""
     request_of_row = to_device(owners, torch.long, logits.device)
     mask = sampling_metadata.allowed_token_ids_mask
     processed = logits.to(torch.float32, copy=True)
     if mask is not None:
         processed.masked_fill_(mask[request_of_row], float("-inf"))
+    if histories is not None:
+        apply_row_penalties(processed, request_of_row, histories, sampling_metadata)
     if sampling_metadata.all_greedy:
         return Sampler.greedy_sample(processed)
     # Before temperature and top-k / top-p change the rows; a random batch needs none.
@@ -199,7 +210,10 @@ class TreeVerifier(torch.nn.Module):
             # The tree requests' own rows, request after request.
             host_counts = [metadata.num_draft_tokens[i] + 1 for i in step.host_batch_indices]
             host_starts = list(itertools.accumulate((n + 1 for n in metadata.num_draft_tokens), initial=0))
-            targets = tree_row_targets(logits, host_starts, step.host_batch_indices, host_counts, sampling_metadata)
+            histories = None if sampling_metadata.no_penalties else row_histories(
+                step, step.host_batch_indices, host_counts, sampling_metadata.output_token_ids, logits.shape[1])
+            targets = tree_row_targets(logits, host_starts, step.host_batch_indices, host_counts, sampling_metadata,
+                                       histories)
             first = to_device(list(itertools.accumulate(host_counts, initial=0))[:-1], torch.long, device)
             # [trees, width + 1] for acceptance: root and nodes (a uniform step's padding rows
             # follow them); a tree's empty slots repeat its last node's target.

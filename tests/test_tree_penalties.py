@@ -1,0 +1,62 @@
+"""Penalties along tree paths (issue 54): every tree row's logits are what
+vLLM's own penalties give that row's request after its output and the row's
+path (node and ancestors), the root's row after the output alone."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import torch
+from test_tree import random_bfs_tree
+from vllm.v1.sample.ops.penalties import apply_all_penalties
+
+from vllm_adaptive_spec.adapter.tree_penalties import apply_row_penalties, row_histories
+from vllm_adaptive_spec.tree import TreeBatch
+
+VOCAB = 12
+
+
+def path(tree, node: int) -> list[int]:
+    tokens = []
+    while node >= 0:
+        tokens.append(tree.tokens[node])
+        node = tree.parents[node]
+    return tokens[::-1]
+
+
+def test_every_row_is_penalised_after_its_own_path():
+    rng = random.Random(0)
+    gen = torch.Generator().manual_seed(0)
+    batch = 4
+    outputs = [[rng.randrange(VOCAB) for _ in range(rng.randint(0, 9))] for _ in range(batch)]
+    outputs[3].append(-1)  # async scheduling's placeholder
+    prompts = torch.full((batch, 6), VOCAB)
+    for b in range(batch):
+        prompts[b, : 2 + b] = torch.randint(0, VOCAB, (2 + b,), generator=gen)
+    metadata = SimpleNamespace(
+        prompt_token_ids=prompts, output_token_ids=outputs,
+        presence_penalties=torch.tensor([0.5, 0.0, 1.0, 0.3]), frequency_penalties=torch.tensor([0.2, 0.7, 0.0, 0.4]),
+        repetition_penalties=torch.tensor([1.3, 1.0, 1.1, 2.0]),
+    )
+    requests = [2, 0, 3]  # the tree requests, in batch order of their rows
+    trees = [random_bfs_tree(rng, n, vocab=VOCAB) for n in (5, 0, 7)]
+    batch_of_trees = TreeBatch.from_trees(trees)
+    step = SimpleNamespace(tree_batch=batch_of_trees, ancestors=batch_of_trees.ancestor_mask())
+    counts = [1 + len(trees[0]) + 2, 1, 1 + len(trees[2])]  # the first has two padding rows (a uniform step)
+    histories = row_histories(step, requests, counts, outputs, VOCAB)
+    owners = [requests[k] for k, count in enumerate(counts) for _ in range(count)]
+    logits = torch.randn(len(owners), VOCAB, generator=gen)
+    got = apply_row_penalties(logits.clone(), torch.tensor(owners), histories, metadata)
+    row = 0
+    for k, count in enumerate(counts):
+        request = requests[k]
+        for local in range(count):
+            node_path = path(trees[k], local - 1) if 1 <= local <= len(trees[k]) else []
+            want = apply_all_penalties(
+                logits[row: row + 1].clone(), prompts[request: request + 1],
+                metadata.presence_penalties[request: request + 1], metadata.frequency_penalties[request: request + 1],
+                metadata.repetition_penalties[request: request + 1], [outputs[request] + node_path])
+            assert torch.equal(got[row], want[0]), (k, local)
+            row += 1
+    assert not torch.equal(got, logits)
