@@ -272,25 +272,33 @@ def test_seeded_request_with_a_chunked_prompt(demo_model, prompts, prompt_ids, t
     assert chunked.tree_stats["trees_verified"] > 0
 
 
-def test_penalised_requests_get_trees_and_keep_greedy_output(demo_model, prompt_ids, tmp_path):
+def test_penalised_and_biased_requests_get_trees_and_keep_greedy_output(demo_model, demo_tokenizer, prompt_ids,
+                                                                        tmp_path):
     """Presence, frequency and repetition penalties (as chat front-ends set
-    them by default), mixed across requests: every tree row is penalised
-    after its own path, so greedy output equals no speculation token for
-    token, at batch 1 (the first two prompts) and 8, and the penalised
-    requests are drafted for. Measured on these prompts: trees on 29% of the
-    penalised requests' steps (tau 1.79), against 67% (tau 3.12) for the same
-    prompts without penalties, whose answers repeat their input more."""
+    them by default), logit bias and ``min_p``, alone and mixed across
+    requests: every tree row is processed after its own path, so greedy
+    output equals no speculation token for token, at batch 1 (the first two
+    prompts) and 8, and these requests are drafted for. Measured on these
+    prompts: trees on 29% of the penalised requests' steps (tau 1.79),
+    against 67% (tau 3.12) for the same prompts without penalties, whose
+    answers repeat their input more."""
     ids = prompt_ids[:10]
+    the, dot = (demo_tokenizer.encode(text, add_special_tokens=False)[0] for text in (" the", "."))
+    bias = {"logit_bias": {str(the): -4.0, str(dot): 1.5}}
+    extras = {"1": bias, "3": {"min_p": 0.2}, "5": {**bias, "min_p": 0.1}, "6": bias, "8": {"min_p": 0.3}}
     job = {"model": demo_model, "prompt_token_ids": ids, "max_tokens": MAX_TOKENS, "max_num_seqs": 8,
            "serial_first": 2, "penalties": {"repetition_penalty": 1.1, "frequency_penalty": 0.4,
                                             "presence_penalty": 0.3},
-           "penalized": list(range(0, 10, 2))}
-    every = {**job, "penalized": list(range(10))}
+           "penalized": list(range(0, 10, 2)), "extras": extras}
+    every = {**job, "penalized": list(range(10)), "extras": {}}
     plain, everyone = run_engine_job(tmp_path / "plain", job), run_engine_job(tmp_path / "plain-all", every)
     run = run_engine_job(tmp_path / "tree", {**job, "speculative_config": TREE})
     run_all = run_engine_job(tmp_path / "tree-all", {**every, "speculative_config": TREE})
-    assert plain.token_ids != everyone.token_ids  # the penalties change the answers
+    unbiased = run_engine_job(tmp_path / "plain-unbiased", {**job, "extras": {}})
+    assert all(plain.token_ids[i] != unbiased.token_ids[i] for i in (1, 5, 6))  # the bias changes the answers
+    assert plain.token_ids != everyone.token_ids  # and so do the penalties
     assert run.token_ids == plain.token_ids and run_all.token_ids == everyone.token_ids
+    assert run.tree_stats["trees_verified"] > 0
     steps = sum(len(t) for t in run_all.token_ids) - run_all.tree_stats["tokens_accepted"]
     assert run_all.tree_stats["trees_verified"] >= steps / 4, (run_all.tree_stats["trees_verified"], steps)
     assert run_all.tau > 1.5

@@ -75,17 +75,16 @@ class TreeStats:
 
 def can_draft(sampling_params, num_output_tokens: int) -> bool:
     """Whether a request may get a tree: its sampling must be exactly what the
-    tree verifier reproduces (penalties along each row's path included,
-    ``tree_penalties``). Requests with other history-dependent processing
-    (bad words, min_tokens, logit bias, min_p, structured output, thinking
-    budget) are served without speculation instead."""
+    tree verifier reproduces (penalties along each row's path, logit bias and
+    ``min_p`` included: ``tree_penalties``, ``tree_logits_processors``).
+    Requests with other history-dependent processing (bad words, structured
+    output, thinking budget; ``min_tokens`` until it is reached) are served
+    without speculation instead."""
     sp = sampling_params
     if sp is None:
         return False
     return (
-        sp.min_p == 0.0
-        and not sp.logit_bias
-        and not sp.bad_words
+        not sp.bad_words
         and sp.structured_outputs is None
         and sp.thinking_token_budget is None
         and num_output_tokens >= sp.min_tokens

@@ -8,14 +8,15 @@ logits processor, because its chain rejection sampler applies no other
 processor to draft rows. A server without speculation serves both, so
 turning speculation on would make some clients fail.
 
-The plugin serves such requests without a tree (``proposer.can_draft``):
-their token comes from vLLM's own ``Sampler``, which applies every logits
-processor in the input batch in vLLM's order (``min_tokens`` and
-``logit_bias`` before the penalties, ``min_p`` after the temperature). So
-for ``adaptive_tree`` engines only, the API check is lifted and the runner's
-input batch gets all of vLLM's built-in processors, exactly those vLLM
-builds without speculation; these requests are then sampled as vLLM samples
-them without speculation. Engines with vLLM's own methods keep vLLM's
+The plugin serves such requests with trees: vLLM's own ``Sampler`` applies
+every logits processor in the input batch to rows without a tree, in vLLM's
+order (``min_tokens`` and ``logit_bias`` before the penalties, ``min_p``
+after the temperature), and the tree verifier repeats ``logit_bias`` and
+``min_p`` on every tree row from those processors' state
+(``tree_logits_processors``). So for ``adaptive_tree`` engines only, the API
+check is lifted and the runner's input batch gets all of vLLM's built-in
+processors, exactly those vLLM builds without speculation; these requests
+are then sampled as vLLM samples them without speculation. Engines with vLLM's own methods keep vLLM's
 behaviour: the lift looks for the mark :func:`mark_tree_speculation` puts on
 the plugin's speculative config (it survives pickling to vLLM's processes).
 Custom logits processors (``--logits-processors``) stay refused, as vLLM
@@ -66,6 +67,6 @@ def builtin_logits_processors(vllm_config, device, pin_memory: bool):
     ``min_p``), as vLLM builds them for an engine without speculation."""
     from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LogitsProcessors
 
-    logger.info("adaptive_tree applies min_p and logit_bias (served without a tree); vLLM's warning that they "
+    logger.info("adaptive_tree applies min_p and logit_bias (to tree rows too); vLLM's warning that they "
                 "won't work with speculative decoding does not apply to this engine")
     return LogitsProcessors(ctor(vllm_config, device, pin_memory) for ctor in BUILTIN_LOGITS_PROCESSORS)

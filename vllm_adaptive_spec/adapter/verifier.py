@@ -8,9 +8,10 @@ stay untouched. Each request has ``1 + n`` logits rows (root, then its nodes).
   every other processor apply exactly as without speculation); so do
   requests with vLLM's placeholder drafts, sampled from their first row.
 * Tree rows are processed as vLLM's sampler processes a row (allowed-token
-  mask, presence, frequency and repetition penalties after the row's path
-  (``tree_penalties``), temperature, then top-k and top-p through vLLM's
-  own ``apply_top_k_top_p``), then each row draws its target token
+  mask, logit bias, presence, frequency and repetition penalties after the
+  row's path (``tree_penalties``), temperature, ``min_p``
+  (``tree_logits_processors``), then top-k and top-p through vLLM's own
+  ``apply_top_k_top_p``), then each row draws its target token
   (argmax, or one exponential-race sample with the request's generator when
   seeded) and ``verify.accept`` walks the tree (docs/algorithms.md section 1).
   Decision: the argmax is vLLM's ``Sampler.greedy_sample`` (on the CPU
@@ -36,6 +37,7 @@ from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
 from vllm_adaptive_spec.adapter import step as tree_step
 from vllm_adaptive_spec.adapter.transfer import to_device
+from vllm_adaptive_spec.adapter.tree_logits_processors import apply_row_logit_bias, apply_row_min_p, has_logit_bias
 from vllm_adaptive_spec.adapter.tree_penalties import apply_row_penalties, row_histories
 from vllm_adaptive_spec.verify import PAD, Acceptance, accept, sample_with_noise
 
@@ -92,7 +94,8 @@ def tree_row_targets(
     def rows_of(positions) -> list[int]:
         return [starts[requests[k]] + j for k in positions for j in range(counts[k])]
 
-    if sampling_metadata.all_greedy and sampling_metadata.allowed_token_ids_mask is None and histories is None:
+    plain_rows = sampling_metadata.allowed_token_ids_mask is None and histories is None
+    if sampling_metadata.all_greedy and plain_rows and not has_logit_bias(sampling_metadata, requests):
         every_row = Sampler.greedy_sample(logits.to(torch.float32))  # vLLM's CPU argmax takes float32 only
         return every_row[to_device(rows_of(range(len(requests))), torch.long, device)]
     pieces, first_row = [], 0
@@ -117,6 +120,7 @@ def row_target_tokens(logits: torch.Tensor, owners: list[int], sampling_metadata
     processed = logits.to(torch.float32, copy=True)
     if mask is not None:
         processed.masked_fill_(mask[request_of_row], float("-inf"))
+    apply_row_logit_bias(processed, owners, sampling_metadata)
     if histories is not None:
         apply_row_penalties(processed, request_of_row, histories, sampling_metadata)
     if sampling_metadata.all_greedy:
@@ -125,6 +129,7 @@ def row_target_tokens(logits: torch.Tensor, owners: list[int], sampling_metadata
     greedy = None if sampling_metadata.all_random else Sampler.greedy_sample(processed)
     temperature = sampling_metadata.temperature[request_of_row]
     processed.div_(torch.where(temperature < _GREEDY_BELOW, 1.0, temperature).unsqueeze(1))
+    apply_row_min_p(processed, request_of_row, sampling_metadata)
     top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
     processed = apply_top_k_top_p(
         processed,

@@ -1,0 +1,44 @@
+"""``logit_bias`` and ``min_p`` on tree rows (issue 54): each row gets what
+vLLM's own processors give its request's row without speculation, read
+from those processors' state."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor
+
+from vllm_adaptive_spec.adapter.tree_logits_processors import apply_row_logit_bias, apply_row_min_p, has_logit_bias
+
+VOCAB = 16
+
+
+def processors(biases: dict[int, dict[int, float]], min_p: list[float]):
+    bias = LogitBiasLogitsProcessor.__new__(LogitBiasLogitsProcessor)
+    bias.biases = biases
+    bias.bias_tensor = torch.tensor([v for lb in biases.values() for v in lb.values()])
+    bias.logits_slice = (torch.tensor([r for r, lb in biases.items() for _ in lb]),
+                         torch.tensor([t for lb in biases.values() for t in lb]))
+    low = MinPLogitsProcessor.__new__(MinPLogitsProcessor)
+    low.min_p_count = sum(1 for v in min_p if v)
+    low.min_p = torch.tensor(min_p).unsqueeze(1)
+    return SimpleNamespace(logitsprocs=SimpleNamespace(non_argmax_invariant=[bias], argmax_invariant=[low])), bias, low
+
+
+def test_rows_get_their_requests_bias_and_min_p_as_vllm_applies_them():
+    biases = {0: {3: -2.0, 7: 1.5}, 2: {1: 4.0}}
+    metadata, bias, low = processors(biases, [0.0, 0.3, 0.1])
+    owners = [2, 2, 2, 0, 1, 1]  # a request's rows: its root's and its nodes'
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(owners), VOCAB, generator=gen)
+    rows = logits.clone()
+    apply_row_logit_bias(rows, owners, metadata)
+    apply_row_min_p(rows, torch.tensor(owners), metadata)
+    # vLLM's processors on a batch of the three requests, one row each, for every row's position.
+    for row, owner in enumerate(owners):
+        batch = logits[row].expand(3, VOCAB).clone()
+        batch = low.apply(bias.apply(batch))
+        assert torch.equal(rows[row], batch[owner]), row
+    assert has_logit_bias(metadata, [1, 2]) and not has_logit_bias(metadata, [1])
+    assert (rows == float("-inf")).any() and not torch.equal(rows, logits)

@@ -1,0 +1,64 @@
+"""vLLM's ``logit_bias`` and ``min_p`` on tree rows (issue 54).
+
+Neither depends on a request's history, so a tree row takes its request's
+as vLLM's sampler gives them to the request's one row without speculation:
+the bias added to its tokens' logits before the penalties (vLLM's
+``LogitBiasLogitsProcessor``, a logits processor that can change the
+argmax), ``min_p`` after the temperature, before top-k and top-p (vLLM's
+``MinPLogitsProcessor``, which only random sampling sees). Both read the
+state of vLLM's own processors in the input batch (``sampling_controls``
+builds them), keyed by the request's batch index, and repeat their
+arithmetic on the rows, so each row's logits are the same floats.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor
+
+from vllm_adaptive_spec.adapter.transfer import to_device
+
+
+def _processor(processors, kind):
+    return next((p for p in processors if isinstance(p, kind)), None)
+
+
+def _biases(sampling_metadata) -> dict[int, dict[int, float]]:
+    logitsprocs = sampling_metadata.logitsprocs
+    processor = None if logitsprocs is None else _processor(logitsprocs.non_argmax_invariant, LogitBiasLogitsProcessor)
+    return {} if processor is None else processor.biases
+
+
+def has_logit_bias(sampling_metadata, requests: list[int]) -> bool:
+    """Whether any of ``requests`` (batch indices) has a logit bias."""
+    biases = _biases(sampling_metadata)
+    return any(request in biases for request in requests)
+
+
+def apply_row_logit_bias(logits: torch.Tensor, owners: list[int], sampling_metadata) -> None:
+    """Each row's request's bias added to the row (``owners``: each row's
+    batch index, on the host), in place."""
+    biases = _biases(sampling_metadata)
+    rows, tokens, values = [], [], []
+    for row, owner in enumerate(owners):
+        bias = biases.get(owner)
+        if bias:
+            rows.extend([row] * len(bias))
+            tokens.extend(bias.keys())
+            values.extend(bias.values())
+    if rows:
+        device = logits.device
+        index = (to_device(rows, torch.long, device), to_device(tokens, torch.long, device))
+        logits[index] += to_device(values, torch.float32, device)
+
+
+def apply_row_min_p(logits: torch.Tensor, request_of_row: torch.Tensor, sampling_metadata) -> None:
+    """``min_p`` on tempered rows, in place: tokens whose probability is below
+    ``min_p`` times the row's largest are masked."""
+    logitsprocs = sampling_metadata.logitsprocs
+    processor = None if logitsprocs is None else _processor(logitsprocs.argmax_invariant, MinPLogitsProcessor)
+    if processor is None or not processor.min_p_count:
+        return
+    probabilities = torch.nn.functional.softmax(logits, dim=-1)
+    threshold = torch.amax(probabilities, dim=-1, keepdim=True).mul_(processor.min_p[request_of_row])
+    logits.masked_fill_(probabilities < threshold, -float("inf"))
