@@ -306,7 +306,6 @@ def main(argv: list[str] | None = None) -> None:
     counts = [int(n) for n in args.prompts_per_batch.split(",")]
     if len(counts) != len(batch_sizes):
         parser.error("--prompts-per-batch needs one count per batch size")
-    grid = cells(drafters, policies, budgets, args.head, args.draft_lm)
     if args.cells:
         wanted = [c.strip() for c in args.cells.split(",") if c.strip()]
         parts = [c.split("/") for c in wanted]
@@ -318,6 +317,8 @@ def main(argv: list[str] | None = None) -> None:
         missing = [c for c in wanted if c not in grid]
         if missing:
             parser.error(f"unknown cell(s) {missing}; policies: {', '.join(MODEL_POLICIES)} (retrieval: retrieval, chain)")
+    else:  # built only now: a draft LM cell distills the draft LM when it is missing, which --cells may not need
+        grid = cells(drafters, policies, budgets, args.head, args.draft_lm)
     if not grid:
         parser.error("no cell matches --drafters and --policies")
     if args.engine_layout == "lockstep":

@@ -294,8 +294,9 @@ def test_penalised_and_biased_requests_get_trees_and_keep_greedy_output(demo_mod
     plain, everyone = run_engine_job(tmp_path / "plain", job), run_engine_job(tmp_path / "plain-all", every)
     run = run_engine_job(tmp_path / "tree", {**job, "speculative_config": TREE})
     run_all = run_engine_job(tmp_path / "tree-all", {**every, "speculative_config": TREE})
-    unbiased = run_engine_job(tmp_path / "plain-unbiased", {**job, "extras": {}})
-    assert all(plain.token_ids[i] != unbiased.token_ids[i] for i in (1, 5, 6))  # the bias changes the answers
+    # The bias changes the answers: " the", common elsewhere, is gone from the biased ones.
+    assert all(the not in plain.token_ids[i] for i in (1, 5, 6))
+    assert any(the in everyone.token_ids[i] for i in (1, 5, 6))
     assert plain.token_ids != everyone.token_ids  # and so do the penalties
     assert run.token_ids == plain.token_ids and run_all.token_ids == everyone.token_ids
     assert run.tree_stats["trees_verified"] > 0
