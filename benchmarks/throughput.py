@@ -74,7 +74,7 @@ METHODS = {
     "chain-retrieval": lambda args: _tree(args, "retrieval", "chain"),
     "tree-retrieval-fixed": lambda args: _tree(args, "retrieval", "retrieval", load_budget="fixed"),
     "tree-retrieval-shared": lambda args: _tree(args, "retrieval", "retrieval", datastore="shared"),
-    # The retrieval drafter's two matchers side by side (``auto``: tensors on CUDA, the trie on the CPU).
+    # The retrieval drafter's two matchers side by side (``auto``: the trie, until the tensors measure faster).
     "tree-retrieval-trie": lambda args: _tree(args, "retrieval", "retrieval", matcher="trie"),
     "tree-retrieval-tensors": lambda args: _tree(args, "retrieval", "retrieval", matcher="tensors"),
     # The retrieval drafter's default evidence_prior before 4.0, for side-by-side runs.

@@ -21,8 +21,8 @@
 #            (FULL for every draft-free and every uniform tree step) and the step times of none
 #            (vLLM's default), none-v1-sync, tree-0 (draft-free) and tree-16 / tree-adaptive-16.
 #   2. throughput: benchmarks/throughput.py, bf16, held-out prompts, batch 1, 8, 32, 64: none,
-#            none-v1-sync, ngram, eagle3 (vLLM's chain), tree-retrieval (its default on CUDA: the
-#            tensor matcher, issue 53) and tree-retrieval-trie (the trie, for the matcher's choice);
+#            none-v1-sync, ngram, eagle3 (vLLM's chain), tree-retrieval (the trie) and
+#            tree-retrieval-tensors (issue 53's tensor matcher, which auto would pick if faster);
 #      greedy: the gpu tests' greedy equality for retrieval on both attention backends.
 # OUT_DIR/checks.tgz holds every log, table and JSON; OUT_DIR/summary.txt each part's exit.
 set -u
@@ -66,7 +66,7 @@ wait $PARTS  # not the packer, which runs until the end
 
 WAVE2=$(( $(left) - 15 ))
 part throughput "$WAVE2" bash scripts/gpu_throughput.sh "$WORK/throughput" $(( WAVE2 - 10 )) \
-    --batch-sizes 1,8,32,64 --rounds 1 --methods none,none-v1-sync,ngram,eagle3,tree-retrieval,tree-retrieval-trie &
+    --batch-sizes 1,8,32,64 --rounds 1 --methods none,none-v1-sync,ngram,eagle3,tree-retrieval,tree-retrieval-tensors &
 PARTS=$!
 part greedy "$WAVE2" python3 -m pytest -q -p no:cacheprovider -rfE \
     "tests/test_gpu_engine.py::test_greedy_equals_no_speculation_on_gpu[TRITON_ATTN-retrieval]" \

@@ -133,9 +133,8 @@ def test_greedy_tree_equals_no_speculation(batch_size, demo_model, prompts, prom
 
 
 def test_uniform_steps_keep_greedy_output(demo_model, prompts, prompt_ids, baseline, tmp_path):
-    """What a CUDA engine runs by default, forced on here: width-bucketed
-    uniform steps (``step_widths``) and the retrieval drafter's tensor
-    matcher. Every decoding request of a drafting step gets the step's width
+    """Width-bucketed uniform steps (``step_widths``; a CUDA engine's default)
+    with the retrieval drafter's tensor matcher, forced on here. Every decoding request of a drafting step gets the step's width
     of drafts, its tree's nodes then -1; the padding rows are laid out,
     verified and never accepted, and greedy output still equals no
     speculation."""

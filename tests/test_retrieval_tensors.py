@@ -116,8 +116,8 @@ def test_the_same_operations_at_every_batch_and_context():
 
 
 def test_the_matcher_follows_the_device_and_refuses_what_it_cannot_match():
-    assert resolve_matcher("auto", "cuda") == "tensors" and resolve_matcher("auto", "cpu") == "trie"
-    assert resolve_matcher("auto", "cuda", datastore="shared") == "trie"
+    assert resolve_matcher("auto", "cuda") == resolve_matcher("auto", "cpu") == "trie"
+    assert resolve_matcher("tensors", "cuda") == "tensors"
     with pytest.raises(ValueError, match="datastore 'shared' and corpus need matcher 'trie'"):
         RetrievalDrafter(matcher="tensors", datastore="shared")
     config = TreeConfig("retrieval", "retrieval", 16, {"matcher": "tensors"}, {})

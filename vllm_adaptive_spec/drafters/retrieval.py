@@ -67,19 +67,20 @@ MATCHERS = ("auto", "trie", "tensors")
 
 
 def resolve_matcher(matcher: str, device_type: str, datastore: str = "off", corpus: str = "") -> str:
-    """Which implementation builds the trees: ``trie`` (this module: an
-    incremental suffix index and lazy tries, in Python) or ``tensors``
-    (``retrieval_tensors``: batched tensor operations where the tokens are).
-    ``auto``: tensors on CUDA, the trie elsewhere (on the CPU the trie is
-    several times faster, ``benchmarks/RESULTS.md``). The shared datastore
-    and the corpus are matched by the trie only."""
+    """Which implementation builds the trees (the same trees): ``trie`` (this
+    module: an incremental suffix index and lazy tries, in Python) or
+    ``tensors`` (``retrieval_tensors``: batched tensor operations where the
+    tokens are). ``auto``: the one measured faster on the platform. On the
+    CPU the trie is several times faster (``benchmarks/RESULTS.md``); on CUDA
+    the tensors are not measured yet (``scripts/gpu_checks.sh`` compares
+    both), and they read their trees back once a drafting step, so the trie
+    stays the default there too (``device_type`` is for that measurement to
+    change). The shared datastore and the corpus are matched by the trie only."""
     others = datastore != "off" or bool(corpus)
     if matcher == "tensors" and others:
         raise ValueError("retrieval matcher 'tensors' matches the request's own context only; "
                          "datastore 'shared' and corpus need matcher 'trie' (or 'auto')")
-    if matcher == "auto":
-        return "tensors" if device_type == "cuda" and not others else "trie"
-    return matcher
+    return "trie" if matcher == "auto" else matcher
 
 
 def _readable_file(path: str) -> bool:
