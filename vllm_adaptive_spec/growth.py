@@ -120,62 +120,77 @@ def grow(
     ``floor``: a path probability below which the caller keeps no node (the
     load budget's); a whole-tree drafter leaves such nodes out."""
     batch = budget.shape[0]
-    stats = GrowthStats()
     whole, choose = getattr(drafter, "candidate_trees", None), getattr(policy, "choose", None)
     if whole is not None and choose is not None:
         trees = whole(max(getattr(policy, "floor", 0.0), floor))
-        return [choose(tree, n) if n > 0 else DraftTree() for tree, n in zip(trees, budget.tolist())], stats
-    tokens, parents, q, p, score, entropy, valid = [], [], [], [], [], [], []  # per layer, [B, L] each
-    size = torch.zeros(batch, dtype=torch.long)
-    slots = 0  # the layers' slots so far
-    frontier_handles = torch.full((batch, 1), ROOT, dtype=torch.long)
-    frontier_index = torch.full((batch, 1), ROOT, dtype=torch.long)
-    frontier_p = torch.ones(batch, 1)
-    frontier_score = torch.ones(batch, 1)
-    frontier_live = (budget > 0).unsqueeze(1)
+        return [choose(tree, n) if n > 0 else DraftTree() for tree, n in zip(trees, budget.tolist())], GrowthStats()
     max_depth = min(max_depth, policy.depth_limit(int(budget.max())) if batch else 0)
-    for depth in range(1, max_depth + 1):
-        if not policy.grows_past_budget:
-            frontier_live = frontier_live & (size < budget).unsqueeze(1)
-        if not bool(frontier_live.any()):
-            break
-        candidates = drafter.expand(frontier_handles, frontier_live)
-        stats.draft_passes += 1
-        parent_p = torch.where(frontier_live, frontier_p, 0.0)
-        layer = Layer(candidates, parent_p, depth, size.clone(), budget, parent_score=frontier_score)
-        chosen = policy.select(layer) & (candidates.q > 0) & frontier_live.unsqueeze(-1)
-        chosen = chosen.flatten(1)
-        count = chosen.sum(1)
-        if not bool(count.any()):
-            break
-        # Chosen candidates, in (frontier, candidate) order, packed to the left.
-        width = int(count.max())
-        order = torch.sort((~chosen).to(torch.int8), dim=1, stable=True).indices[:, :width]
-        live = torch.arange(width).unsqueeze(0) < count.unsqueeze(1)
-        fanout = candidates.q.shape[-1]
-        parent_slot = order // fanout
-        tokens.append(candidates.tokens.flatten(1).gather(1, order))
-        q.append(candidates.q.flatten(1).gather(1, order))
-        p.append(layer.p.flatten(1).gather(1, order))
-        score.append(p[-1] if layer.score is None else layer.score.flatten(1).gather(1, order))
-        if candidates.entropy is not None:
-            entropy.append(candidates.entropy.gather(1, parent_slot))
-        parents.append(frontier_index.gather(1, parent_slot))
-        valid.append(live)
-        new_index = slots + torch.arange(width).unsqueeze(0).expand(batch, -1)
-        slots += width
-        tokens[-1], parents[-1] = tokens[-1].masked_fill(~live, -1), parents[-1].masked_fill(~live, ROOT)
-        q[-1], p[-1] = q[-1].masked_fill(~live, 0.0), p[-1].masked_fill(~live, 0.0)
-        score[-1] = score[-1].masked_fill(~live, 0.0)
-        size = size + count
-        frontier_handles = candidates.handles.flatten(1).gather(1, order)
-        frontier_index = new_index
-        frontier_p, frontier_score, frontier_live = p[-1], score[-1], live & ~layer.stop.unsqueeze(1)
-    if not tokens:
+    layers = grow_layers(drafter, policy, budget, max_depth)
+    stats = GrowthStats(draft_passes=layers.passes)
+    if layers.depth == 0:
         return [DraftTree() for _ in range(batch)], stats
-    layers = Layers(*(torch.cat(x, dim=1) for x in (tokens, parents, q, score)),
-                    torch.cat(entropy, dim=1) if len(entropy) == len(tokens) else None, torch.cat(valid, dim=1))
-    return assemble(layers, policy, budget, len(tokens)).to_trees(), stats
+    return assemble(layers, policy, budget).to_trees(), stats
+
+
+def grow_layers(drafter: Drafter, policy: Policy, budget: torch.Tensor, depth: int, width: int | None = None):
+    """Up to ``depth`` layers side by side (:class:`Layers`). ``width`` None:
+    each layer as wide as its widest request's choice, and growth stops
+    once no frontier is live (two host reads a layer); else ``width`` slots
+    a layer and ``depth`` layers, with no value read (``growth_fixed``)."""
+    batch = budget.shape[0]
+    grown, size, offset = [], torch.zeros(batch, dtype=torch.long), 0
+    handles = slot = torch.full((batch, 1), ROOT, dtype=torch.long)
+    p, score, live = torch.ones(batch, 1), torch.ones(batch, 1), (budget > 0).unsqueeze(1)
+    passes = 0
+    for index in range(depth):
+        if not policy.grows_past_budget:
+            live = live & (size < budget).unsqueeze(1)
+        if width is None and not bool(live.any()):
+            break
+        candidates = drafter.expand(handles, live)
+        passes += 1
+        layer = Layer(candidates, torch.where(live, p, 0.0), index + 1, size.clone(), budget, parent_score=score)
+        chosen = (policy.select(layer) & (candidates.q > 0) & live.unsqueeze(-1)).flatten(1)
+        layer_width = int(chosen.sum(1).max()) if width is None else width
+        if layer_width == 0:
+            break
+        packed, handles, p = _packed(candidates, layer, chosen, slot, layer_width)
+        grown.append(packed)
+        size = size + packed.valid.sum(1)
+        slot = offset + torch.arange(layer_width).expand(batch, -1)
+        offset += layer_width
+        score, live = packed.score, packed.valid & ~layer.stop.unsqueeze(1)
+    return _joined(grown, passes, batch)
+
+
+def _packed(candidates: Candidates, layer: Layer, chosen: torch.Tensor, frontier_slot: torch.Tensor, width: int):
+    """A layer's chosen candidates packed to the left of ``width`` slots per
+    request (in frontier, then candidate order; beyond ``width``, cut), the
+    rest invalid; their handles and path probabilities (the next frontier's)."""
+    count = chosen.sum(1).clamp(max=width)
+    order = torch.sort((~chosen).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    if order.shape[1] < width:  # a layer with fewer candidates than slots: pad with its first
+        order = torch.nn.functional.pad(order, (0, width - order.shape[1]))
+    here = torch.arange(width).unsqueeze(0) < count.unsqueeze(1)
+    parent_slot = order // candidates.q.shape[-1]
+    p = layer.p.flatten(1).gather(1, order)
+    score = p if layer.score is None else layer.score.flatten(1).gather(1, order)
+    entropy = None if candidates.entropy is None else candidates.entropy.gather(1, parent_slot)
+    packed = Layers(torch.where(here, candidates.tokens.flatten(1).gather(1, order), -1),
+                    torch.where(here, frontier_slot.gather(1, parent_slot), ROOT),
+                    torch.where(here, candidates.q.flatten(1).gather(1, order), 0.0),
+                    torch.where(here, score, 0.0), entropy, here)
+    return packed, candidates.handles.flatten(1).gather(1, order), torch.where(here, p, 0.0)
+
+
+def _joined(grown: list, passes: int, batch: int) -> "Layers":
+    """The layers side by side, a slot each (``Layers.depth``: how many)."""
+    if not grown:
+        empty = torch.zeros(batch, 0)
+        return Layers(empty.long(), empty.long(), empty, empty, None, empty.bool(), 0, passes)
+    entropy = None if any(layer.entropy is None for layer in grown) else torch.cat([x.entropy for x in grown], 1)
+    return Layers(*(torch.cat([getattr(x, name) for x in grown], 1) for name in ("tokens", "parents", "q", "score")),
+                  entropy, torch.cat([x.valid for x in grown], 1), len(grown), passes)
 
 
 class GrownTrees(NamedTuple):
@@ -207,16 +222,18 @@ class Layers(NamedTuple):
     score: torch.Tensor
     entropy: torch.Tensor | None
     valid: torch.Tensor
+    depth: int = 1  # layers grown
+    passes: int = 0  # the drafter's expansions (draft passes)
 
 
-def assemble(layers: Layers, policy: Policy, budget: torch.Tensor, depth: int) -> GrownTrees:
+def assemble(layers: Layers, policy: Policy, budget: torch.Tensor) -> GrownTrees:
     """The trees of ``depth`` grown layers: the nodes the policy keeps whose
     ancestors are kept (slot order is breadth-first, every parent before its
     children), renumbered, by tensor operations."""
     batch, total = layers.tokens.shape
     keep = policy.finish(layers.score, layers.valid, budget) & layers.valid
     kept = keep.clone()
-    for _ in range(depth - 1):  # closed under ancestors: a round a layer
+    for _ in range(layers.depth - 1):  # closed under ancestors: a round a layer
         parent_kept = torch.where(layers.parents >= 0, kept.gather(1, layers.parents.clamp(min=0)), True)
         kept = keep & parent_kept
     new_index = torch.cumsum(kept.long(), dim=1) - 1
