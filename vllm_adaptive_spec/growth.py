@@ -132,11 +132,24 @@ def grow(
     return assemble(layers, policy, budget).to_trees(), stats
 
 
+def grow_fixed(drafter: Drafter, policy: Policy, budget: torch.Tensor, depth: int, width: int) -> "GrownTrees":
+    """Growth at fixed capacity (issue 53, item 2): ``depth`` layers of
+    ``width`` slots per request (``budget`` [B] nodes each at most), the
+    chosen candidates packed to the left and the rest invalid, layers past a
+    request's last growing nothing, no value read back. The shapes depend on
+    the batch, the width and the depth only, so the loop can be replayed from
+    a graph. The trees equal :func:`grow`'s whenever no layer chose more than
+    ``width`` candidates (the policy's ``layer_width``); beyond it a layer
+    keeps its first ``width`` (by frontier, then candidate order), a tree cut
+    to the capacity."""
+    return assemble(grow_layers(drafter, policy, budget, depth, width), policy, budget)
+
+
 def grow_layers(drafter: Drafter, policy: Policy, budget: torch.Tensor, depth: int, width: int | None = None):
     """Up to ``depth`` layers side by side (:class:`Layers`). ``width`` None:
     each layer as wide as its widest request's choice, and growth stops
     once no frontier is live (two host reads a layer); else ``width`` slots
-    a layer and ``depth`` layers, with no value read (``growth_fixed``)."""
+    a layer and ``depth`` layers, with no value read (:func:`grow_fixed`)."""
     batch = budget.shape[0]
     grown, size, offset = [], torch.zeros(batch, dtype=torch.long), 0
     handles = slot = torch.full((batch, 1), ROOT, dtype=torch.long)

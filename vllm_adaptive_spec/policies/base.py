@@ -83,7 +83,7 @@ class TreePolicy:
 
     def layer_width(self, budget: int) -> int:
         """The most candidates one layer chooses per request (fixed-capacity
-        growth, ``growth_fixed``): a policy that never grows past the budget
+        growth, ``growth.grow_fixed``): a policy that never grows past the budget
         chooses at most what is left of it."""
         return budget
 
