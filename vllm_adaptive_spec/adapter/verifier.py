@@ -8,8 +8,8 @@ stay untouched. Each request has ``1 + n`` logits rows (root, then its nodes).
   every other processor apply exactly as without speculation); so do
   requests with vLLM's placeholder drafts, sampled from their first row.
 * Tree rows are processed as vLLM's sampler processes a row (allowed-token
-  mask, logit bias, presence, frequency and repetition penalties after the
-  row's path (``tree_penalties``), temperature, ``min_p``
+  mask, bad words and presence, frequency and repetition penalties after
+  the row's path (``tree_history``), logit bias, temperature, ``min_p``
   (``tree_logits_processors``), then top-k and top-p through vLLM's own
   ``apply_top_k_top_p``), then each row draws its target token
   (argmax, or one exponential-race sample with the request's generator when
@@ -38,7 +38,7 @@ from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm_adaptive_spec.adapter import step as tree_step
 from vllm_adaptive_spec.adapter.transfer import to_device
 from vllm_adaptive_spec.adapter.tree_logits_processors import apply_row_logit_bias, apply_row_min_p, has_logit_bias
-from vllm_adaptive_spec.adapter.tree_penalties import apply_row_penalties, row_histories
+from vllm_adaptive_spec.adapter.tree_history import RowHistories
 from vllm_adaptive_spec.verify import PAD, Acceptance, accept, sample_with_noise
 
 
@@ -77,14 +77,14 @@ def tree_row_targets(
     requests: list[int],
     counts: list[int],
     sampling_metadata,
-    histories: torch.Tensor | None = None,
+    histories: RowHistories | None = None,
     max_rows: int = MAX_CHUNK_ROWS,
 ) -> torch.Tensor:
     """The target token of every row of ``requests`` (batch positions; each
     owns ``counts[k]`` consecutive logits rows from ``starts[request]``),
-    request after request; ``histories``: the rows' histories for penalties
-    (``tree_penalties.row_histories``; None: the batch has none). A greedy
-    batch without penalties takes one argmax over all the step's rows and
+    request after request; ``histories``: the rows' histories, for penalties
+    and bad words (None: no request reads one). A greedy batch without them
+    takes one argmax over all the step's rows and
     keeps the tree rows' (no copy of them: on the CPU copying a large step's
     rows cost 5x the argmax, and the rows of requests without trees are one
     each); otherwise the rows are gathered and processed chunk by chunk
@@ -102,17 +102,17 @@ def tree_row_targets(
     for chunk in row_chunks(counts, max_rows):
         owners = [requests[k] for k in chunk for _ in range(counts[k])]
         rows = to_device(rows_of(chunk), torch.long, device)
-        chunk_histories = None if histories is None else histories[first_row: first_row + len(owners)]
+        chunk_histories = None if histories is None else histories.rows(first_row, first_row + len(owners))
         pieces.append(row_target_tokens(logits[rows], owners, sampling_metadata, chunk_histories))
         first_row += len(owners)
     return torch.cat(pieces)
 
 
 def row_target_tokens(logits: torch.Tensor, owners: list[int], sampling_metadata,
-                      histories: torch.Tensor | None = None) -> torch.Tensor:
+                      histories: RowHistories | None = None) -> torch.Tensor:
     """One target token per logits row ``[R, V]`` (``owners``: each row's
     request in the batch, on the host, so that a seeded request's rows are
-    found without a look at the device; ``histories``: for penalties, as
+    found without a look at the device; ``histories``: as
     ``tree_row_targets``): vLLM's greedy argmax of the processed row for
     greedy requests, a sample from the processed distribution otherwise."""
     request_of_row = to_device(owners, torch.long, logits.device)
@@ -120,9 +120,11 @@ def row_target_tokens(logits: torch.Tensor, owners: list[int], sampling_metadata
     processed = logits.to(torch.float32, copy=True)
     if mask is not None:
         processed.masked_fill_(mask[request_of_row], float("-inf"))
+    if histories is not None:
+        histories.ban_bad_words(processed, owners, sampling_metadata)
     apply_row_logit_bias(processed, owners, sampling_metadata)
     if histories is not None:
-        apply_row_penalties(processed, request_of_row, histories, sampling_metadata)
+        histories.penalise(processed, request_of_row, sampling_metadata)
     if sampling_metadata.all_greedy:
         return Sampler.greedy_sample(processed)
     # Before temperature and top-k / top-p change the rows; a random batch needs none.
@@ -215,8 +217,8 @@ class TreeVerifier(torch.nn.Module):
             # The tree requests' own rows, request after request.
             host_counts = [metadata.num_draft_tokens[i] + 1 for i in step.host_batch_indices]
             host_starts = list(itertools.accumulate((n + 1 for n in metadata.num_draft_tokens), initial=0))
-            histories = None if sampling_metadata.no_penalties else row_histories(
-                step, step.host_batch_indices, host_counts, sampling_metadata.output_token_ids, logits.shape[1])
+            histories = RowHistories.of(step, step.host_batch_indices, host_counts, sampling_metadata,
+                                        logits.shape[1])
             targets = tree_row_targets(logits, host_starts, step.host_batch_indices, host_counts, sampling_metadata,
                                        histories)
             first = to_device(list(itertools.accumulate(host_counts, initial=0))[:-1], torch.long, device)

@@ -1,6 +1,6 @@
-"""Penalties along tree paths (issue 54): every tree row's logits are what
-vLLM's own penalties give that row's request after its output and the row's
-path (node and ancestors), the root's row after the output alone."""
+"""A tree row's history (issue 54): every tree row's logits are what vLLM's
+own penalties and bad words give that row's request after its output and
+the row's path (node and ancestors), the root's row after the output alone."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from types import SimpleNamespace
 
 import torch
 from test_tree import random_bfs_tree
+from vllm.v1.sample.ops.bad_words import apply_bad_words
 from vllm.v1.sample.ops.penalties import apply_all_penalties
 
-from vllm_adaptive_spec.adapter.tree_penalties import apply_row_penalties, row_histories
-from vllm_adaptive_spec.tree import TreeBatch
+from vllm_adaptive_spec.adapter.tree_history import RowHistories, apply_row_penalties, row_histories
+from vllm_adaptive_spec.tree import DraftTree, TreeBatch
 
 VOCAB = 12
 
@@ -60,3 +61,29 @@ def test_every_row_is_penalised_after_its_own_path():
             assert torch.equal(got[row], want[0]), (k, local)
             row += 1
     assert not torch.equal(got, logits)
+
+
+def test_bad_words_are_banned_after_each_rows_own_path():
+    """Two-token bad words whose first token sits on some paths and not on
+    others: only the rows whose path (or output) ends with it lose the word's
+    last token; a request without bad words is left alone."""
+    tree = DraftTree(tokens=[1, 2, 3, 1], parents=[-1, -1, 0, 1], q=[0.5] * 4)
+    other = DraftTree.chain([1, 2])
+    trees = TreeBatch.from_trees([tree, other])
+    step = SimpleNamespace(trees=[tree, other], tree_batch=trees, ancestors=trees.ancestor_mask())
+    metadata = SimpleNamespace(no_penalties=True, output_token_ids=[[5, 1], [4], [7]],
+                               bad_words_token_ids={0: [[1, 9], [3, 8], [6]]})
+    requests, counts = [0, 2], [1 + 4 + 1, 3]  # request 0's tree has a padding row
+    histories = RowHistories.of(step, requests, counts, metadata, VOCAB)
+    assert histories.tokens is None and histories.texts[6:] == [None] * 3
+    owners = [0] * 6 + [2] * 3
+    logits = torch.zeros(len(owners), VOCAB)
+    histories.ban_bad_words(logits, owners, metadata)
+    banned = [sorted(torch.nonzero(row == float("-inf")).flatten().tolist()) for row in logits]
+    # Root: output ends with 1. Node 0 (path 1), node 1 (path 2), node 2 (1, 3), node 3 (2, 1), padding.
+    assert banned[:6] == [[6, 9], [6, 9], [6], [6, 8], [6, 9], [6, 9]]
+    assert banned[6:] == [[], [], []]
+    want = logits.new_zeros(6, VOCAB)
+    texts = [[5, 1], [5, 1, 1], [5, 1, 2], [5, 1, 1, 3], [5, 1, 2, 1], [5, 1]]
+    apply_bad_words(want, {row: metadata.bad_words_token_ids[0] for row in range(6)}, texts)
+    assert torch.equal(logits[:6], want)
