@@ -87,7 +87,7 @@ VALID = [
     chat("repetition_penalty", True, **GREEDY, repetition_penalty=1.3),
     chat("logit_bias", True, **GREEDY, logit_bias={str(FENCE): -100, str(HERE): 3}),
     chat("logit_bias-sampled", False, **SAMPLED, logit_bias={str(A): -100}),
-    chat("min_p-and-logit_bias", True, **SAMPLED, seed=5, min_p=0.05, logit_bias={str(THE): -100}),
+    chat("min_p-and-logit_bias", False, **SAMPLED, seed=5, min_p=0.05, logit_bias={str(THE): -100}),
     chat("bad_words", True, **GREEDY, bad_words=["def", " squares"]),
     chat("allowed_token_ids", True, temperature=0, max_tokens=8, allowed_token_ids=[HERE, THE, A, NEWLINE, IM_END]),
     chat("structured-json", True, messages=EXTRACT, **GREEDY, structured_outputs={"json": SCHEMA}),
