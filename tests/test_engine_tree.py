@@ -274,8 +274,8 @@ def test_seeded_request_with_a_chunked_prompt(demo_model, prompts, prompt_ids, t
 def test_penalised_and_biased_requests_get_trees_and_keep_greedy_output(demo_model, demo_tokenizer, prompt_ids,
                                                                         tmp_path):
     """Presence, frequency and repetition penalties (as chat front-ends set
-    them by default), logit bias, bad words (one and two tokens) and
-    ``min_p``, alone and mixed across requests: every tree row is processed after its own path, so greedy
+    them by default), logit bias, bad words (one and two tokens),
+    ``min_tokens`` and ``min_p``, alone and mixed across requests: every tree row is processed after its own path, so greedy
     output equals no speculation token for token, at batch 1 (the first two
     prompts) and 8, and these requests are drafted for. Measured on these
     prompts: trees on 29% of the penalised requests' steps (tau 1.79),
@@ -285,7 +285,8 @@ def test_penalised_and_biased_requests_get_trees_and_keep_greedy_output(demo_mod
     the, dot = (demo_tokenizer.encode(text, add_special_tokens=False)[0] for text in (" the", "."))
     bias = {"logit_bias": {str(the): -100.0, str(dot): 1.5}}
     extras = {"1": bias, "3": {"min_p": 0.2}, "5": {**bias, "min_p": 0.1}, "6": bias, "8": {"min_p": 0.3},
-              "7": {"bad_words": [" the", " of the", "."]}, "9": {"bad_words": [" is a"], "min_p": 0.2}}
+              "7": {"bad_words": [" the", " of the", "."]}, "9": {"bad_words": [" is a"], "min_p": 0.2},
+              "4": {"min_tokens": MAX_TOKENS}, "0": {"min_tokens": 24}}
     job = {"model": demo_model, "prompt_token_ids": ids, "max_tokens": MAX_TOKENS, "max_num_seqs": 8,
            "serial_first": 2, "penalties": {"repetition_penalty": 1.1, "frequency_penalty": 0.4,
                                             "presence_penalty": 0.3},
@@ -294,6 +295,7 @@ def test_penalised_and_biased_requests_get_trees_and_keep_greedy_output(demo_mod
     plain, everyone = run_engine_job(tmp_path / "plain", job), run_engine_job(tmp_path / "plain-all", every)
     run = run_engine_job(tmp_path / "tree", {**job, "speculative_config": TREE})
     run_all = run_engine_job(tmp_path / "tree-all", {**every, "speculative_config": TREE})
+    assert len(plain.token_ids[4]) == MAX_TOKENS and len(plain.token_ids[0]) >= 24
     # The bias changes the answers: " the", common elsewhere, is gone from the biased ones.
     assert all(the not in plain.token_ids[i] for i in (1, 5, 6, 7))
     assert any(the in everyone.token_ids[i] for i in (1, 5, 6))

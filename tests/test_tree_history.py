@@ -71,7 +71,7 @@ def test_bad_words_are_banned_after_each_rows_own_path():
     other = DraftTree.chain([1, 2])
     trees = TreeBatch.from_trees([tree, other])
     step = SimpleNamespace(trees=[tree, other], tree_batch=trees, ancestors=trees.ancestor_mask())
-    metadata = SimpleNamespace(no_penalties=True, output_token_ids=[[5, 1], [4], [7]],
+    metadata = SimpleNamespace(no_penalties=True, logitsprocs=None, output_token_ids=[[5, 1], [4], [7]],
                                bad_words_token_ids={0: [[1, 9], [3, 8], [6]]})
     requests, counts = [0, 2], [1 + 4 + 1, 3]  # request 0's tree has a padding row
     histories = RowHistories.of(step, requests, counts, metadata, VOCAB)

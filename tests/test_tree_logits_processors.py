@@ -7,9 +7,19 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import (
+    LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
 
-from vllm_adaptive_spec.adapter.tree_logits_processors import apply_row_logit_bias, apply_row_min_p, has_logit_bias
+from vllm_adaptive_spec.adapter.tree_logits_processors import (
+    apply_row_logit_bias,
+    apply_row_min_p,
+    apply_row_min_tokens,
+    has_logit_bias,
+    has_min_tokens,
+)
 
 VOCAB = 16
 
@@ -42,3 +52,17 @@ def test_rows_get_their_requests_bias_and_min_p_as_vllm_applies_them():
         assert torch.equal(rows[row], batch[owner]), row
     assert has_logit_bias(metadata, [1, 2]) and not has_logit_bias(metadata, [1])
     assert (rows == float("-inf")).any() and not torch.equal(rows, logits)
+
+
+def test_stop_tokens_are_masked_while_the_output_and_path_are_too_short():
+    """Request 0 has 3 tokens out of ``min_tokens`` 5: its rows at path length
+    0 and 1 cannot stop, from length 2 on they can; request 1 has none."""
+    pending = MinTokensLogitsProcessor.__new__(MinTokensLogitsProcessor)
+    pending.min_toks = {0: (5, [4, 4, 4], {2, 9}, False)}
+    metadata = SimpleNamespace(logitsprocs=SimpleNamespace(non_argmax_invariant=[pending], argmax_invariant=[]))
+    owners, depths = [0, 0, 0, 0, 1], [0, 1, 2, 1, 0]
+    logits = torch.zeros(len(owners), VOCAB)
+    apply_row_min_tokens(logits, owners, depths, metadata)
+    masked = [sorted(torch.nonzero(row == float("-inf")).flatten().tolist()) for row in logits]
+    assert masked == [[2, 9], [2, 9], [], [2, 9], []]
+    assert has_min_tokens(metadata, [1, 0]) and not has_min_tokens(metadata, [1])

@@ -73,20 +73,18 @@ class TreeStats:
         }
 
 
-def can_draft(sampling_params, num_output_tokens: int) -> bool:
+def can_draft(sampling_params) -> bool:
     """Whether a request may get a tree: its sampling must be exactly what the
     tree verifier reproduces (penalties and bad words along each row's path,
-    logit bias and ``min_p`` included: ``tree_history``,
-    ``tree_logits_processors``). Requests with other history-dependent
-    processing (structured output, thinking budget; ``min_tokens`` until it
-    is reached) are served without speculation instead."""
+    logit bias, ``min_p`` and ``min_tokens`` included: ``tree_history``,
+    ``tree_logits_processors``). Requests with structured output or a
+    thinking budget are served without speculation instead."""
     sp = sampling_params
     if sp is None:
         return False
     return (
         sp.structured_outputs is None
         and sp.thinking_token_budget is None
-        and num_output_tokens >= sp.min_tokens
     )
 
 

@@ -361,7 +361,7 @@ class TreeRunnerMixin:
             first_pass_seconds = own_share * (time.perf_counter() - started)
         backend = self._draft_backend
         eligible = [
-            can_draft(self.requests[r].sampling_params, len(self.requests[r].output_token_ids))
+            can_draft(self.requests[r].sampling_params)
             and (probe_rows is None or i in probe_rows)
             and (not drafting or backend is None or backend.can_draft(r))
             for i, r in enumerate(req_ids)

@@ -1,5 +1,6 @@
 """What a tree row's history does to its logits (issue 54): presence,
-frequency and repetition penalties, and bad words.
+frequency and repetition penalties, bad words, and ``min_tokens`` (by its
+length, ``tree_logits_processors``).
 
 A tree row's distribution is the target's after its path: a node's row
 follows the request's output so far and then the tokens from the root's
@@ -30,6 +31,7 @@ from vllm.model_executor.layers.utils import apply_penalties
 from vllm.v1.sample.ops.bad_words import apply_bad_words
 
 from vllm_adaptive_spec.adapter.transfer import to_device
+from vllm_adaptive_spec.adapter.tree_logits_processors import apply_row_min_tokens, has_min_tokens
 from vllm_adaptive_spec.tree import DraftTree
 
 
@@ -37,10 +39,13 @@ class RowHistories(NamedTuple):
     """The tree rows' histories, as the processors that read them need them:
     ``tokens`` [R, L + W] for the penalties (None: the batch has none),
     ``texts`` per row the output then the path, in order, for the rows of
-    requests with bad words (None for the others; None: no such request)."""
+    requests with bad words (None for the others; None: no such request),
+    ``depths`` each row's path length where a request has ``min_tokens``
+    still to reach (None: none has)."""
 
     tokens: torch.Tensor | None
     texts: list[list[int] | None] | None
+    depths: list[int] | None = None
 
     @staticmethod
     def of(step, requests: list[int], counts: list[int], sampling_metadata, vocab_size: int) -> "RowHistories | None":
@@ -50,15 +55,19 @@ class RowHistories(NamedTuple):
         bad = sampling_metadata.bad_words_token_ids
         outputs = sampling_metadata.output_token_ids
         tokens = None if sampling_metadata.no_penalties else row_histories(step, requests, counts, outputs, vocab_size)
-        texts = None
+        texts = depths = None
         if bad and any(request in bad for request in requests):
             texts = [row for k, request in enumerate(requests)
                      for row in _texts(step.trees[k], counts[k], outputs[request] if request in bad else None)]
-        return None if tokens is None and texts is None else RowHistories(tokens, texts)
+        if has_min_tokens(sampling_metadata, requests):
+            depths = [depth for k, tree in enumerate(step.trees)
+                      for depth in [0, *tree.depths(), *[0] * (counts[k] - 1 - len(tree))]]
+        if tokens is None and texts is None and depths is None:
+            return None
+        return RowHistories(tokens, texts, depths)
 
     def rows(self, begin: int, end: int) -> "RowHistories":
-        return RowHistories(None if self.tokens is None else self.tokens[begin:end],
-                            None if self.texts is None else self.texts[begin:end])
+        return RowHistories(*(None if part is None else part[begin:end] for part in self))
 
     def ban_bad_words(self, logits: torch.Tensor, owners: list[int], sampling_metadata) -> None:
         """vLLM's bad words on rows ``logits`` (in place; ``owners``: each row's batch index)."""
@@ -66,6 +75,11 @@ class RowHistories(NamedTuple):
             bad = sampling_metadata.bad_words_token_ids
             apply_bad_words(logits, {row: bad[owner] for row, owner in enumerate(owners)
                                      if self.texts[row] is not None}, self.texts)
+
+    def mask_min_tokens(self, logits: torch.Tensor, owners: list[int], sampling_metadata) -> None:
+        """vLLM's ``min_tokens`` on rows ``logits`` (in place), by each row's output and path length."""
+        if self.depths is not None:
+            apply_row_min_tokens(logits, owners, self.depths, sampling_metadata)
 
     def penalise(self, logits: torch.Tensor, request_of_row: torch.Tensor, sampling_metadata) -> None:
         """vLLM's penalties on rows ``logits`` (in place)."""

@@ -1,4 +1,4 @@
-"""vLLM's ``logit_bias`` and ``min_p`` on tree rows (issue 54).
+"""vLLM's ``logit_bias``, ``min_p`` and ``min_tokens`` on tree rows (issue 54).
 
 Neither depends on a request's history, so a tree row takes its request's
 as vLLM's sampler gives them to the request's one row without speculation:
@@ -9,12 +9,21 @@ argmax), ``min_p`` after the temperature, before top-k and top-p (vLLM's
 state of vLLM's own processors in the input batch (``sampling_controls``
 builds them), keyed by the request's batch index, and repeat their
 arithmetic on the rows, so each row's logits are the same floats.
+
+``min_tokens`` depends on the row's place only: vLLM masks a request's stop
+tokens while its output is shorter than ``min_tokens``, and a tree row
+comes after the output and its path, so the row of a node at depth ``d`` is
+masked while the output plus ``d`` is shorter (the root's: ``d = 0``).
 """
 
 from __future__ import annotations
 
 import torch
-from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import (
+    LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
 
 from vllm_adaptive_spec.adapter.transfer import to_device
 
@@ -62,3 +71,31 @@ def apply_row_min_p(logits: torch.Tensor, request_of_row: torch.Tensor, sampling
     probabilities = torch.nn.functional.softmax(logits, dim=-1)
     threshold = torch.amax(probabilities, dim=-1, keepdim=True).mul_(processor.min_p[request_of_row])
     logits.masked_fill_(probabilities < threshold, -float("inf"))
+
+
+def _min_tokens(sampling_metadata) -> dict:
+    logitsprocs = sampling_metadata.logitsprocs
+    processor = None if logitsprocs is None else _processor(logitsprocs.non_argmax_invariant, MinTokensLogitsProcessor)
+    return {} if processor is None else processor.min_toks
+
+
+def has_min_tokens(sampling_metadata, requests: list[int]) -> bool:
+    """Whether any of ``requests`` (batch indices) has ``min_tokens`` still to reach."""
+    pending = _min_tokens(sampling_metadata)
+    return any(request in pending for request in requests)
+
+
+def apply_row_min_tokens(logits: torch.Tensor, owners: list[int], depths: list[int], sampling_metadata) -> None:
+    """The stop tokens masked on the rows (``depths``: each row's path
+    length, on the host) whose request's output plus path is still shorter
+    than its ``min_tokens``, in place."""
+    pending = _min_tokens(sampling_metadata)
+    rows, tokens = [], []
+    for row, (owner, depth) in enumerate(zip(owners, depths)):
+        entry = pending.get(owner)
+        if entry is not None and len(entry[1]) + depth < entry[0]:
+            rows.extend([row] * len(entry[2]))
+            tokens.extend(entry[2])
+    if rows:
+        device = logits.device
+        logits[to_device(rows, torch.long, device), to_device(tokens, torch.long, device)] = -float("inf")

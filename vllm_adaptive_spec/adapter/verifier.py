@@ -8,8 +8,9 @@ stay untouched. Each request has ``1 + n`` logits rows (root, then its nodes).
   every other processor apply exactly as without speculation); so do
   requests with vLLM's placeholder drafts, sampled from their first row.
 * Tree rows are processed as vLLM's sampler processes a row (allowed-token
-  mask, bad words and presence, frequency and repetition penalties after
-  the row's path (``tree_history``), logit bias, temperature, ``min_p``
+  mask, bad words, ``min_tokens`` and presence, frequency and repetition
+  penalties after the row's path (``tree_history``), logit bias,
+  temperature, ``min_p``
   (``tree_logits_processors``), then top-k and top-p through vLLM's own
   ``apply_top_k_top_p``), then each row draws its target token
   (argmax, or one exponential-race sample with the request's generator when
@@ -122,6 +123,7 @@ def row_target_tokens(logits: torch.Tensor, owners: list[int], sampling_metadata
         processed.masked_fill_(mask[request_of_row], float("-inf"))
     if histories is not None:
         histories.ban_bad_words(processed, owners, sampling_metadata)
+        histories.mask_min_tokens(processed, owners, sampling_metadata)
     apply_row_logit_bias(processed, owners, sampling_metadata)
     if histories is not None:
         histories.penalise(processed, request_of_row, sampling_metadata)
