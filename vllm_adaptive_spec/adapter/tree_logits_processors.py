@@ -32,16 +32,27 @@ def _processor(processors, kind):
     return next((p for p in processors if isinstance(p, kind)), None)
 
 
-def _biases(sampling_metadata) -> dict[int, dict[int, float]]:
+def _per_request(sampling_metadata, kind) -> dict:
+    """The per-request state (batch index -> its setting) of vLLM's processor
+    ``kind`` among those that can change the argmax; empty without one."""
     logitsprocs = sampling_metadata.logitsprocs
-    processor = None if logitsprocs is None else _processor(logitsprocs.non_argmax_invariant, LogitBiasLogitsProcessor)
-    return {} if processor is None else processor.biases
+    processor = None if logitsprocs is None else _processor(logitsprocs.non_argmax_invariant, kind)
+    if processor is None:
+        return {}
+    return processor.biases if kind is LogitBiasLogitsProcessor else processor.min_toks
+
+
+def _biases(sampling_metadata) -> dict[int, dict[int, float]]:
+    return _per_request(sampling_metadata, LogitBiasLogitsProcessor)
+
+
+def _min_tokens(sampling_metadata) -> dict:
+    return _per_request(sampling_metadata, MinTokensLogitsProcessor)
 
 
 def has_logit_bias(sampling_metadata, requests: list[int]) -> bool:
     """Whether any of ``requests`` (batch indices) has a logit bias."""
-    biases = _biases(sampling_metadata)
-    return any(request in biases for request in requests)
+    return not _biases(sampling_metadata).keys().isdisjoint(requests)
 
 
 def apply_row_logit_bias(logits: torch.Tensor, owners: list[int], sampling_metadata) -> None:
@@ -73,16 +84,9 @@ def apply_row_min_p(logits: torch.Tensor, request_of_row: torch.Tensor, sampling
     logits.masked_fill_(probabilities < threshold, -float("inf"))
 
 
-def _min_tokens(sampling_metadata) -> dict:
-    logitsprocs = sampling_metadata.logitsprocs
-    processor = None if logitsprocs is None else _processor(logitsprocs.non_argmax_invariant, MinTokensLogitsProcessor)
-    return {} if processor is None else processor.min_toks
-
-
 def has_min_tokens(sampling_metadata, requests: list[int]) -> bool:
     """Whether any of ``requests`` (batch indices) has ``min_tokens`` still to reach."""
-    pending = _min_tokens(sampling_metadata)
-    return any(request in pending for request in requests)
+    return not _min_tokens(sampling_metadata).keys().isdisjoint(requests)
 
 
 def apply_row_min_tokens(logits: torch.Tensor, owners: list[int], depths: list[int], sampling_metadata) -> None:
