@@ -35,7 +35,7 @@ from vllm.utils.torch_utils import PIN_MEMORY
 
 from kernels.kv_compaction import compact_kv
 from vllm_adaptive_spec.adapter import step as tree_step
-from vllm_adaptive_spec.adapter.cudagraphs import TreeCudagraphDispatcher, graph_batch_sizes
+from vllm_adaptive_spec.adapter.cudagraphs import TreeCudagraphDispatcher, graph_batch_sizes, uniform_rows
 from vllm_adaptive_spec.adapter.draft_head import HeadDraftBackend
 from vllm_adaptive_spec.adapter.draft_lm import LMDraftBackend
 from vllm_adaptive_spec.adapter.proposer import TreeProposer, can_draft
@@ -340,9 +340,8 @@ class TreeRunnerMixin:
         drafts = scheduler_output.scheduled_spec_decode_tokens.values()
         spec_tokens = sum(len(d) for d in drafts)
         other_tokens = max(step_tokens - len(scheduler_output.num_scheduled_tokens) - spec_tokens, 0)
-        counts = scheduler_output.num_scheduled_tokens.values()
-        rows = next(iter(counts), 0)
-        uniform = rows if other_tokens == 0 and all(count == rows for count in counts) else None
+        counts = list(scheduler_output.num_scheduled_tokens.values())
+        uniform = uniform_rows(max(counts, default=0), sum(counts), len(counts)) if other_tokens == 0 else None
         self.tree_proposer.observe_step(step_tokens, self.tree_proposer.agree(time.perf_counter() - self._step_started),
                                         other_tokens,
                                         sum(1 for d in drafts if d and not placeholder_drafts(d)), self._branching_trees,

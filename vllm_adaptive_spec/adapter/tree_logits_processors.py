@@ -1,7 +1,8 @@
 """vLLM's ``logit_bias``, ``min_p`` and ``min_tokens`` on tree rows (issue 54).
 
-Neither depends on a request's history, so a tree row takes its request's
-as vLLM's sampler gives them to the request's one row without speculation:
+The bias and ``min_p`` do not depend on a request's history, so a tree row
+takes its request's as vLLM's sampler gives them to the request's one row
+without speculation:
 the bias added to its tokens' logits before the penalties (vLLM's
 ``LogitBiasLogitsProcessor``, a logits processor that can change the
 argmax), ``min_p`` after the temperature, before top-k and top-p (vLLM's
@@ -32,22 +33,21 @@ def _processor(processors, kind):
     return next((p for p in processors if isinstance(p, kind)), None)
 
 
-def _per_request(sampling_metadata, kind) -> dict:
-    """The per-request state (batch index -> its setting) of vLLM's processor
-    ``kind`` among those that can change the argmax; empty without one."""
+def _per_request(sampling_metadata, kind, attribute: str) -> dict:
+    """The per-request state ``attribute`` (batch index -> its setting) of
+    vLLM's processor ``kind`` among those that can change the argmax; empty
+    without one."""
     logitsprocs = sampling_metadata.logitsprocs
     processor = None if logitsprocs is None else _processor(logitsprocs.non_argmax_invariant, kind)
-    if processor is None:
-        return {}
-    return processor.biases if kind is LogitBiasLogitsProcessor else processor.min_toks
+    return {} if processor is None else getattr(processor, attribute)
 
 
 def _biases(sampling_metadata) -> dict[int, dict[int, float]]:
-    return _per_request(sampling_metadata, LogitBiasLogitsProcessor)
+    return _per_request(sampling_metadata, LogitBiasLogitsProcessor, "biases")
 
 
 def _min_tokens(sampling_metadata) -> dict:
-    return _per_request(sampling_metadata, MinTokensLogitsProcessor)
+    return _per_request(sampling_metadata, MinTokensLogitsProcessor, "min_toks")
 
 
 def has_logit_bias(sampling_metadata, requests: list[int]) -> bool:
