@@ -30,7 +30,7 @@ engine step (self time: a phase's time without the phases inside it):
 * ``graphs``: how many forwards replayed a FULL CUDA graph, a PIECEWISE one,
   or none (always ``NONE`` on the CPU).
 
-Methods: ``none``, ``none-v1-sync`` (no speculation on the plugin's runner
+Methods: ``none``, ``vllm-eagle3-K`` (vLLM's EAGLE-3 chain of K with ``--head``), ``none-v1-sync`` (no speculation on the plugin's runner
 and scheduling: vLLM's V1 runner, synchronous), ``ngram`` (vLLM's, K=4), ``tree-N`` (adaptive_tree
 retrieval, ``load_budget: fixed`` at N), ``tree-adaptive-N`` (the default load
 budget, at most N) and ``tree-0`` (adaptive_tree whose suffix can never match:
@@ -83,6 +83,8 @@ def method_config(name: str) -> dict | None:
         return None
     if name == "ngram":
         return dict(engines.NGRAM)
+    if name.startswith("vllm-eagle3-"):
+        return {"method": "eagle3", "num_speculative_tokens": int(name.rsplit("-", 1)[1])}
     if name.startswith("tree-"):
         adaptive = name.startswith("tree-adaptive-")
         budget = int(name.rsplit("-", 1)[1])
@@ -97,7 +99,7 @@ def method_config(name: str) -> dict | None:
             return {"method": "adaptive_tree", "num_speculative_tokens": int(name.rsplit("-", 1)[1]),
                     "tree": {"drafter": drafter, "policy": policy, **params,
                              "load_budget": "adaptive" if adaptive else "fixed"}}
-    raise ValueError(f"unknown method {name!r}: none, ngram, tree-N, tree-adaptive-N, eagle3-N, eagle3-adaptive-N, "
+    raise ValueError(f"unknown method {name!r}: none, ngram, vllm-eagle3-K, tree-N, tree-adaptive-N, eagle3-N, eagle3-adaptive-N, "
                      "draft-lm-N, draft-lm-adaptive-N, hybrid-N, hybrid-adaptive-N")
 
 
@@ -378,7 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     jobs, listed = {}, Counter()
     for method in args.methods.split(","):
         spec = method_config(method)
-        if spec is not None and spec.get("tree", {}).get("drafter") in ("eagle3", "hybrid"):
+        if spec is not None and (spec.get("tree", {}).get("drafter") in ("eagle3", "hybrid")
+                                 or spec["method"] == "eagle3"):
             spec["model"] = args.head
         elif spec is not None and spec.get("tree", {}).get("drafter") == "draft_model":
             spec["model"] = engines.draft_lm_path()

@@ -124,8 +124,10 @@ def grow(
     if whole is not None and choose is not None:
         trees = whole(max(getattr(policy, "floor", 0.0), floor))
         return [choose(tree, n) if n > 0 else DraftTree() for tree, n in zip(trees, budget.tolist())], GrowthStats()
-    max_depth = min(max_depth, policy.depth_limit(int(budget.max())) if batch else 0)
-    layers = grow_layers(drafter, policy, budget, max_depth)
+    largest = int(budget.max()) if batch else 0
+    # A kept tree is ancestor-closed with at most ``budget`` nodes: no deeper.
+    max_depth = min(max_depth, policy.depth_limit(largest), largest)
+    layers = grow_layers(drafter, policy, budget, max_depth, floor=floor)
     stats = GrowthStats(draft_passes=layers.passes)
     if layers.depth == 0:
         return [DraftTree() for _ in range(batch)], stats
@@ -145,11 +147,19 @@ def grow_fixed(drafter: Drafter, policy: Policy, budget: torch.Tensor, depth: in
     return assemble(grow_layers(drafter, policy, budget, depth, width), policy, budget)
 
 
-def grow_layers(drafter: Drafter, policy: Policy, budget: torch.Tensor, depth: int, width: int | None = None):
+def grow_layers(drafter: Drafter, policy: Policy, budget: torch.Tensor, depth: int, width: int | None = None,
+                floor: float = 0.0):
     """Up to ``depth`` layers side by side (:class:`Layers`). ``width`` None:
     each layer as wide as its widest request's choice, and growth stops
     once no frontier is live (two host reads a layer); else ``width`` slots
-    a layer and ``depth`` layers, with no value read (:func:`grow_fixed`)."""
+    a layer and ``depth`` layers, with no value read (:func:`grow_fixed`).
+
+    ``floor``: the load budget's path-probability floor. A frontier node
+    below it is not expanded: the budget keeps no node below the floor, and
+    path probabilities only fall along a path, so none of its descendants
+    could be kept either. This is what stops a confident-but-short tree's
+    growth early (the draft passes it saves are most of a model drafter's
+    cost), without changing the tree the budget keeps (up to float rounding at the floor)."""
     batch = budget.shape[0]
     grown, size, offset = [], torch.zeros(batch, dtype=torch.long), 0
     handles = slot = torch.full((batch, 1), ROOT, dtype=torch.long)
@@ -172,7 +182,7 @@ def grow_layers(drafter: Drafter, policy: Policy, budget: torch.Tensor, depth: i
         size = size + packed.valid.sum(1)
         slot = offset + torch.arange(layer_width).expand(batch, -1)
         offset += layer_width
-        score, live = packed.score, packed.valid & ~layer.stop.unsqueeze(1)
+        score, live = packed.score, packed.valid & ~layer.stop.unsqueeze(1) & (p >= floor)
     return _joined(grown, passes, batch)
 
 
