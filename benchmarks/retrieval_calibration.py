@@ -179,14 +179,14 @@ def replay(answers: list[dict], drafter_params: dict, policy_params: dict, budge
             drafter.prepare([f"r{k}"], [context])
             if oracle:
                 tree = drafter.candidate_trees()[0]
-            elif load_budget is not None and not load_budget.drafts():
+            elif load_budget is not None and not load_budget.begin_step().drafts:
                 tree = DraftTree()
             else:
                 trees, _ = grow(drafter, policy, torch.tensor([budget]), drafter.max_depth)
                 tree = trees[0]
                 if load_budget is not None:
                     load_budget.observe_drafting(1, TRIE_MS / 1e3)
-                    tree = load_budget.choose([tree], [f"r{k}"])[0]
+                    tree = load_budget.choose([tree], [f"r{k}"]).trees[0]
             p = tree.path_probabilities()
             ok, accepted = accepted_nodes(tree, answer, t)
             if oracle:  # only the answer's path is drafted

@@ -58,22 +58,24 @@ def pause_drafting(worker, drafting: int, paused: int, probe_requests: int | Non
     """Replace the load budget's pause decision by a fixed pattern (sent into
     the worker with ``collective_rpc``); with ``probe_requests``, the first
     drafting step of each cycle is a probe that drafts for that many requests."""
+    from vllm_adaptive_spec.pause_control import StepDecision
+
     steps = itertools.count()
     proposer = worker.model_runner.tree_proposer
     phase = [0]
 
-    def drafting_this_step() -> bool:
+    def begin_step() -> StepDecision:
         phase[0] = next(steps) % (drafting + paused)
-        return phase[0] < drafting
+        limit = probe_requests if phase[0] == 0 else None
+        return StepDecision(drafts=phase[0] < drafting, limit=limit)
 
-    proposer.drafting_this_step = drafting_this_step
+    proposer.begin_step = begin_step
     runner = worker.model_runner
     _count_calls(worker, "draft_free_verifies", runner.rejection_sampler, "forward",
                  lambda metadata, *args: not any(metadata.num_draft_tokens))
     if runner._draft_backend is not None:
         _count_calls(worker, "paused_passes", runner._draft_backend, "_run", lambda *args, **kwargs: phase[0] >= drafting)
     if probe_requests is not None:
-        proposer.probe_requests = lambda: probe_requests if phase[0] == 0 else None
         _count_calls(worker, "probes", runner._draft_backend, "least_behind",
                      lambda count: count < runner.input_batch.num_reqs)
         worker.probe_trees = 0

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from test_tree import random_bfs_tree
 
-from vllm_adaptive_spec.budget import LoadBudget, allocate
+from vllm_adaptive_spec.budget import LoadBudget
+from vllm_adaptive_spec.node_allocation import allocate
 from vllm_adaptive_spec.step_cost import StepCostFit
 from vllm_adaptive_spec.tree import DraftTree
 
@@ -105,7 +106,7 @@ def test_a_trees_fixed_cost_is_fitted_and_only_confident_trees_pay_it():
     confident.q = [0.95, 0.95, 0.95]
     weak = DraftTree.chain([4, 5, 6])
     weak.q = [0.3, 0.3, 0.3]  # p = .3, .09, .03: less than eta's worth of tokens
-    assert budget.choose([confident, weak]) == [confident, DraftTree()]
+    assert budget.choose([confident, weak]).trees == [confident, DraftTree()]
     assert LoadBudget(max_budget=8).fit.tree_cost() == 0.0  # unknown before any step
 
 
@@ -120,7 +121,7 @@ def test_calibration_discounts_an_optimistic_drafter():
 def test_cold_start_keeps_only_likely_nodes():
     budget = LoadBudget(max_budget=8, cold_min_p=0.3)
     tree = DraftTree([5, 6, 7], [-1, 0, -1], [0.9, 0.5, 0.2])  # p: .9 .45 .2
-    assert budget.choose([tree]) == [DraftTree([5, 6], [-1, 0], [0.9, 0.5])]
+    assert budget.choose([tree]).trees == [DraftTree([5, 6], [-1, 0], [0.9, 0.5])]
 
 
 def _weak_drafting(budget: LoadBudget, q: float, seconds: float, step=lambda: None) -> list[bool]:
@@ -131,10 +132,10 @@ def _weak_drafting(budget: LoadBudget, q: float, seconds: float, step=lambda: No
     drafted = []
     for _ in range(200):
         step()
-        drafted.append(budget.drafts())
+        drafted.append(budget.begin_step().drafts)
         if drafted[-1]:
             budget.observe_drafting(8, seconds)
-            assert budget.choose([weak] * 8) == [DraftTree()] * 8
+            assert budget.choose([weak] * 8).trees == [DraftTree()] * 8
     return drafted
 
 
@@ -171,10 +172,10 @@ def test_a_cold_start_that_keeps_nodes_is_not_judged_before_the_fit_is_known():
     likely.q = [0.9, 0.9]
     for _ in range(20):
         budget.fit.observe(8 + 16, 0.03)  # every step the same shape: the fit stays unknown
-        assert budget.drafts()
+        decision = budget.begin_step()
+        assert decision.drafts and not decision.probing
         budget.observe_drafting(8, 0.05)
-        assert budget.choose([likely] * 8) == [likely] * 8
-        assert not budget.probing
+        assert budget.choose([likely] * 8).trees == [likely] * 8
 
 
 def test_a_fit_in_which_no_step_costs_anything_is_not_used():
@@ -191,9 +192,9 @@ def test_a_fit_in_which_no_step_costs_anything_is_not_used():
     assert solution is None or solution[0] + solution[1] > 0, solution
     tree = DraftTree.chain([1, 2])
     tree.q = [0.9, 0.9]
-    budget.floor(1)
+    floor = budget.floor(1)
     budget.observe_drafting(1, 0.0)
-    budget.choose([tree])
+    budget.choose([tree], floor=floor)
 
 
 def test_a_trees_own_cost_is_told_from_the_fixed_cost_by_control_steps():
@@ -210,7 +211,7 @@ def test_a_trees_own_cost_is_told_from_the_fixed_cost_by_control_steps():
         budget = LoadBudget(max_budget=8, half_life=200)
         skipped = 0
         for _ in range(400):
-            drafting = budget.drafts() if controls else True
+            drafting = budget.begin_step().drafts if controls else True
             skipped += not drafting
             trees = int(drafting)
             rows = 1 + (int(rng.integers(1, 9)) if drafting else 0)
@@ -229,7 +230,7 @@ def test_no_control_step_where_the_trees_per_step_vary_on_their_own():
     rng = np.random.default_rng(1)
     budget = LoadBudget(max_budget=16, half_life=200)
     for _ in range(400):
-        assert budget.drafts()
+        assert budget.begin_step().drafts
         trees = int(rng.integers(4, 28))
         rows = 32 + trees * 3
         budget.fit.observe(rows, 0.05 + 0.0006 * rows + 0.001 * trees, 0, trees, 0)
@@ -243,13 +244,13 @@ def test_drafting_that_costs_far_more_than_a_step_pauses_at_once():
     weak = DraftTree.chain([1, 2, 3])
     weak.q = [0.2, 0.2, 0.2]
     budget.observe_drafting(16, 16 * 0.03)  # 0.48 s of drafting for a 0.07 s step
-    budget.choose([weak] * 16)
-    assert not budget.drafts()
+    budget.choose([weak] * 16).trees
+    assert not budget.begin_step().drafts
     cheap = LoadBudget(max_budget=16, pause_after=16, half_life=1e9)
     _feed_steps(cheap, alpha=0.05, beta=0.001)
     cheap.observe_drafting(16, 16 * 0.0005)
-    cheap.choose([weak] * 16)
-    assert cheap.drafts()
+    cheap.choose([weak] * 16).trees
+    assert cheap.begin_step().drafts
 
 
 def _first_pause(seconds: float) -> int:
@@ -259,11 +260,11 @@ def _first_pause(seconds: float) -> int:
     _feed_steps(budget, alpha=0.05, beta=0.001)
     weak = DraftTree.chain([1, 2, 3])
     weak.q = [0.01, 0.01, 0.01]
-    while budget.drafts():
+    while budget.begin_step().drafts:
         budget.observe_drafting(16, seconds)
-        budget.choose([weak] * 16)
+        budget.choose([weak] * 16).trees
     paused = 1
-    while not budget.drafts():
+    while not budget.begin_step().drafts:
         paused += 1
     return paused
 
@@ -298,12 +299,12 @@ def _alternating(worth_trees: int) -> list[bool]:
     worth.q, weak.q = [0.85], [0.1]
     drafted = []
     for step in range(64):
-        drafted.append(budget.drafts())
+        drafted.append(budget.begin_step().drafts)
         if drafted[-1]:
-            budget.floor(8)
+            floor = budget.floor(8)
             budget.observe_drafting(8, 8 * 0.0005)
             wins = worth_trees if step % 2 == 0 else 0
-            _verify(budget, budget.choose([worth] * wins + [weak] * (8 - wins)))
+            _verify(budget, budget.choose([worth] * wins + [weak] * (8 - wins), floor=floor).trees)
     return drafted
 
 
@@ -333,11 +334,11 @@ def _after_a_lucky_streak(accepted: list[int], realized: bool = True) -> list[bo
         budget.observe_tree(chain, [0, 1, 2])
     drafted = []
     for step in range(24):
-        drafted.append(budget.drafts())
+        drafted.append(budget.begin_step().drafts)
         if drafted[-1]:
-            budget.floor(1)
+            floor = budget.floor(1)
             budget.observe_drafting(1, 0.02)
-            assert budget.choose([chain]) == [chain]
+            assert budget.choose([chain], floor=floor).trees == [chain]
             _verify(budget, [chain], accepted[step % len(accepted)])
     return drafted
 
@@ -367,10 +368,10 @@ def test_a_drafter_that_spends_nearly_nothing_is_not_paused_for_the_steps_it_kee
     match, nothing = DraftTree.chain([1]), DraftTree.chain([4])
     match.q, nothing.q = [0.9], [0.05]
     for step in range(64):
-        assert budget.drafts(), step
-        budget.floor(1)
+        assert budget.begin_step().drafts, step
+        floor = budget.floor(1)
         budget.observe_drafting(1, 0.0001)
-        chosen = budget.choose([match if step % 16 == 15 else nothing])
+        chosen = budget.choose([match if step % 16 == 15 else nothing], floor=floor).trees
         assert [len(t) for t in chosen] == [int(step % 16 == 15)]
         _verify(budget, chosen)
 
@@ -385,30 +386,34 @@ def test_a_drafter_drafts_for_every_request_only_after_a_window_that_paid():
     worth.q = [0.85]
     limits = []
     for _ in range(12):
-        assert budget.drafts()
-        limits.append(budget.draft_limit())
-        budget.floor(4, plain=4)
+        decision = budget.begin_step()
+        assert decision.drafts
+        limits.append(decision.limit)
+        floor = budget.floor(4, plain=4)
         budget.observe_drafting(4, 4 * 0.0005)
-        _verify(budget, budget.choose([worth] * 4, plain=4))
+        _verify(budget, budget.choose([worth] * 4, plain=4, floor=floor).trees)
     assert limits == [4] * 8 + [None] * 4, limits
-    budget._pause()  # a later window lost
-    while not budget.drafts():
-        pass
-    assert budget.probing and budget.draft_limit() == 4
-    budget.floor(4, plain=4)
+    budget.pauses._pause()  # a later window lost
+    decision = budget.begin_step()
+    while not decision.drafts:
+        decision = budget.begin_step()
+    assert decision.probing and decision.limit == 4
+    floor = budget.floor(4, plain=4)
     budget.observe_drafting(4, 4 * 0.0005)
-    budget.choose([worth] * 4, plain=4)  # the probe pays; the window it opens has not yet
-    assert budget.drafts() and budget.draft_limit() == 4
+    budget.choose([worth] * 4, plain=4, floor=floor)  # the probe pays; the window it opens has not yet
+    decision = budget.begin_step()
+    assert decision.drafts and decision.limit == 4
 
     losing = LoadBudget(max_budget=8, pause_after=8, pause_steps=4, half_life=1e9, probe_requests=4)
     _feed_steps(losing, alpha=0.05, beta=0.001)
     weak = DraftTree.chain([2])
     weak.q = [0.1]
     for _ in range(64):
-        if losing.drafts():
-            assert losing.draft_limit() == 4
+        decision = losing.begin_step()
+        if decision.drafts:
+            assert decision.limit == 4
             losing.observe_drafting(4, 4 * 0.0005)
-            losing.choose([weak] * 4, plain=4)
+            losing.choose([weak] * 4, plain=4).trees
 
 
 def test_losses_that_add_up_to_a_clear_loss_pause_before_the_window_ends():
@@ -421,10 +426,10 @@ def test_losses_that_add_up_to_a_clear_loss_pause_before_the_window_ends():
     weak.q = [0.1]
     drafted = []
     for _ in range(8):
-        drafted.append(budget.drafts())
+        drafted.append(budget.begin_step().drafts)
         if drafted[-1]:
             budget.observe_drafting(8, 8 * 0.00128)  # 8 / (0.058 + 0.0102) is 0.85 of 8 / 0.058
-            budget.choose([weak] * 8)
+            budget.choose([weak] * 8).trees
     assert drafted == [True] * 4 + [False] * 4, drafted
 
 
@@ -436,8 +441,8 @@ def test_speculation_that_always_pays_keeps_the_full_tree():
     strong.q = [0.97] * 16
     for _ in range(20):
         budget.observe_tree(strong, list(range(10)))  # calibrated: 10 of sum(p) = 10.9
-    assert all(budget.drafts() for _ in range(50))
-    assert budget.choose([strong] * 4) == [strong] * 4
+    assert all(budget.begin_step().drafts for _ in range(50))
+    assert budget.choose([strong] * 4).trees == [strong] * 4
 
 
 def _fitted(branch_seconds: float) -> LoadBudget:
@@ -462,9 +467,9 @@ def test_a_branching_trees_extra_cost_is_fitted_apart_from_its_rows():
 def test_branches_kept_only_when_they_pay_for_their_extra_cost():
     # Root children .8 and .5; the .8 child has a child .6 (p = .48).
     tree = DraftTree([1, 2, 3], [-1, -1, 0], [0.8, 0.5, 0.6])
-    assert _fitted(0.0).choose([tree]) == [tree]  # free branching: the whole tree
-    assert _fitted(0.001).choose([tree]) == [tree]  # cheap: the .5 branch pays
-    assert _fitted(0.05).choose([tree]) == [DraftTree([1, 3], [-1, 0], [0.8, 0.6])]  # dear: main path only
+    assert _fitted(0.0).choose([tree]).trees == [tree]  # free branching: the whole tree
+    assert _fitted(0.001).choose([tree]).trees == [tree]  # cheap: the .5 branch pays
+    assert _fitted(0.05).choose([tree]).trees == [DraftTree([1, 3], [-1, 0], [0.8, 0.6])]  # dear: main path only
 
 
 def test_a_request_whose_trees_are_accepted_keeps_more_nodes_than_one_whose_trees_fail():
@@ -475,7 +480,7 @@ def test_a_request_whose_trees_are_accepted_keeps_more_nodes_than_one_whose_tree
     for _ in range(10):
         budget.observe_tree(tree, list(range(4)), "good")  # four of sum(p) = 1.43 accepted
         budget.observe_tree(tree, [], "poor")  # none
-    good, poor, new = budget.choose([tree, tree, tree], ["good", "poor", "new"])
+    good, poor, new = budget.choose([tree, tree, tree], ["good", "poor", "new"]).trees
     assert len(good) > len(new) > len(poor)
     assert budget.calibration("good") > budget.calibration() > budget.calibration("poor")
     budget.forget("good")
@@ -491,7 +496,7 @@ def test_a_requests_record_fades_back_to_the_engines_while_it_is_not_verified():
         budget.observe_tree(tree, [0, 1], "good")
     before = budget.calibration("poor")
     for _ in range(40):
-        budget.choose([DraftTree()], ["poor"])
+        budget.choose([DraftTree()], ["poor"]).trees
     assert before < budget.calibration("poor") == pytest.approx(budget.calibration(), rel=1e-2)
 
 
@@ -508,9 +513,9 @@ def test_a_hybrid_model_that_pays_against_no_drafting_but_not_against_retrieval_
         tree = DraftTree.chain([1, 2, 3])
         tree.q = [0.9, 0.9, 0.9]  # p: .9 .81 .73, all worth their rows
         for step in range(8):
-            if not budget.drafts():
+            if not budget.begin_step().drafts:
                 return step
-            chosen = budget.choose([tree] * 8, fallback=[tree] * 8 if fallback else None, fallback_budget=trie)
+            chosen = budget.choose([tree] * 8, fallback=[tree] * 8 if fallback else None, fallback_budget=trie).trees
             assert chosen == [tree] * 8
             _verify(budget, chosen, accepted=2)
         return 8
@@ -572,11 +577,11 @@ def test_nodes_below_the_floor_are_never_kept(fitted):
             b.observe_drafting(requests, per_request * requests)
         floored = [t.subset([i for i, p in enumerate(t.path_probabilities()) if p >= floor]) for t in trees]
         cut += sum(len(t) - len(f) for t, f in zip(trees, floored))
-        whole = copy.deepcopy(budget).choose(trees, ids, plain=plain)
-        assert budget.choose(floored, ids, plain=plain) == whole
+        whole = copy.deepcopy(budget).choose(trees, ids, plain=plain, floor=floor).trees
+        assert budget.choose(floored, ids, plain=plain, floor=floor).trees == whole
         assert all(p >= floor for tree in whole for p in tree.path_probabilities())
         if steady:
-            assert never_floored.choose(trees, ids, plain=plain) == whole
+            assert never_floored.choose(trees, ids, plain=plain).trees == whole
     assert cut > 100, cut
 
 
@@ -598,9 +603,10 @@ def test_a_step_verifies_at_most_twice_the_rows_the_fit_has_measured():
         tree.q = [0.999 - 0.0002 * r] * 32
         trees.append(tree)
     budget.observe_drafting(64, 0.001)
-    kept = [len(t) for t in budget.choose(trees)]
+    choice = budget.choose(trees)
+    kept = [len(t) for t in choice.trees]
     room = 2 * budget.fit.max_rows - 64
-    assert sum(kept) == max(room, 32) and budget.trust_cut
+    assert sum(kept) == max(room, 32) and choice.trust_cut
     p = [t.path_probabilities() for t in trees]
     worst_kept = min(q for ps, k in zip(p, kept) for q in ps[:k])
     best_left = max(q for ps, k in zip(p, kept) for q in ps[k:])
@@ -609,8 +615,9 @@ def test_a_step_verifies_at_most_twice_the_rows_the_fit_has_measured():
     for _ in range(6):  # each step measured at the limit doubles it
         rows = 64 + sum(kept)
         budget.fit.observe(rows, 0.05 + 1e-5 * rows, 0, 64, 0)
-        kept = [len(t) for t in budget.choose(trees)]
+        choice = budget.choose(trees)
+        kept = [len(t) for t in choice.trees]
         limits.append(64 + sum(kept))
     assert limits[:2] == [2 * (64 + max(room, 32)), 4 * (64 + max(room, 32))]
     assert limits[-1] == 64 * 33, "every node, once the fit has seen steps that large"
-    assert not budget.trust_cut
+    assert not choice.trust_cut

@@ -80,16 +80,17 @@ def test_while_the_budget_pauses_the_model_the_retrieval_trie_still_drafts():
 
     from test_policies import proposer_for
     from vllm_adaptive_spec.config import TreeConfig
+    from vllm_adaptive_spec.pause_control import StepDecision
 
     # No backend bound: a model pass would fail.
     proposer = proposer_for(TreeConfig("hybrid", "dynatree", 8, {"l_max": 2, "evidence_prior": 0.0}, {"window": 1}))
     budget = proposer.load_budget
-    budget._paused, budget._window_steps = 3, 2
-    assert not proposer.drafting_this_step()
+    budget.pauses._paused, budget.pauses._window_steps = 3, 2
+    assert not proposer.begin_step().drafts
     tokens = np.array([[5, 6, 4, 4, 4, 0, 5, 6], [1, 2, 3, 7, 8, 9, 0, 11]])
-    drafts = proposer.propose_trees(["a", "b"], [[6], [11]], np.array([8, 8]), tokens, [True, True], drafting=False)
+    drafts = proposer.propose_trees(["a", "b"], [[6], [11]], np.array([8, 8]), tokens, [True, True], StepDecision(drafts=False))
     assert drafts[0][:3] == [4, 4, 4] and drafts[1] == []  # a's context repeats, b's does not
-    assert (budget._paused, budget._window_steps, budget.drafted_requests) == (2, 2, 0.0)
+    assert (budget.pauses._paused, budget.pauses._window_steps, budget.drafted_requests) == (2, 2, 0.0)
     proposer.observe(["a"], [proposer.trees["a"]], [[0, 1, 2]])
     assert "a" not in proposer.policy._history
     assert proposer.stats.as_dict()["draft_passes"] == 0
@@ -103,25 +104,26 @@ def test_the_retrieval_trie_has_a_budget_of_its_own():
 
     from test_policies import proposer_for
     from vllm_adaptive_spec.config import TreeConfig
+    from vllm_adaptive_spec.pause_control import StepDecision
 
     proposer = proposer_for(TreeConfig("hybrid", "dynatree", 8, {"l_max": 2, "evidence_prior": 0.0}, {"window": 1}))
     model, trie = proposer.load_budget, proposer.paused_budget
     assert trie is not None and trie is not model
-    assert model.realized and not trie.realized  # the model's windows on committed tokens, the trie's on expected
+    assert model.pauses.realized and not trie.pauses.realized  # the model's windows on committed tokens, the trie's on expected
     proposer.observe_step(10, 0.05, 0)  # one step, one fit: both budgets read the same step costs
     assert model.fit is trie.fit and model.fit.steps_seen == 1
-    model._paused = 3
+    model.pauses._paused = 3
     tokens = np.array([[5, 6, 4, 4, 4, 0, 5, 6], [1, 2, 3, 7, 8, 9, 0, 11]])
-    assert not proposer.drafting_this_step()
-    drafts = proposer.propose_trees(["a", "b"], [[6], [11]], np.array([8, 8]), tokens, [True, True], drafting=False)
+    assert not proposer.begin_step().drafts
+    drafts = proposer.propose_trees(["a", "b"], [[6], [11]], np.array([8, 8]), tokens, [True, True], StepDecision(drafts=False))
     assert drafts[0][:3] == [4, 4, 4]
     assert trie.drafted_requests == 2.0 and model.drafted_requests == 0.0
     proposer.observe(["a"], [proposer.trees["a"]], [[0, 1, 2]])
-    assert "a" in trie._requests and "a" not in model._requests
-    trie._paused = 2
-    assert not proposer.drafting_this_step()
-    drafts = proposer.propose_trees(["a", "b"], [[6], [11]], np.array([8, 8]), tokens, [True, True], drafting=False)
-    assert drafts == [[], []] and trie._paused == 1
+    assert "a" in trie.calibrated._requests and "a" not in model.calibrated._requests
+    trie.pauses._paused = 2
+    assert not proposer.begin_step().drafts
+    drafts = proposer.propose_trees(["a", "b"], [[6], [11]], np.array([8, 8]), tokens, [True, True], StepDecision(drafts=False))
+    assert drafts == [[], []] and trie.pauses._paused == 1
 
 
 def test_uniform_steps_give_both_budgets_the_width_choice_over_one_cost_table():
@@ -130,6 +132,7 @@ def test_uniform_steps_give_both_budgets_the_width_choice_over_one_cost_table():
     row count feed it), and still share one step-cost fit."""
     from test_policies import proposer_for
     from vllm_adaptive_spec.config import TreeConfig
+    from vllm_adaptive_spec.pause_control import StepDecision
     from vllm_adaptive_spec.width_budget import WidthBudget
 
     proposer = proposer_for(TreeConfig("hybrid", "dynatree", 8, {"l_max": 2, "evidence_prior": 0.0}, {"window": 1}))
@@ -137,7 +140,7 @@ def test_uniform_steps_give_both_budgets_the_width_choice_over_one_cost_table():
     model, trie = proposer.load_budget, proposer.paused_budget
     assert isinstance(model, WidthBudget) and isinstance(trie, WidthBudget)
     assert model.table is trie.table is proposer.cost_table and model.fit is trie.fit
-    assert model.realized and not trie.realized
+    assert model.pauses.realized and not trie.pauses.realized
     proposer.observe_step(3 * 5, 0.02, 0, uniform_rows=5)  # 3 requests of 5 rows: the graph of 4
     proposer.observe_step(20, 0.03, 12)  # prompt chunks: not a step shape of the table
     assert proposer.cost_table.measured(4, 5) == 0.02 and model.fit.steps_seen == 2

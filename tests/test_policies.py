@@ -320,7 +320,7 @@ def test_a_model_drafters_first_pass_counts_as_drafting_cost():
     the drafting cost, or a drafter looks cheaper than it is and keeps
     drafting where it loses."""
     proposer = proposer_for(TreeConfig("retrieval", "retrieval", 8, load_budget="adaptive"))
-    assert not proposer.load_budget.realized  # a retrieval drafter's windows are judged on the expectation
+    assert not proposer.load_budget.pauses.realized  # a retrieval drafter's windows are judged on the expectation
     tokens = np.array([[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3, 1, 2, 3, 1, 2]])
     proposer.propose_trees(["a", "b"], [[6], [2]], np.array([8, 8]), tokens, [True, True], first_pass_seconds=0.5)
     assert 0.25 <= proposer.load_budget.draft_cost() < 0.3  # half a second over two drafting requests, plus growth

@@ -67,21 +67,21 @@ def test_within_the_width_padding_is_free_so_unlikely_nodes_are_kept():
     budget = measured_budget({1: 0.010, 3: 0.0101, 5: 0.0102, 9: 0.0104, 17: 0.030})
     trees = [chain([0.9] * 4 + [0.2] * 8)] * 8
     budget.observe_drafting(8, 0.001)
-    assert [len(tree) for tree in budget.choose(trees, plain=0)] == [8] * 8
+    assert [len(tree) for tree in budget.choose(trees, plain=0).trees] == [8] * 8
     # The linear model over the same steps would keep few of them: a row there costs its share of the step.
     linear = LoadBudget(16, half_life=1e9)
     for rows, seconds in itertools.islice(itertools.cycle([(8, 0.010), (24, 0.0101), (40, 0.0102), (72, 0.0104),
                                                            (136, 0.030)]), 40):
         linear.fit.observe(rows, seconds)
     linear.observe_drafting(8, 0.001)
-    assert sum(len(tree) for tree in linear.choose(trees)) < 64
+    assert sum(len(tree) for tree in linear.choose(trees).trees) < 64
 
 
 def test_until_the_draft_free_step_is_measured_the_linear_budget_chooses():
     budget = WidthBudget(16, WIDTHS, StepCostTable(), half_life=1e9)
     reference = LoadBudget(16, half_life=1e9)
     trees = [chain([0.9, 0.5, 0.2])] * 4
-    assert budget.choose(trees) == reference.choose(trees)
+    assert budget.choose(trees).trees == reference.choose(trees).trees
 
 
 def test_no_node_below_the_floor_is_kept():
@@ -92,7 +92,7 @@ def test_no_node_below_the_floor_is_kept():
     assert floor > 0
     trees = [chain([0.9, floor / 2, 0.9])] * 8
     budget.observe_drafting(8, 0.001)
-    assert [len(tree) for tree in budget.choose(trees)] == [1] * 8
+    assert [len(tree) for tree in budget.choose(trees, floor=floor).trees] == [1] * 8
 
 
 def test_trees_that_never_pay_their_width_pause_drafting():
@@ -103,8 +103,8 @@ def test_trees_that_never_pay_their_width_pause_drafting():
     weak = [chain([0.2] * 3)] * 8
     drafted = []
     for _ in range(200):
-        drafted.append(budget.drafts())
+        drafted.append(budget.begin_step().drafts)
         if drafted[-1]:
             budget.observe_drafting(8, 0.004)
-            assert budget.choose(weak) == [DraftTree()] * 8
+            assert budget.choose(weak).trees == [DraftTree()] * 8
     assert sum(drafted[-100:]) <= 2

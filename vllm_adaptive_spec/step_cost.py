@@ -25,9 +25,22 @@ without trees.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 COLUMNS = 5  # 1, decode rows, prompt tokens, trees, branching trees
+
+
+class Fit(NamedTuple):
+    """The fitted step cost, seconds: fixed, per decode row, per prompt-chunk
+    token, per verified tree beyond its rows, per branching tree beyond a chain."""
+
+    alpha: float
+    beta: float
+    gamma: float
+    eta: float
+    xi: float
 
 
 class StepCostFit:
@@ -39,7 +52,7 @@ class StepCostFit:
         self.moment = np.zeros(COLUMNS)
         self.steps_seen = 0
         self.max_rows = 0  # the most decode rows of any measured step
-        self._solution: list[float] | None = None
+        self._solution: Fit | None = None
         self._solved_at = -1
 
     def observe(
@@ -65,8 +78,8 @@ class StepCostFit:
             return float("inf")
         return max(self.gram[3, 3] / weight - mean * mean, 0.0) / (mean * mean)
 
-    def solve(self) -> list[float] | None:
-        """``[alpha, beta, gamma, eta, xi]`` (each >= 0, ``alpha + beta > 0``),
+    def solve(self) -> Fit | None:
+        """The :class:`Fit` (each term >= 0, ``alpha + beta > 0``),
         or None before ``MIN_STEPS`` steps or when degenerate; a column never seen is left
         out (gamma then equals beta, eta and xi are 0), as are the trees and
         branching columns when they cannot be told apart from the others."""
@@ -75,7 +88,7 @@ class StepCostFit:
             self._solved_at = self.steps_seen
         return self._solution
 
-    def _solve(self) -> list[float] | None:
+    def _solve(self) -> Fit | None:
         if self.steps_seen < self.MIN_STEPS:
             return None
         seen = self.gram.diagonal() > 1e-9 * max(self.gram[0, 0], 1.0)
@@ -89,7 +102,7 @@ class StepCostFit:
             values = dict(zip(used, np.linalg.solve(gram, self.moment[used])))
             alpha, beta = max(values[0], 0.0), max(values[1], 0.0)
             if alpha + beta > 0.0:  # else no step would cost anything: not a usable fit
-                return [alpha, beta, max(values.get(2, beta), 0.0), *(max(values.get(c, 0.0), 0.0) for c in (3, 4))]
+                return Fit(alpha, beta, max(values.get(2, beta), 0.0), *(max(values.get(c, 0.0), 0.0) for c in (3, 4)))
         return None
 
     def mean_step(self) -> float | None:
@@ -101,14 +114,14 @@ class StepCostFit:
     def cost(self) -> tuple[float, float, float] | None:
         """``(alpha, beta, gamma)``, or None while unknown."""
         solution = self.solve()
-        return None if solution is None else tuple(solution[:3])
+        return None if solution is None else (solution.alpha, solution.beta, solution.gamma)
 
     def tree_cost(self) -> float:
         """``eta``: seconds a verified tree costs beyond its rows (0 until known)."""
         solution = self.solve()
-        return 0.0 if solution is None else solution[3]
+        return 0.0 if solution is None else solution.eta
 
     def branch_cost(self) -> float:
         """``xi``: seconds a branching tree costs beyond a chain of its rows (0 until known)."""
         solution = self.solve()
-        return 0.0 if solution is None else solution[4]
+        return 0.0 if solution is None else solution.xi

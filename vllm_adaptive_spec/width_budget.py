@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from vllm_adaptive_spec.budget import LoadBudget
+from vllm_adaptive_spec.budget import Choice, LoadBudget
 from vllm_adaptive_spec.step_cost import StepCostFit
 from vllm_adaptive_spec.step_cost_table import StepCostTable
 from vllm_adaptive_spec.tree import DraftTree
@@ -62,13 +62,14 @@ class WidthBudget(LoadBudget):
     def choose(
         self, trees: list[DraftTree], request_ids: list[str] | None = None,
         fallback: list[DraftTree] | None = None, plain: int = 0, fallback_budget: LoadBudget | None = None,
-    ) -> list[DraftTree]:
+        floor: float = 0.0,
+    ) -> Choice:
         """Each tree's best :func:`best_width` nodes (arguments as
         :meth:`LoadBudget.choose`; ``fallback`` is judged at its own best width)."""
         batch = len(trees) + plain
         if self.table.cost(batch, 1) is None:
-            return super().choose(trees, request_ids, fallback, plain, fallback_budget)
-        trees, ids, rhos = self._calibrated(trees, request_ids)
+            return super().choose(trees, request_ids, fallback, plain, fallback_budget, floor)
+        trees, ids, rhos = self._calibrated(trees, request_ids, floor)
         p_hat = self.expected(trees, rhos)
 
         def cost(rows: int) -> float | None:
@@ -84,6 +85,5 @@ class WidthBudget(LoadBudget):
         delta = self.draft_cost()
         seconds = (cost(1 + width) if width else plain_seconds) + delta * len(trees)
         gain = batch + sum(float(v[:width].sum()) for v in p_hat)
-        self.trust_cut = False
-        self._account(gain / seconds if trees and delta > 0.0 else None, without, batch, seconds, plain_seconds)
-        return [tree.keep_best(width) for tree in trees]
+        self.pauses.judge(gain / seconds if trees and delta > 0.0 else None, without, batch, seconds, plain_seconds)
+        return Choice([tree.keep_best(width) for tree in trees], trust_cut=False)

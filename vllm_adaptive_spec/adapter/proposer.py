@@ -18,6 +18,7 @@ import torch
 from vllm_adaptive_spec.adapter.config_hook import tree_config_of
 from vllm_adaptive_spec.budget import LoadBudget
 from vllm_adaptive_spec.growth import grow
+from vllm_adaptive_spec.pause_control import StepDecision
 from vllm_adaptive_spec.step_cost import StepCostFit
 from vllm_adaptive_spec.step_cost_table import StepCostTable
 from vllm_adaptive_spec.step_widths import uniform_drafts
@@ -209,16 +210,11 @@ class TreeProposer:
         if self.cost_table is not None and uniform_rows:
             self.cost_table.observe(step_tokens // uniform_rows, uniform_rows, step_seconds)
 
-    def drafting_this_step(self) -> bool:
-        """Whether this step drafts at all (the load budget may pause it); asked
-        once per step, before any draft pass."""
-        return self.load_budget is None or self.load_budget.drafts()
-
-    def probe_requests(self) -> int | None:
-        """How many requests this drafting step may draft for: the load
-        budget's :meth:`~vllm_adaptive_spec.budget.LoadBudget.draft_limit`
-        (on a probe, and until drafting has paid over a window), else None (all)."""
-        return None if self.load_budget is None else self.load_budget.draft_limit()
+    def begin_step(self) -> StepDecision:
+        """What this step does: whether it drafts at all (the load budget may
+        pause it) and for how many requests; asked once per step, before any
+        draft pass, and handed to :meth:`propose_trees`."""
+        return StepDecision(drafts=True) if self.load_budget is None else self.load_budget.begin_step()
 
     def _paused_part_trees(self, request_ids: list[str], budgets: list[int]) -> list[DraftTree] | None:
         """What the drafter's paused part would draft for these requests this
@@ -236,66 +232,39 @@ class TreeProposer:
         num_tokens: np.ndarray,
         token_ids: np.ndarray,
         eligible: list[bool],
-        drafting: bool = True,
+        decision: StepDecision = StepDecision(drafts=True),
         prompt_lens: np.ndarray | None = None,
         sampled_pending: bool = False,
         first_pass_seconds: float = 0.0,
     ) -> list[list[int]]:
         """One tree of at most ``N`` nodes per request (empty when it may not
-        draft, or when ``drafting`` is False and the drafter has no part that
-        drafts without a model pass), cut by the load budget when it
-        is on; returns each tree's tokens, breadth-first,
-        as vLLM's draft token ids. ``prompt_lens``: each request's prompt
-        length, where a drafter's shared datastore keeps outputs only.
-        ``sampled_pending``: ``token_ids`` does not hold this step's sampled
-        tokens yet (model drafters run before vLLM's bookkeeping), so each
-        context is its committed tokens followed by them.
-        ``first_pass_seconds``: a model drafter's pass over this step's
-        committed tokens, run before this call; part of the drafting cost."""
-        budgets, active, contexts = [], [], []
-        self.stats.proposals += 1
-        control = not drafting and self.load_budget is not None and self.load_budget.control
-        self.stats.paused += not drafting
-        self.stats.controls += control
-        self.stats.probes += drafting and self.load_budget is not None and self.load_budget.probing
+        draft, or when the step's ``decision`` (:meth:`begin_step`) does not
+        draft and the drafter has no part that drafts without a model pass),
+        cut by the load budget when it is on; returns each tree's tokens,
+        breadth-first, as vLLM's draft token ids. ``prompt_lens``: each
+        request's prompt length, where a drafter's shared datastore keeps
+        outputs only. ``sampled_pending``: ``token_ids`` does not hold this
+        step's sampled tokens yet (model drafters run before vLLM's
+        bookkeeping), so each context is its committed tokens followed by
+        them. ``first_pass_seconds``: a model drafter's pass over this
+        step's committed tokens, run before this call; part of the drafting cost."""
+        drafting = decision.drafts
+        self._count(decision)
         drafter, policy = (self.drafter, self.policy) if drafting else self._paused_part
-        if not drafting and (control or (self.paused_budget is not None and not self.paused_budget.drafts())):
+        if not drafting and (decision.control or (self.paused_budget is not None
+                                                  and not self.paused_budget.begin_step().drafts)):
             drafter = None
         self._from_paused_part.clear()
-        for i, request_id in enumerate(request_ids):
-            length = int(num_tokens[i])
-            budget = min(self.config.budget, self.max_model_len - length - 1)
-            if drafter is None or not sampled_token_ids[i] or not eligible[i] or budget <= 0:
-                self.trees.pop(request_id, None)
-                continue
-            active.append(i)
-            budgets.append(budget)
-            if sampled_pending:
-                sampled = sampled_token_ids[i]
-                contexts.append(np.concatenate([token_ids[i, : length - len(sampled)], sampled]))
-            else:
-                contexts.append(token_ids[i, :length])
+        active, budgets, contexts = self._drafting_requests(
+            request_ids, sampled_token_ids, num_tokens, token_ids, eligible, sampled_pending, drafter is not None)
         drafts: list[list[int]] = [[] for _ in request_ids]
         if not active:
             return drafts
-        started = time.perf_counter()
-        lens = None if prompt_lens is None else [int(prompt_lens[i]) for i in active]
         active_ids = [request_ids[i] for i in active]
-        drafter.prepare(active_ids, contexts, active, lens)
-        policy.begin(active_ids)
-        budget = self.load_budget if drafting else self.paused_budget
         plain = sum(1 for sampled in sampled_token_ids if sampled) - len(active)
-        floor = 0.0 if budget is None else budget.floor(len(active), plain)
-        trees, stats = grow(drafter, policy, torch.tensor(budgets), drafter.max_depth, floor)
-        if getattr(drafter, "is_model", False):
-            self.stats.draft_passes += stats.draft_passes
-        if budget is not None:
-            budget.observe_drafting(len(active), self.agree(first_pass_seconds + time.perf_counter() - started))
-            fallback = self._paused_part_trees(active_ids, budgets) if drafting else None
-            trees = budget.choose(
-                trees, active_ids, fallback=fallback, plain=plain, fallback_budget=self.paused_budget
-            )
-            self.stats.trust_cuts += budget.trust_cut
+        lens = None if prompt_lens is None else [int(prompt_lens[i]) for i in active]
+        trees = self._grown(drafter, policy, drafting, active, active_ids, contexts, budgets, lens, plain,
+                            first_pass_seconds)
         if not drafting:
             self._from_paused_part.update(active_ids)
             self.stats.paused_trees += sum(1 for tree in trees if len(tree))
@@ -309,3 +278,50 @@ class TreeProposer:
             return drafts
         return uniform_drafts(drafts, [bool(sampled) for sampled in sampled_token_ids], self.widths,
                               self.max_step_tokens)
+
+    def _count(self, decision: StepDecision) -> None:
+        self.stats.proposals += 1
+        self.stats.paused += not decision.drafts
+        self.stats.controls += decision.control
+        self.stats.probes += decision.probing
+
+    def _drafting_requests(self, request_ids, sampled_token_ids, num_tokens, token_ids, eligible,
+                           sampled_pending: bool, any_drafter: bool) -> tuple[list[int], list[int], list]:
+        """The batch rows that draft this step, their node budgets and
+        contexts; the others' kept trees are dropped."""
+        active, budgets, contexts = [], [], []
+        for i, request_id in enumerate(request_ids):
+            length = int(num_tokens[i])
+            budget = min(self.config.budget, self.max_model_len - length - 1)
+            if not any_drafter or not sampled_token_ids[i] or not eligible[i] or budget <= 0:
+                self.trees.pop(request_id, None)
+                continue
+            active.append(i)
+            budgets.append(budget)
+            if sampled_pending:
+                sampled = sampled_token_ids[i]
+                contexts.append(np.concatenate([token_ids[i, : length - len(sampled)], sampled]))
+            else:
+                contexts.append(token_ids[i, :length])
+        return active, budgets, contexts
+
+    def _grown(self, drafter, policy, drafting: bool, active, active_ids, contexts, budgets, lens, plain: int,
+               first_pass_seconds: float) -> list[DraftTree]:
+        """The drafting requests' trees, grown within the load budget's floor
+        and cut by its choice (where it is on)."""
+        started = time.perf_counter()
+        drafter.prepare(active_ids, contexts, active, lens)
+        policy.begin(active_ids)
+        budget = self.load_budget if drafting else self.paused_budget
+        floor = 0.0 if budget is None else budget.floor(len(active), plain)
+        trees, stats = grow(drafter, policy, torch.tensor(budgets), drafter.max_depth, floor)
+        if getattr(drafter, "is_model", False):
+            self.stats.draft_passes += stats.draft_passes
+        if budget is None:
+            return trees
+        budget.observe_drafting(len(active), self.agree(first_pass_seconds + time.perf_counter() - started))
+        fallback = self._paused_part_trees(active_ids, budgets) if drafting else None
+        choice = budget.choose(trees, active_ids, fallback=fallback, plain=plain, fallback_budget=self.paused_budget,
+                               floor=floor)
+        self.stats.trust_cuts += choice.trust_cut
+        return choice.trees

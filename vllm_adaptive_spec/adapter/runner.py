@@ -346,11 +346,12 @@ class TreeRunnerMixin:
                                         other_tokens,
                                         sum(1 for d in drafts if d and not placeholder_drafts(d)), self._branching_trees,
                                         uniform)
-        drafting = self.tree_proposer.drafting_this_step()
+        decision = self.tree_proposer.begin_step()
+        drafting = decision.drafts
         first_pass_seconds = 0.0
         probe_rows = None
         if self._draft_backend is not None:
-            probe = self.tree_proposer.probe_requests() if drafting else None
+            probe = decision.limit if drafting else None
             probe_rows = None if probe is None else self._draft_backend.least_behind(probe)
             started = time.perf_counter()
             own_share = self._draft_backend.first_pass(
@@ -366,7 +367,7 @@ class TreeRunnerMixin:
             for i, r in enumerate(req_ids)
         ]
         return self.tree_proposer.propose_trees(
-            req_ids, sampled_token_ids, num_tokens, batch.token_ids_cpu, eligible, drafting,
+            req_ids, sampled_token_ids, num_tokens, batch.token_ids_cpu, eligible, decision,
             batch.num_prompt_tokens, sampled_pending, first_pass_seconds,
         )
 
