@@ -42,6 +42,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from kernels.draft_distribution import DraftDistribution, draft_distribution
 from vllm_adaptive_spec.adapter import step as tree_step
+from vllm_adaptive_spec.draft_layer import TreeState, empty_state, lay_out_layer
 
 
 class _Committed(NamedTuple):
@@ -108,22 +109,18 @@ class StepRoots(NamedTuple):
 
 @dataclass
 class TreeScratch:
-    """One step's trees as the draft model grows them, ``[B]`` or ``[B, N]``
-    per drafting request (batch rows ``rows``): the ``roots``' draft
-    distributions, each request's committed draft ``context`` length ``C``
-    and root position, how many nodes it may still feed (``capacity``, its
-    KV scratch) and has fed (``count``), its nodes' ``depth`` and
-    ``ancestors`` (ancestor-or-self), and an EAGLE-3 head's hidden states
-    (``hidden`` per node, ``root_hidden`` per request)."""
+    """One step's trees as the draft model grows them, per drafting request
+    (batch rows ``rows``): the ``roots``' draft distributions, each
+    request's committed draft ``context`` length ``C`` and root position,
+    the trees' ``state`` (``draft_layer.TreeState``: nodes fed, room,
+    depths, ancestor sets), and an EAGLE-3 head's hidden states (``hidden``
+    per node, its last column the spill; ``root_hidden`` per request)."""
 
     roots: DraftDistribution
     rows: torch.Tensor
     context: torch.Tensor
     root_position: torch.Tensor
-    capacity: torch.Tensor
-    count: torch.Tensor
-    depth: torch.Tensor
-    ancestors: torch.Tensor
+    state: TreeState
     block_table: torch.Tensor | None
     hidden: torch.Tensor | None = None
     root_hidden: torch.Tensor | None = None
@@ -300,56 +297,50 @@ class PagedDraftBackend:
             rows=torch.tensor(rows, dtype=torch.long),
             context=committed,
             root_position=torch.tensor([context.get(i, (0, 0))[1] for i in rows], dtype=torch.long),
-            capacity=torch.where(ready, room.clamp(0, self.max_nodes), 0),
-            count=torch.zeros(batch, dtype=torch.long),
-            depth=torch.zeros(batch, self.max_nodes, dtype=torch.long),
-            ancestors=torch.zeros(batch, self.max_nodes, self.max_nodes, dtype=torch.bool),
+            state=empty_state(torch.where(ready, room.clamp(0, self.max_nodes), 0), self.max_nodes),
             block_table=None if roots is None else roots.block_table,
         )
 
     def feed(self, scratch: TreeScratch, live: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor):
         """Run the draft model on the live frontier nodes; their node ids
-        (-1: not fed) and draft distributions, ``[B, F, top_k]``."""
-        rank = live.long().cumsum(1) - 1
-        ids = scratch.count.unsqueeze(1) + rank
-        fed = live & (ids < scratch.capacity.unsqueeze(1))
-        ids = torch.where(fed, ids, -1)
-        scratch.count += fed.sum(1)
-        b_idx, f_idx = fed.nonzero(as_tuple=True)
-        out = _empty_distribution(live.shape, self.top_k)
-        if b_idx.numel() == 0:
-            return ids, out
-        node = ids[b_idx, f_idx]
-        parent = parents[b_idx, f_idx]
-        has_parent = parent >= 0
-        safe_parent = parent.clamp(min=0)
-        depth = torch.where(has_parent, scratch.depth[b_idx, safe_parent] + 1, 1)
-        scratch.depth[b_idx, node] = depth
-        lineage = scratch.ancestors[b_idx, safe_parent] & has_parent.unsqueeze(1)
-        lineage[torch.arange(node.shape[0]), node] = True
-        scratch.ancestors[b_idx, node] = lineage
+        (-1: not fed) and draft distributions, ``[B, F, top_k]``. The
+        layer's layout is ``draft_layer.lay_out_layer``'s; the forward takes
+        the fed rows only (on the CPU a padded row costs a row)."""
 
-        requests = fed.any(1).nonzero(as_tuple=True)[0]
-        per_request = fed.sum(1)[requests].to(torch.int32)
+        def kv_slots(positions: torch.Tensor) -> torch.Tensor:
+            if scratch.block_table is None:  # no first pass this step: no room, nothing fed
+                return torch.full_like(positions, -1)
+            batch_rows = scratch.rows.unsqueeze(1).expand_as(positions)
+            return self._slots(scratch.block_table, batch_rows, positions).to(positions.device)
+
+        scratch.state, rows = lay_out_layer(scratch.state, live, parents, scratch.root_position, scratch.context,
+                                            kv_slots)
+        out = _empty_distribution(live.shape, self.top_k)
+        b_idx, f_idx = rows.fed.nonzero(as_tuple=True)  # the layer's one read: the rows the forward takes
+        if b_idx.numel() == 0:
+            return rows.node, out
+        node = rows.node[b_idx, f_idx]
+        requests = rows.fed.any(1).nonzero(as_tuple=True)[0]
+        per_request = rows.fed.sum(1)[requests].to(torch.int32)
         starts = torch.zeros(requests.shape[0] + 1, dtype=torch.int32)
         starts[1:] = per_request.cumsum(0)
-        window = scratch.count[requests]
-        positions = scratch.root_position[b_idx] + depth
-        slots = self._slots(scratch.block_table, scratch.rows[b_idx], scratch.context[b_idx] + node)
+        window = scratch.state.count[requests]
         seq_lens = (scratch.context[requests] + window).to(torch.int32)
         hidden = None
         if scratch.hidden is not None:
-            on_device = has_parent.unsqueeze(1).to(scratch.hidden.device)
-            hidden = torch.where(on_device, scratch.hidden[b_idx, safe_parent], scratch.root_hidden[b_idx])
-        mask = scratch.ancestors[b_idx, node, : int(window.max())]
+            on_device = rows.has_parent[b_idx, f_idx].unsqueeze(1).to(scratch.hidden.device)
+            parent_hidden = scratch.hidden[b_idx, rows.parent_slot[b_idx, f_idx]]
+            hidden = torch.where(on_device, parent_hidden, scratch.root_hidden[b_idx])
+        mask = rows.visible[b_idx, f_idx, : int(window.max())]
         with tree_step.published(self._layer_step(requests, per_request, node, starts, mask, window)):
-            logits, out_hidden = self._run(tokens[b_idx, f_idx], positions, hidden, slots, starts, seq_lens,
+            logits, out_hidden = self._run(tokens[b_idx, f_idx], rows.position[b_idx, f_idx], hidden,
+                                           rows.slot[b_idx, f_idx], starts, seq_lens,
                                            scratch.block_table[scratch.rows[requests]])
         if scratch.hidden is not None:
             scratch.hidden[b_idx, node] = out_hidden
         for mine, theirs in zip(out, self._distribution(logits)):
             mine[b_idx, f_idx] = theirs.to(mine.device)
-        return ids, out
+        return rows.node, out
 
     def _layer_step(self, requests, per_request, node, starts, mask, window) -> tree_step.DraftStep | None:
         """The layer's rows for the tree path, or None where the layer is a

@@ -123,7 +123,7 @@ class HeadDraftBackend(PagedDraftBackend):
         if found:
             at, source = (torch.tensor(x, dtype=torch.long, device=roots.hidden.device) for x in zip(*found))
             scratch.root_hidden[at] = roots.hidden[source]
-        scratch.hidden = roots.hidden.new_zeros(len(rows), self.max_nodes, width)
+        scratch.hidden = roots.hidden.new_zeros(len(rows), self.max_nodes + 1, width)  # the last: the spill
         return scratch
 
     def _target_ids(self) -> torch.Tensor | None:

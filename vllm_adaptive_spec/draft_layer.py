@@ -1,0 +1,97 @@
+"""One tree layer of a model drafter, laid out at fixed capacity (issue 53,
+item 2): which frontier nodes are fed, their node ids, depths, ancestor
+sets, positions and draft-KV slots, as tensor operations over ``[B, F]``
+(``B`` trees, ``F`` frontier slots) with no value read back, so the layout
+of every layer can be traced whole and replayed from a graph.
+
+The trees' scratch has ``N`` node columns plus one spill column (index
+``N``): an unfed frontier slot writes its depth and ancestor row there, so
+every scatter has the same shape whatever the layer fed. Node ``j`` of a
+tree sits at position ``root + depth(j)`` and writes its draft KV at slot
+``C + j`` after the request's committed draft context ``C`` (the engine
+reserves those slots); an unfed slot's KV slot is ``-1`` (no write).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class TreeState(NamedTuple):
+    """The trees grown so far: nodes fed per tree ``count`` [B], the most
+    each may feed ``capacity`` [B] (its KV scratch), each node's ``depth``
+    [B, N + 1] and ancestor-or-self set ``ancestors`` [B, N + 1, N + 1]
+    (bool; the last column is the spill)."""
+
+    count: torch.Tensor
+    capacity: torch.Tensor
+    depth: torch.Tensor
+    ancestors: torch.Tensor
+
+
+class LayerRows(NamedTuple):
+    """One layer's frontier slots ``[B, F]``: whether each is ``fed``, its
+    node id ``node`` (``-1`` unfed), ``parent_slot`` (its parent's node id,
+    clamped to 0 for the root's children, see ``has_parent``), its
+    ``position``, its draft-KV ``slot`` (``-1`` unfed) and ``visible`` [B, F, N]:
+    the tree nodes it attends to (itself and its ancestors)."""
+
+    fed: torch.Tensor
+    node: torch.Tensor
+    parent_slot: torch.Tensor
+    has_parent: torch.Tensor
+    position: torch.Tensor
+    slot: torch.Tensor
+    visible: torch.Tensor
+
+
+def empty_state(capacity: torch.Tensor, max_nodes: int) -> TreeState:
+    """Trees with no node yet, ``capacity`` [B] nodes each at most."""
+    batch = capacity.shape[0]
+    return TreeState(
+        torch.zeros(batch, dtype=torch.long, device=capacity.device),
+        capacity,
+        torch.zeros(batch, max_nodes + 1, dtype=torch.long, device=capacity.device),
+        torch.zeros(batch, max_nodes + 1, max_nodes + 1, dtype=torch.bool, device=capacity.device),
+    )
+
+
+def lay_out_layer(state: TreeState, live: torch.Tensor, parents: torch.Tensor, root_position: torch.Tensor,
+                  context: torch.Tensor, kv_slots) -> tuple[TreeState, LayerRows]:
+    """Feed the ``live`` frontier slots [B, F] whose ``parents`` [B, F] are
+    node ids (``-1``: the root), in frontier order, while the tree has room:
+    the trees after the layer and the layer's rows. ``root_position`` and
+    ``context`` [B]: each request's root position and committed draft
+    context; ``kv_slots(positions [B, F]) -> [B, F]``: the cache slot of a
+    draft-KV position of each request."""
+    batch, width = live.shape
+    spill = state.depth.shape[1] - 1
+    rank = live.long().cumsum(1) - 1
+    ids = state.count.unsqueeze(1) + rank
+    fed = live & (ids < state.capacity.unsqueeze(1))
+    node = torch.where(fed, ids, spill)
+    has_parent = parents >= 0
+    parent_slot = parents.clamp(min=0)
+    depth = torch.where(has_parent, state.depth.gather(1, parent_slot) + 1, 1)
+    lineage = state.ancestors.gather(1, parent_slot.unsqueeze(-1).expand(batch, width, spill + 1))
+    itself = node.unsqueeze(-1) == torch.arange(spill + 1, device=node.device)  # one_hot would read the ids back
+    lineage = (lineage & has_parent.unsqueeze(-1)) | itself
+    after = TreeState(
+        state.count + fed.sum(1),
+        state.capacity,
+        state.depth.scatter(1, node, depth),
+        state.ancestors.scatter(1, node.unsqueeze(-1).expand(batch, width, spill + 1), lineage),
+    )
+    kv_position = context.unsqueeze(1) + torch.where(fed, ids, 0)
+    rows = LayerRows(
+        fed=fed,
+        node=torch.where(fed, ids, -1),
+        parent_slot=parent_slot,
+        has_parent=has_parent,
+        position=root_position.unsqueeze(1) + depth,
+        slot=torch.where(fed, kv_slots(kv_position), -1),
+        visible=lineage[..., :spill] & fed.unsqueeze(-1),
+    )
+    return after, rows
