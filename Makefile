@@ -23,5 +23,7 @@ suffix-decoding: env
 	@VENV=$(VENV) bash scripts/build_suffix_decoding.sh >/dev/null \
 		|| echo "warning: scripts/build_suffix_decoding.sh failed; the suffix method will not run" >&2
 
+# The throughput table's plot needs matplotlib (the [bench] extra), installed here if missing.
 bench: env suffix-decoding
-	@$(PY) benchmarks/throughput.py $(BENCH_ARGS)
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet --disable-pip-version-check matplotlib
+	@$(VENV)/bin/vllm-adaptive-spec bench throughput $(BENCH_ARGS)

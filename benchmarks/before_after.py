@@ -7,7 +7,7 @@ checkout), and each ``--spec`` config run twice, by the code of
 worktree add --detach ../before REV``), every engine up at once and taking
 turns (``benchmarks/engines.py``), so both sides see the same drift of the
 machine. Each engine runs its checkout's own
-``benchmarks/engines.py``, which puts that checkout first on ``sys.path``.
+``benchmarks/engines.py``, with that checkout first on ``PYTHONPATH``.
 
 Per batch size and config: the ratio to no speculation (median of the
 rounds, and each round's), tau, the plugin's counters and greedy equality
@@ -17,7 +17,7 @@ with no speculation. Outputs in ``--out``: ``before_after.json`` and
 Reproduce (the project's default config, the held-out prompts)::
 
     git worktree add --detach ../before HEAD~1
-    .venv/bin/python benchmarks/before_after.py --before ../before --after . \\
+    .venv/bin/vllm-adaptive-spec bench before-after --before ../before --after . \\
         --spec retrieval='{"method": "adaptive_tree", "num_speculative_tokens": 16, "tree": {"drafter": "retrieval"}}'
 """
 
@@ -26,13 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import engines  # noqa: E402
-import throughput  # noqa: E402
-from engines import REPO, fmt  # noqa: E402
+from benchmarks import engines
+from benchmarks import throughput
+from benchmarks.engines import REPO, fmt
 
 VLLM_METHODS = ("ngram", "suffix", "eagle3")
 

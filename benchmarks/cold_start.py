@@ -16,7 +16,7 @@ paused steps, probes). Outputs in ``--out``: ``cold_start.json`` and
 
 Reproduce (the hybrid with the project's EAGLE-3 head, 32 requests at once)::
 
-    .venv/bin/python benchmarks/cold_start.py --spec hybrid='{"method": "adaptive_tree",
+    .venv/bin/vllm-adaptive-spec bench cold-start --spec hybrid='{"method": "adaptive_tree",
         "num_speculative_tokens": 24, "model": "heads/smollm2-135m-eagle3", "tree": {"drafter": "hybrid"}}'
 """
 
@@ -29,10 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from before_after import parse_spec  # noqa: E402  (first: it puts benchmarks/ on sys.path, engines then the checkout before it)
-import engines  # noqa: E402
-from engines import REPO, fmt  # noqa: E402
+from benchmarks.before_after import parse_spec
+from benchmarks import engines
+from benchmarks.engines import REPO, fmt
 
 
 def count_new_shapes() -> set | None:

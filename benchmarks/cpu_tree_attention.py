@@ -15,24 +15,21 @@ path is also timed with every request in one group padded to the longest
 
 Reproduce (about a minute on 2 CPU cores; writes ``cpu_tree_attention.{json,md}``)::
 
-    .venv/bin/python benchmarks/cpu_tree_attention.py
+    .venv/bin/vllm-adaptive-spec bench cpu-tree-attention
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from vllm_adaptive_spec.adapter.attention_cpu import group_keys, paged_tree_attention, plan_pages  # noqa: E402
+from vllm_adaptive_spec.adapter.attention_cpu import group_keys, paged_tree_attention, plan_pages
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK = 3, 3, 64, 128
 SHAPES = "1x300x4,1x300x8,1x600x16,4x400x8,16x400x6,30x500x17+2000"

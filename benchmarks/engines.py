@@ -41,8 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-if sys.path[0] != str(REPO):  # the repository first: its packages, not an installed copy
-    sys.path.insert(0, str(REPO))
 
 HEAD = REPO / "heads" / "smollm2-135m-eagle3"
 # vLLM's n-gram drafter as the benchmarks compare against it (K = 4).
@@ -541,17 +539,22 @@ class Engine:
 
 def start_engine(job: dict, work: Path, label: str, env: dict | None = None, script: Path | None = None) -> Engine:
     """Start one engine job in a fresh process (``script --worker JOB``,
-    default this module; environment ``env``, default this process's)."""
+    default this module; environment ``env``, default this process's), the
+    script's checkout first on ``PYTHONPATH``: a worker runs its own
+    checkout's packages (``before_after.py`` runs two), not an installed copy."""
     job_path = work / f"{label}.job.json"
     log_path = work / f"{label}.log"
     result_path = work / f"{label}.result.json"
     result_path.unlink(missing_ok=True)
     job = {**job, "result_path": str(result_path), "label": label}
     job_path.write_text(json.dumps(job), encoding="utf-8")
+    script = script or Path(__file__).resolve()
+    env = dict(env if env is not None else os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(script.parent.parent), env.get("PYTHONPATH")]))
     with log_path.open("w", encoding="utf-8") as log:
         # Its own session, so a timeout can end the worker with the engine processes it spawned.
         proc = subprocess.Popen(
-            [sys.executable, str(script or Path(__file__).resolve()), "--worker", str(job_path)],
+            [sys.executable, str(script), "--worker", str(job_path)],
             stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True,
         )
     return Engine(proc, job, log_path, result_path, time.perf_counter())

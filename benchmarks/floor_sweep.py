@@ -45,17 +45,17 @@ group of 3 cells; in lockstep, about 15 minutes a group of 3 EAGLE-3 or
 retrieval cells and 12 a pair with a draft LM, so about 6.5 hours for the
 whole grid, best run as several invocations read back with ``--merge``)::
 
-    .venv/bin/python benchmarks/floor_sweep.py
-    .venv/bin/python benchmarks/floor_sweep.py --drafters eagle3 --policies talon,eagle2-D18 --budgets 32
-    .venv/bin/python benchmarks/floor_sweep.py --cells eagle3/talon/N32,hybrid/eagle2/N32,retrieval/retrieval/N16
-    .venv/bin/python benchmarks/floor_sweep.py --engine-layout lockstep --cells eagle3/talon/N32,eagle3/chain/N32
+    .venv/bin/vllm-adaptive-spec bench floor-sweep
+    .venv/bin/vllm-adaptive-spec bench floor-sweep --drafters eagle3 --policies talon,eagle2-D18 --budgets 32
+    .venv/bin/vllm-adaptive-spec bench floor-sweep --cells eagle3/talon/N32,hybrid/eagle2/N32,retrieval/retrieval/N16
+    .venv/bin/vllm-adaptive-spec bench floor-sweep --engine-layout lockstep --cells eagle3/talon/N32,eagle3/chain/N32
 
 A sweep run in several invocations (draft-LM groups one per invocation, see
 above) is read as one table and plot with ``--merge``: the runs' rows
 together, each group's control named after its run, refused where the runs'
 workloads differ::
 
-    .venv/bin/python benchmarks/floor_sweep.py --merge results/fs_a results/fs_b --out results/floor_sweep
+    .venv/bin/vllm-adaptive-spec bench floor-sweep --merge results/fs_a results/fs_b --out results/floor_sweep
 """
 
 from __future__ import annotations
@@ -64,15 +64,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import step_profile  # noqa: E402, I001
-import engines  # noqa: E402
-from engines import REPO, fmt  # noqa: E402
+from benchmarks import step_profile
+from benchmarks import engines
+from benchmarks.engines import REPO, fmt
 
 HELDOUT = REPO / "benchmarks" / "data" / "heldout_prompts.jsonl"
 FLOORS = {"retrieval": 0.97, "eagle3": 0.95, "draft_model": 0.95, "hybrid": 0.95}

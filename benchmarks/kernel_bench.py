@@ -34,7 +34,8 @@ otherwise); writes ``kernels.json`` and ``kernels.md`` in ``--out``.
 
 Reproduce on a GPU machine (only torch and triton needed, no vLLM)::
 
-    python3 benchmarks/kernel_bench.py --out /tmp/kernels
+    python3 -m benchmarks.kernel_bench --out /tmp/kernels   # from the repository root
+    .venv/bin/vllm-adaptive-spec bench kernels --out /tmp/kernels   # where the package is installed
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -50,16 +50,23 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from benchmarks.gpu_timing import bench, copy_bandwidth, graph_bench, require_cuda  # noqa: E402
-from kernels.kv_compaction import compact_kv_reference, compact_kv_triton  # noqa: E402
-from kernels.tree_attention import tree_attention_reference, tree_attention_triton  # noqa: E402
-from tests.kernels.test_tree_attention import random_tree_mask  # noqa: E402
+from benchmarks.gpu_timing import bench, copy_bandwidth, graph_bench, require_cuda
+from kernels.kv_compaction import compact_kv_reference, compact_kv_triton
+from kernels.tree_attention import tree_attention_reference, tree_attention_triton
+from vllm_adaptive_spec.tree import ROOT, TreeBatch
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 REFERENCE_MAX_KEYS = 1 << 18
+
+
+def random_tree_masks(gen: torch.Generator, batch: int, nodes: int) -> torch.Tensor:
+    """Ancestor-or-self masks of ``batch`` random breadth-first trees of ``nodes``."""
+    parents = torch.full((batch, nodes), ROOT, dtype=torch.long)
+    for node in range(1, nodes):  # breadth-first: a node's parent is at or after the previous node's
+        low = parents[:, node - 1].clamp(min=0)
+        parents[:, node] = low + (torch.rand(batch, generator=gen) * (node - low)).long()
+    return TreeBatch(torch.zeros_like(parents), parents, torch.full((batch,), nodes)).ancestor_mask()
 
 
 def attention_case(batch: int, context: int, nodes: int, seed: int = 0) -> dict:
@@ -68,7 +75,7 @@ def attention_case(batch: int, context: int, nodes: int, seed: int = 0) -> dict:
     seq_len = context + nodes
     blocks = -(-seq_len // BLOCK)
     table = torch.randperm(batch * blocks, generator=gen).view(batch, blocks).int()
-    masks = torch.stack([random_tree_mask(gen, nodes) for _ in range(batch)])
+    masks = random_tree_masks(gen, batch, nodes)
     dev = "cuda"
     return dict(
         query=torch.randn(batch * nodes, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16),

@@ -15,25 +15,23 @@ otherwise); writes ``policy_kernels.json`` and ``policy_kernels.md`` in ``--out`
 
 Reproduce on a GPU machine (only torch and triton needed, no vLLM)::
 
-    python3 benchmarks/policy_kernels.py --out /tmp/policy_kernels
+    python3 -m benchmarks.policy_kernels --out /tmp/policy_kernels   # from the repository root
+    .venv/bin/vllm-adaptive-spec bench policy-kernels --out /tmp/policy_kernels   # where the package is installed
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from benchmarks.gpu_timing import bench, copy_bandwidth, require_cuda  # noqa: E402
-from kernels.draft_distribution import draft_distribution_reference, draft_distribution_triton  # noqa: E402
-from kernels.tree_gating import (  # noqa: E402
+from benchmarks.gpu_timing import bench, copy_bandwidth, require_cuda
+from kernels.draft_distribution import draft_distribution_reference, draft_distribution_triton
+from kernels.tree_gating import (
     dynatree_gate_reference,
     dynatree_gate_triton,
     talon_gate_reference,

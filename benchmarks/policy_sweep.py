@@ -29,23 +29,21 @@ per method, per batch size and temperature).
 
 Reproduce (about 40 minutes on 2 CPU cores)::
 
-    .venv/bin/python benchmarks/policy_sweep.py
+    .venv/bin/vllm-adaptive-spec bench policy-sweep
     # a smaller run
-    .venv/bin/python benchmarks/policy_sweep.py --methods none,eagle2,talon-0.03,dynatree --temperatures 0
+    .venv/bin/vllm-adaptive-spec bench policy-sweep --methods none,eagle2,talon-0.03,dynatree --temperatures 0
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import engines  # noqa: E402
-from engines import REPO, fmt  # noqa: E402
+from benchmarks import engines
+from benchmarks.engines import REPO, fmt
 
 TREE_BUDGET = 60
 

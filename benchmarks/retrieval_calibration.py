@@ -36,12 +36,14 @@ one token per ``--step-ms``.
 
 Reproduce (about 3 minutes on 2 CPU cores, the first run generates the answers)::
 
-    .venv/bin/python benchmarks/retrieval_calibration.py --max-tokens 64
+    .venv/bin/vllm-adaptive-spec bench retrieval-calibration --max-tokens 64
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
+import importlib.util
 import json
 import sys
 from dataclasses import dataclass, field
@@ -50,15 +52,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import engines  # noqa: E402
-from engines import REPO  # noqa: E402
+from benchmarks import engines
+from benchmarks.engines import REPO
 
-from vllm_adaptive_spec.budget import LoadBudget  # noqa: E402
-from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter  # noqa: E402
-from vllm_adaptive_spec.growth import grow  # noqa: E402
-from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy  # noqa: E402
-from vllm_adaptive_spec.tree import ROOT, DraftTree  # noqa: E402
+from vllm_adaptive_spec.budget import LoadBudget
+from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
+from vllm_adaptive_spec.growth import grow
+from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy
+from vllm_adaptive_spec.tree import ROOT, DraftTree
 
 # The trie's drafting time a step at batch 1 (step profile, `grow`), the load budget's drafting cost.
 TRIE_MS = 0.6
@@ -330,7 +331,12 @@ def _import_suffix_decoding() -> str | None:
     directory, why = engines.suffix_decoding_dir()
     if directory is None:
         return why
-    sys.path.append(directory)
+    spec = importlib.machinery.PathFinder.find_spec("arctic_inference", [directory])
+    if spec is None:
+        return f"no arctic_inference package in {directory}"
+    package = importlib.util.module_from_spec(spec)
+    sys.modules["arctic_inference"] = package  # its submodules resolve through the package's own path
+    spec.loader.exec_module(package)
     return None
 
 

@@ -12,7 +12,7 @@ interleaved between the matchers.
 
 Reproduce (one thread, as an engine's drafter runs)::
 
-    .venv/bin/python benchmarks/retrieval_matchers.py --batch-sizes 1,8,64 --steps 32
+    .venv/bin/vllm-adaptive-spec bench retrieval-matchers --batch-sizes 1,8,64 --steps 32
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ retrieval trees at the measured costs.
 
 Reproduce (about 2 minutes on 2 CPU cores; writes ``row_cost.{json,md}``)::
 
-    .venv/bin/python benchmarks/row_cost.py
-    # on a GPU: python3 benchmarks/row_cost.py --shape llama3-8b --dtype bfloat16 --rows 1,2,4,8,16,32,48,64,96,128
+    .venv/bin/vllm-adaptive-spec bench row-cost
+    # on a GPU: .venv/bin/vllm-adaptive-spec bench row-cost --shape llama3-8b --dtype bfloat16 --rows 1,2,4,8,16,32,48,64,96,128
 """
 
 from __future__ import annotations
@@ -34,13 +34,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import engines  # noqa: E402
-from engines import REPO  # noqa: E402
+from benchmarks import engines
+from benchmarks.engines import REPO
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 BLOCK = 128

@@ -63,7 +63,7 @@ tok/s ratio then compares unlike settings). On CUDA every server chunks.
 
 Reproduce (CPU; the default retrieval tree and the hybrid, about 40 minutes on 2 cores)::
 
-    .venv/bin/python benchmarks/serve_load.py --spec retrieval='{"method": "adaptive_tree",
+    .venv/bin/vllm-adaptive-spec bench serve-load --spec retrieval='{"method": "adaptive_tree",
         "num_speculative_tokens": 16, "tree": {"drafter": "retrieval"}}' --spec hybrid='{"method":
         "adaptive_tree", "num_speculative_tokens": 24, "model": "heads/smollm2-135m-eagle3",
         "tree": {"drafter": "hybrid"}}' --out benchmarks/results/serve_load
@@ -87,9 +87,8 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import engines  # noqa: E402
-from engines import REPO  # noqa: E402
+from benchmarks import engines
+from benchmarks.engines import REPO
 
 DEFAULT_SPEC = {"method": "adaptive_tree", "num_speculative_tokens": 16, "tree": {"drafter": "retrieval"}}
 PLAIN = "none"  # the server without speculation

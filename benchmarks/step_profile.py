@@ -51,8 +51,8 @@ timing): what a paused drafter costs per step, and what a probe costs.
 
 Reproduce (about 12 minutes on 2 CPU cores; writes ``step_profile.{json,md}``)::
 
-    .venv/bin/python benchmarks/step_profile.py
-    .venv/bin/python benchmarks/step_profile.py --methods none,tree-16 --batch-sizes 8
+    .venv/bin/vllm-adaptive-spec bench step-profile
+    .venv/bin/vllm-adaptive-spec bench step-profile --methods none,tree-16 --batch-sizes 8
 """
 
 from __future__ import annotations
@@ -61,15 +61,13 @@ import argparse
 import gc
 import json
 import os
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import engines  # noqa: E402
-from engines import REPO  # noqa: E402
-from vllm_adaptive_spec.adapter.step_profile import GRAPH_KEY  # noqa: E402
+from benchmarks import engines
+from benchmarks.engines import REPO
+from vllm_adaptive_spec.adapter.step_profile import GRAPH_KEY
 
 MAX_LEN = 64  # l_max = l_min = 64: the suffix never matches, no tree is drafted
 

@@ -10,7 +10,7 @@ steps count no more than ``none-v1-sync`` (vLLM without speculation on the
 plugin's runner and scheduling). On a machine without CUDA the mode does
 nothing and every count is 0.
 
-    python3 benchmarks/sync_check.py --methods none-v1-sync,tree-adaptive-16 --batch-size 8 --out DIR
+    .venv/bin/vllm-adaptive-spec bench sync-check --methods none-v1-sync,tree-adaptive-16 --batch-size 8 --out DIR
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
-import engines
-import step_profile
+from benchmarks import engines
+from benchmarks import step_profile
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 

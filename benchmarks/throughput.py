@@ -15,11 +15,11 @@ and option and how to read the table.
 Reproduce (from the repository root)::
 
     # the default run: b = 1,4,16,64; none, ngram, tree-retrieval, tree-retrieval-fixed (10 min on 2 CPU cores)
-    .venv/bin/python benchmarks/throughput.py
+    .venv/bin/vllm-adaptive-spec bench throughput
     # smoke run: b = 1,4; 8 prompts; 32 tokens (about 4-5 min for three methods)
-    .venv/bin/python benchmarks/throughput.py --quick --methods none,ngram,tree-retrieval
+    .venv/bin/vllm-adaptive-spec bench throughput --quick --methods none,ngram,tree-retrieval
     # the comparison the README quotes: interleaved rounds
-    .venv/bin/python benchmarks/throughput.py --engine-layout in-process --engine-per interleaved --rounds 2 \
+    .venv/bin/vllm-adaptive-spec bench throughput --engine-layout in-process --engine-per interleaved --rounds 2 \
         --methods none,ngram,tree-retrieval --batch-sizes 1,8
 
 Outputs: ``throughput.json`` (every number, the settings, vLLM version,
@@ -38,8 +38,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import engines
-from engines import REPO, fmt
+from benchmarks import engines
+from benchmarks.engines import REPO, fmt
 
 def _tree(args, drafter: str, policy: str, budget: int | None = None, model: str | None = None, **params) -> dict:
     spec = {

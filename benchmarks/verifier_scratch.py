@@ -10,9 +10,9 @@ runs in a process of its own) and the draw's time.
 Reproduce (from the repository root)::
 
     for chunk in 100000 256 128 64; do
-        .venv/bin/python benchmarks/verifier_scratch.py --mixed --max-rows $chunk
+        .venv/bin/vllm-adaptive-spec bench verifier-scratch --mixed --max-rows $chunk
     done
-    .venv/bin/python benchmarks/verifier_scratch.py --requests 64
+    .venv/bin/vllm-adaptive-spec bench verifier-scratch --requests 64
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ def sampling_metadata(batch: int, mixed: bool):
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--rows", type=int, default=17, help="logits rows a request (its tree's nodes + 1)")
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--mixed", action="store_true", help="half the requests sampled (default: all greedy)")
     parser.add_argument("--max-rows", type=int, default=None, help="chunk bound (default: the verifier's)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     import torch
 

@@ -5,14 +5,11 @@ compared with none's."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-# The benchmark scripts import as top-level modules.
-sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import engines  # noqa: E402
+from benchmarks import engines
 
 
 def _pass(round_index: int, tok_per_s: float, token_ids, accepted: int = 0) -> dict:
@@ -44,7 +41,7 @@ def test_a_single_pass_is_reported_as_is():
 def test_floor_sweep_reports_each_groups_control_without_a_floor():
     """A group's control (a second engine without speculation) is shown with
     its ratio and no floor or verdict; a cell below its floor is marked."""
-    import floor_sweep
+    from benchmarks import floor_sweep
 
     control = floor_sweep.summarize("control/group1", {"batch_size": 8, "ratio_vs_none": 0.93,
                                                        "same_as_none": [32, 32]})
@@ -62,7 +59,7 @@ def test_floor_sweep_reads_lockstep_passes_as_one_row():
     """Lockstep passes of a cell at one batch size: the median of the passes'
     ratios, greedy equality summed over passes, the plugin's counters summed,
     and the share of request steps that verified a tree."""
-    import floor_sweep
+    from benchmarks import floor_sweep
 
     def run(ratio, same, trees, accepted):
         return {"ratio": ratio, "same": [same, 8], "tokens": 100, "wall_s": 2.0,
@@ -82,7 +79,7 @@ def test_floor_sweep_runs_merge_into_one_table_and_refuse_different_workloads():
     row kept, each run's group controls told apart by the run's name, the
     cells together, a cell measured again replaced by the later run's rows;
     runs whose workloads differ are refused, naming the setting."""
-    import floor_sweep
+    from benchmarks import floor_sweep
 
     def report(cell, ratio, max_tokens=256):
         settings = {"cells": {cell: {"method": "adaptive_tree"}}, "batch_sizes": [1, 8], "prompts_per_batch": [2, 16],
@@ -109,7 +106,7 @@ def test_floor_sweep_runs_merge_into_one_table_and_refuse_different_workloads():
 
 
 def test_floor_sweep_merge_refuses_a_directory_without_a_sweep(tmp_path, capsys):
-    import floor_sweep
+    from benchmarks import floor_sweep
 
     with pytest.raises(SystemExit):
         floor_sweep.main(["--merge", str(tmp_path / "fs_a"), "--out", str(tmp_path / "merged")])
@@ -120,7 +117,7 @@ def test_floor_sweep_merge_refuses_a_directory_without_a_sweep(tmp_path, capsys)
 def test_before_after_takes_labelled_configs_and_refuses_others():
     import argparse
 
-    import before_after
+    from benchmarks import before_after
 
     assert before_after.parse_spec('tree={"method": "adaptive_tree"}') == ("tree", {"method": "adaptive_tree"})
     for bad in ("tree", "={}", "tree={not json"):
@@ -129,7 +126,7 @@ def test_before_after_takes_labelled_configs_and_refuses_others():
 
 
 def test_before_after_refuses_an_unknown_vllm_method_naming_the_valid_ones(capsys):
-    import before_after
+    from benchmarks import before_after
 
     with pytest.raises(SystemExit):
         before_after.main(["--before", ".", "--spec", "t={}", "--vllm-methods", "ngram,medusa"])
@@ -138,14 +135,14 @@ def test_before_after_refuses_an_unknown_vllm_method_naming_the_valid_ones(capsy
 
 
 def test_serve_load_takes_null_as_a_control_server():
-    import serve_load
+    from benchmarks import serve_load
 
     assert serve_load.parse_spec("control=null") == ("control", None)
     assert serve_load.parse_spec('tree={"method": "adaptive_tree"}') == ("tree", {"method": "adaptive_tree"})
 
 
 def test_cold_start_reports_the_first_pass_against_the_warm_ones_and_refuses_one_pass():
-    import cold_start
+    from benchmarks import cold_start
 
     row = {"label": "hybrid", "cold": 1.25, "passes": [
         {"seconds": 12.5, "new_shapes": 130, "counters": {"draft_passes": 40}},
@@ -159,7 +156,7 @@ def test_cold_start_reports_the_first_pass_against_the_warm_ones_and_refuses_one
 
 def test_serve_load_reads_options_from_a_command_line():
     """How a server's environment follows its arguments (the uni executor)."""
-    import serve_load
+    from benchmarks import serve_load
 
     assert serve_load.option(["--distributed-executor-backend", "uni"], "--distributed-executor-backend") == "uni"
     assert serve_load.option(["--distributed-executor-backend=mp"], "--distributed-executor-backend") == "mp"
@@ -168,7 +165,7 @@ def test_serve_load_reads_options_from_a_command_line():
 
 
 def test_serve_load_names_the_servers_allocator(monkeypatch):
-    import serve_load
+    from benchmarks import serve_load
 
     monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libtcmalloc_minimal.so.4")
     assert serve_load.allocator() == "tcmalloc (LD_PRELOAD)"
@@ -177,7 +174,7 @@ def test_serve_load_names_the_servers_allocator(monkeypatch):
 
 
 def test_serve_load_caps_onednn_primitive_cache_in_every_server_environment(monkeypatch):
-    import serve_load
+    from benchmarks import serve_load
 
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
     env = serve_load.server_env([], 128)
@@ -188,7 +185,7 @@ def test_serve_load_caps_onednn_primitive_cache_in_every_server_environment(monk
 
 
 def test_serve_load_warmup_gives_every_weight_more_row_counts_than_its_cache_keeps():
-    import serve_load
+    from benchmarks import serve_load
 
     jobs = serve_load.warmup_jobs(40, 2048, "model")
     lengths = [len(job.body["prompt"]) for job in jobs]
@@ -200,7 +197,7 @@ def test_serve_load_warmup_gives_every_weight_more_row_counts_than_its_cache_kee
 
 
 def test_serve_load_batch_warmup_draws_the_mix_from_held_out_prompts_only():
-    import serve_load
+    from benchmarks import serve_load
     from vllm_adaptive_spec.prompts import load_prompts
 
     jobs = serve_load.batch_warmup_jobs(64, 2048, "model")

@@ -111,11 +111,8 @@ def test_the_tree_path_and_vllms_kernel_agree_on_causal_rows(tmp_path):
     """``benchmarks/cpu_tree_attention.py`` times both on the same chain rows:
     the comparison only means something if they compute the same outputs."""
     import json
-    import sys
-    from pathlib import Path
 
-    sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import cpu_tree_attention
+    from benchmarks import cpu_tree_attention
 
     shapes = "1x200x5,3x150x4+1500"
     cpu_tree_attention.main(["--shapes", shapes, "--calls", "2", "--repeats", "1", "--out", str(tmp_path)])

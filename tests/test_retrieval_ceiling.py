@@ -5,15 +5,10 @@ from __future__ import annotations
 
 import json
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-# The benchmark scripts import as top-level modules.
-sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import retrieval_calibration  # noqa: E402
-import row_cost  # noqa: E402
+from benchmarks import retrieval_calibration, row_cost
 
 COST = retrieval_calibration.StepCost(step=40.0, row=2.0, tree=1.0)
 

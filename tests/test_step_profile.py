@@ -45,15 +45,11 @@ def test_runners_stepped_in_turn_keep_their_own_phase_times():
 
 
 def test_the_graph_each_forward_was_dispatched_to_is_counted():
-    import sys
-    from pathlib import Path
-
     from vllm.config import CUDAGraphMode
 
     from vllm_adaptive_spec.adapter.step_profile import _count_graphs
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from step_profile import graphs
+    from benchmarks.step_profile import graphs
 
     modes = iter([CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL])
 

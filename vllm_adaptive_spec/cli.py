@@ -20,6 +20,7 @@ COMMANDS = {
                     "record the drafter's tree nodes for C2T's classifier (options: --help)"),
     "c2t-train": ("vllm_adaptive_spec.training.c2t", "train_main",
                   "train C2T's classifier on collected rows (options: --help)"),
+    "bench": ("benchmarks.cli", "main", "run a benchmark tool (vllm-adaptive-spec bench --help lists them)"),
 }
 
 

@@ -1,0 +1,156 @@
+"""The host time of a drafting step, outside torch operations, per batch size
+(issue 53: a drafter's host work must not grow with the batch).
+
+For each drafter and batch size ``b``: ``b`` prompts of the project's set in
+flight (greedy, ``--max-tokens``), the engine in this process; after
+``--warmup`` steps, each of ``--steps`` engine steps' drafting
+(``propose_draft_token_ids``: the first pass, growth, the load budget, the
+trees handed to vLLM) runs under ``torch.profiler``. A step's host time is
+its wall time less the time inside top-level torch operations, and less the
+draft model's forwards (``PagedDraftBackend._run``, labelled
+``draft_forward``: vLLM's model code, which the draft loop's graphs replace
+on a GPU). The table gives the median per step in milliseconds, the torch
+operations dispatched per step, and the ratio of batch ``b`` to the first.
+The profiler adds its own cost per operation, so absolute values are upper
+bounds; the ratio between batch sizes is what the issue asks for.
+
+Drafters: ``retrieval`` (the trie), ``retrieval-tensors`` (``matcher:
+tensors``), ``eagle3`` (the project's head, EAGLE-2 tree at depth 8, ``N =
+--budget``, ``load_budget: fixed``).
+
+Reproduce (about 4 minutes on 2 CPU cores)::
+
+    .venv/bin/vllm-adaptive-spec bench draft-host-time
+    .venv/bin/vllm-adaptive-spec bench draft-host-time --drafters eagle3 --batch-sizes 8,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+HEAD = REPO / "heads" / "smollm2-135m-eagle3"
+
+
+def spec_of(drafter: str, budget: int, head: str) -> dict:
+    if drafter == "eagle3":
+        tree = {"drafter": "eagle3", "policy": "eagle2", "depth": 8, "load_budget": "fixed"}
+        return {"method": "adaptive_tree", "num_speculative_tokens": budget, "model": head, "tree": tree}
+    matcher = {"retrieval": "trie", "retrieval-tensors": "tensors"}[drafter]
+    tree = {"drafter": "retrieval", "matcher": matcher, "load_budget": "fixed"}
+    return {"method": "adaptive_tree", "num_speculative_tokens": budget, "tree": tree}
+
+
+def profile_drafting(worker, warmup: int, steps: int) -> None:
+    """Run each drafting step after ``warmup`` under the profiler (in the
+    worker, through ``collective_rpc``); the samples land on the worker."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    runner = worker.model_runner
+    propose, seen = runner.propose_draft_token_ids, [0]
+    worker.draft_host_samples = samples = []
+    backend = runner._draft_backend
+    if backend is not None:
+        run = backend._run
+
+        def labelled(*args, **kwargs):
+            with record_function("draft_forward"):
+                return run(*args, **kwargs)
+
+        backend._run = labelled
+
+    def profiled(*args, **kwargs):
+        seen[0] += 1
+        if not warmup < seen[0] <= warmup + steps:
+            return propose(*args, **kwargs)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            started = time.perf_counter()
+            out = propose(*args, **kwargs)
+            wall = time.perf_counter() - started
+        events = prof.events()
+        top = [e for e in events if e.cpu_parent is None]
+        inside = sum(e.time_range.elapsed_us() for e in top) / 1e3
+        forward = sum(e.time_range.elapsed_us() for e in top if e.name == "draft_forward") / 1e3
+        ops = sum(1 for e in events if e.name.startswith("aten::") and (e.cpu_parent is None
+                                                                         or e.cpu_parent.name == "draft_forward"))
+        samples.append({"wall_ms": wall * 1e3, "host_ms": wall * 1e3 - inside, "forward_ms": forward,
+                        "torch_ms": inside - forward, "top_ops": ops, "threads": torch.get_num_threads()})
+        return out
+
+    runner.propose_draft_token_ids = profiled
+
+
+def measure(model: str, spec: dict, batch: int, args) -> dict:
+    from vllm import LLM, SamplingParams
+
+    from vllm_adaptive_spec.prompts import load_prompts
+
+    prompts = [p.messages for p in load_prompts()]
+    conversations = [prompts[i % len(prompts)] for i in range(batch)]
+    llm = LLM(model, dtype="float32", max_model_len=4096, speculative_config=spec, max_num_seqs=max(batch, 8),
+              enforce_eager=True)
+    try:
+        llm.collective_rpc(profile_drafting, args=(args.warmup, args.steps))
+        llm.chat(conversations, SamplingParams(max_tokens=args.max_tokens, temperature=0), use_tqdm=False)
+        samples = llm.collective_rpc(lambda worker: worker.draft_host_samples)[0]
+    finally:
+        del llm
+    if not samples:
+        return {"error": "no drafting step was profiled (raise --max-tokens)"}
+    return {key: statistics.median(s[key] for s in samples) for key in samples[0]} | {"steps": len(samples)}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| drafter | b | steps | host ms | vs first b | torch ms | forward ms | wall ms | top-level ops |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    first: dict[str, float] = {}
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['drafter']} | {row['batch']} | {row['error']} |")
+            continue
+        base = first.setdefault(row["drafter"], row["host_ms"])
+        lines.append(f"| {row['drafter']} | {row['batch']} | {row['steps']} | {row['host_ms']:.2f} | "
+                     f"{row['host_ms'] / base:.2f}x | {row['torch_ms']:.2f} | {row['forward_ms']:.2f} | "
+                     f"{row['wall_ms']:.2f} | {row['top_ops']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drafters", default="retrieval,retrieval-tensors,eagle3")
+    parser.add_argument("--batch-sizes", default="8,64")
+    parser.add_argument("--budget", type=int, default=16, help="N, nodes per tree")
+    parser.add_argument("--warmup", type=int, default=8, help="engine steps before profiling")
+    parser.add_argument("--steps", type=int, default=12, help="profiled drafting steps")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--head", default=str(HEAD))
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = parser.parse_args(argv)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process, where the hooks are
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with functions
+
+    from vllm_adaptive_spec.demo_model import ensure_demo_model
+
+    model = str(ensure_demo_model())
+    rows = []
+    for drafter in args.drafters.split(","):
+        for batch in (int(b) for b in args.batch_sizes.split(",")):
+            print(f"{drafter} b={batch} ...", flush=True)
+            rows.append({"drafter": drafter, "batch": batch,
+                         **measure(model, spec_of(drafter, args.budget, args.head), batch, args)})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "draft_host_time.json").write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=2) + "\n")
+    text = table(rows)
+    (out / "draft_host_time.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
