@@ -31,19 +31,9 @@ from pathlib import Path
 from benchmarks import engines
 from benchmarks import throughput
 from benchmarks.engines import REPO, fmt
+from benchmarks.options import parse_spec
 
 VLLM_METHODS = ("ngram", "suffix", "eagle3")
-
-def parse_spec(text: str) -> tuple[str, dict]:
-    label, sep, config = text.partition("=")
-    if not sep or not label:
-        raise argparse.ArgumentTypeError(f"--spec takes LABEL=JSON, got {text!r}")
-    try:
-        spec = json.loads(config)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"--spec {label}: not JSON ({error})") from None
-    return label, spec
-
 
 def markdown(report: dict) -> str:
     s = report["settings"]

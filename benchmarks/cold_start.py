@@ -29,9 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.before_after import parse_spec
 from benchmarks import engines
 from benchmarks.engines import REPO, fmt
+from benchmarks.options import parse_spec
 
 
 def count_new_shapes() -> set | None:

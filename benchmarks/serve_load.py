@@ -89,6 +89,7 @@ from pathlib import Path
 
 from benchmarks import engines
 from benchmarks.engines import REPO
+from benchmarks.options import parse_spec
 
 DEFAULT_SPEC = {"method": "adaptive_tree", "num_speculative_tokens": 16, "tree": {"drafter": "retrieval"}}
 PLAIN = "none"  # the server without speculation
@@ -752,19 +753,10 @@ def allocator() -> str:
     return "tcmalloc (LD_PRELOAD)" if "tcmalloc" in os.environ.get("LD_PRELOAD", "") else "the C library's malloc"
 
 
-def parse_spec(text: str) -> tuple[str, dict | None]:
-    """``LABEL=JSON`` or ``JSON`` (label ``speculation``); JSON ``null`` is a
-    control server without speculation."""
-    label, sep, rest = text.partition("=")
-    if sep and not label.lstrip().startswith("{"):
-        return label.strip(), json.loads(rest)
-    return "speculation", json.loads(text)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="default: the demo model")
-    parser.add_argument("--spec", action="append", metavar="[LABEL=]JSON",
+    parser.add_argument("--spec", type=parse_spec, action="append", metavar="[LABEL=]JSON",
                         help="a speculative config, served beside no speculation (repeatable; null: a control server "
                              "without speculation; default: "
                              f"retrieval={json.dumps(DEFAULT_SPEC)})")
@@ -795,7 +787,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=512, help="the largest max_tokens drawn")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "serve_load"))
     args = parser.parse_args(argv)
-    specs = dict(parse_spec(text) for text in args.spec) if args.spec else {"retrieval": DEFAULT_SPEC}
+    specs = dict(args.spec) if args.spec else {"retrieval": DEFAULT_SPEC}
     if PLAIN in specs:
         parser.error(f"{PLAIN!r} is the server without speculation; give the config another label")
     if args.model is None:

@@ -114,15 +114,17 @@ def test_floor_sweep_merge_refuses_a_directory_without_a_sweep(tmp_path, capsys)
     assert not (tmp_path / "merged").exists()
 
 
-def test_before_after_takes_labelled_configs_and_refuses_others():
+def test_one_spec_parser_takes_labelled_configs_and_null_and_refuses_others():
     import argparse
 
-    from benchmarks import before_after
+    from benchmarks.options import parse_spec
 
-    assert before_after.parse_spec('tree={"method": "adaptive_tree"}') == ("tree", {"method": "adaptive_tree"})
-    for bad in ("tree", "={}", "tree={not json"):
+    assert parse_spec('tree={"method": "adaptive_tree"}') == ("tree", {"method": "adaptive_tree"})
+    assert parse_spec('{"method": "ngram"}') == ("speculation", {"method": "ngram"})
+    assert parse_spec("control=null") == ("control", None)
+    for bad in ("tree", "={}", "tree={not json", "tree=[1]"):
         with pytest.raises(argparse.ArgumentTypeError):
-            before_after.parse_spec(bad)
+            parse_spec(bad)
 
 
 def test_before_after_refuses_an_unknown_vllm_method_naming_the_valid_ones(capsys):
@@ -132,13 +134,6 @@ def test_before_after_refuses_an_unknown_vllm_method_naming_the_valid_ones(capsy
         before_after.main(["--before", ".", "--spec", "t={}", "--vllm-methods", "ngram,medusa"])
     said = capsys.readouterr().err
     assert "--vllm-methods: unknown medusa; valid: ngram, suffix, eagle3" in said
-
-
-def test_serve_load_takes_null_as_a_control_server():
-    from benchmarks import serve_load
-
-    assert serve_load.parse_spec("control=null") == ("control", None)
-    assert serve_load.parse_spec('tree={"method": "adaptive_tree"}') == ("tree", {"method": "adaptive_tree"})
 
 
 def test_cold_start_reports_the_first_pass_against_the_warm_ones_and_refuses_one_pass():
