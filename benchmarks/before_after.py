@@ -28,10 +28,11 @@ import json
 import subprocess
 from pathlib import Path
 
-from benchmarks import engines
-from benchmarks import throughput
-from benchmarks.engines import REPO, fmt
+from benchmarks import engines, throughput
+from benchmarks.engines import REPO
+from benchmarks.report import compare, fmt, installed_vllm_version, machine, machine_line, portable_paths
 from benchmarks.options import parse_spec
+
 
 VLLM_METHODS = ("ngram", "suffix", "eagle3")
 
@@ -41,7 +42,7 @@ def markdown(report: dict) -> str:
         "# Before and after", "",
         f"before {s['before_rev']}, after {s['after_rev']}; prompts {Path(s['prompts']).name}, greedy, "
         f"max_tokens={s['max_tokens']}, rounds={s['rounds']}; vLLM {report['vllm_version']}, "
-        f"{engines.machine_line(report['machine'])}", "",
+        f"{machine_line(report['machine'])}", "",
         "| b | method | ratio to none (rounds) | tau | same as none |",
         "|---:|---|---|---:|---:|",
     ]
@@ -124,12 +125,12 @@ def main(argv: list[str] | None = None) -> None:
         base = [run for run in results["none"]["runs"] if run["batch_size"] == b]
         for name in list(jobs)[1:]:
             passes = [run for run in results[name]["runs"] if run["batch_size"] == b]
-            row = engines.compare(name, True, passes, base, results[name].get("error"), [p.id for p in prompts])
+            row = compare(name, True, passes, base, results[name].get("error"), [p.id for p in prompts])
             row.pop("token_ids", None)
             rows.append({"batch_size": b, **row})
     report = {
-        "vllm_version": engines.installed_vllm_version(), "machine": engines.machine(),
-        "settings": engines.portable_paths({
+        "vllm_version": installed_vllm_version(), "machine": machine(),
+        "settings": portable_paths({
             "before_rev": git_rev(args.before), "after_rev": git_rev(args.after), "specs": dict(args.spec),
             "vllm_methods": {m: jobs[m]["speculative_config"] for m in vllm_methods},
             "batch_sizes": batch_sizes, "prompts_per_batch": counts, "max_tokens": args.max_tokens,

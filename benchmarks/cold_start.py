@@ -29,8 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import engines
-from benchmarks.engines import REPO, fmt
+from benchmarks import engine_worker, engines
+from benchmarks.engines import REPO
+from benchmarks.report import fmt, installed_vllm_version, machine, machine_line, portable_paths
 from benchmarks.options import parse_spec
 
 
@@ -66,18 +67,18 @@ def one_method(args, label: str, spec: dict | None) -> dict:
     job, _ = engines.greedy_job(model, load_prompts(args.prompts), args.dtype, args.max_tokens, [args.batch],
                                 [args.num_prompts])
     job["speculative_config"] = spec
-    llm = engines.open_engine(job)
+    llm = engine_worker.open_engine(job)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     conversations = job["conversations"][: args.num_prompts]
-    tree_method = spec is not None and engines.is_tree_method(job)
-    passes, before = [], engines.tree_counters(llm, tree_method)
+    tree_method = spec is not None and engine_worker.is_tree_method(job)
+    passes, before = [], engine_worker.tree_counters(llm, tree_method)
     for _ in range(args.passes):
         llm.reset_prefix_cache()
         known = len(shapes) if shapes is not None else 0
         started = time.perf_counter()
-        outputs = engines.generate(llm, conversations, params, args.batch, args.batch)
+        outputs = engine_worker.generate(llm, conversations, params, args.batch, args.batch)
         seconds = time.perf_counter() - started
-        after = engines.tree_counters(llm, tree_method)
+        after = engine_worker.tree_counters(llm, tree_method)
         passes.append({"seconds": seconds, "tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
                        "new_shapes": None if shapes is None else len(shapes) - known,
                        "counters": {k: after[k] - before.get(k, 0) for k in after}})
@@ -93,7 +94,7 @@ def markdown(report: dict) -> str:
         "# A fresh engine's first pass", "",
         f"{s['num_prompts']} prompts of {Path(s['prompts']).name}, {s['batch']} in flight, greedy, "
         f"max_tokens={s['max_tokens']}, {s['passes']} passes per engine, prefix cache reset before each; "
-        f"vLLM {report['vllm_version']}, {engines.machine_line(report['machine'])}", "",
+        f"vLLM {report['vllm_version']}, {machine_line(report['machine'])}", "",
         "| method | seconds per pass | cold (first / warm mean) | new shapes per pass | draft passes per pass |",
         "|---|---|---:|---|---|",
     ]
@@ -142,10 +143,10 @@ def main(argv: list[str] | None = None) -> None:
             rows.append({"label": label, "spec": spec, "error": tail[-1].strip() if tail else f"exit {done.returncode}"})
         print(label, rows[-1].get("error") or fmt(rows[-1]["cold"]), flush=True)
     settings = {k: v for k, v in vars(args).items() if k not in ("spec", "one", "out")}
-    report = {"settings": settings, "vllm_version": engines.installed_vllm_version(), "machine": engines.machine(),
+    report = {"settings": settings, "vllm_version": installed_vllm_version(), "machine": machine(),
               "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cold_start.json").write_text(json.dumps(engines.portable_paths(report), indent=1))
+    (args.out / "cold_start.json").write_text(json.dumps(portable_paths(report), indent=1))
     (args.out / "cold_start.md").write_text(markdown(report))
     print(markdown(report))
 

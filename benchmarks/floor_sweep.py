@@ -68,9 +68,19 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks import step_profile
-from benchmarks import engines
-from benchmarks.engines import REPO, fmt
+from benchmarks import engines, step_profile
+from benchmarks.engines import REPO
+from benchmarks.report import (
+    compare,
+    fmt,
+    installed_vllm_version,
+    machine,
+    machine_line,
+    portable_paths,
+    pyplot,
+    save_ratio_plot,
+)
+
 
 HELDOUT = REPO / "benchmarks" / "data" / "heldout_prompts.jsonl"
 FLOORS = {"retrieval": 0.97, "eagle3": 0.95, "draft_model": 0.95, "hybrid": 0.95}
@@ -101,7 +111,7 @@ def cells(drafters: list[str], policies: list[str] | None, budgets: list[int], h
 
 
 def lockstep_row(passes: list[dict]) -> dict:
-    """A cell's lockstep passes at one batch size as ``engines.compare``'s
+    """A cell's lockstep passes at one batch size as ``compare``'s
     row: the median of the passes' ratios to none (each over the same
     steps' span), greedy equality with none's answers in the same pass, the
     plugin's counters summed; "verified" is trees over request steps (every
@@ -138,7 +148,7 @@ def markdown(report: dict) -> str:
         f"held-out prompts, greedy, max_tokens={s['max_tokens']}, dtype={s['dtype']}, "
         f"engines {s.get('engine_layout', 'interleaved')}, rounds={s['rounds']}, "
         f"prompts per batch size {s['prompts_per_batch']}; vLLM {report['vllm_version']}, "
-        f"{engines.machine_line(report['machine'])}; {report['timestamp']}", "",
+        f"{machine_line(report['machine'])}; {report['timestamp']}", "",
         "ratio: tok/s over no speculation's (median of the rounds, each against none's pass in the same round); "
         "verified: share of request steps that verified a tree; probes, paused: engine steps; passes: draft "
         "passes; same: prompts whose greedy tokens equal none's; ok: ratio at or above the floor and same "
@@ -166,7 +176,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> bool:
-    plt = engines.pyplot()
+    plt = pyplot()
     if plt is None:
         return False
     rows = [r for r in report["rows"] if r["ratio"] is not None]
@@ -188,7 +198,7 @@ def plot(report: dict, path: Path) -> bool:
     ax.minorticks_off()
     ax.set_xticks(range(len(names)), names, rotation=70, ha="right", fontsize=7)
     ax.grid(axis="x", linewidth=0.3)
-    engines.save_ratio_plot(plt, fig, ax, path)
+    save_ratio_plot(plt, fig, ax, path)
     return True
 
 
@@ -349,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
                     result = results[name.replace("/", "_")]
                     passes = [run for run in result["runs"] if run["batch_size"] == b]
                     base = [run for run in base_runs if run["batch_size"] == b]
-                    row = engines.compare(name, True, passes, base, result.get("error"), [p.id for p in prompts])
+                    row = compare(name, True, passes, base, result.get("error"), [p.id for p in prompts])
                 row["batch_size"] = b
                 rows.append(summarize(name, row))
                 r = rows[-1]
@@ -358,8 +368,8 @@ def main(argv: list[str] | None = None) -> None:
                     + (f", error {r['error']}" if r["error"] else ""))
         report = {
             "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "vllm_version": engines.installed_vllm_version(), "machine": engines.machine(),
-            "settings": engines.portable_paths({
+            "vllm_version": installed_vllm_version(), "machine": machine(),
+            "settings": portable_paths({
                 "cells": grid, "batch_sizes": batch_sizes, "prompts_per_batch": counts, "rounds": args.rounds,
                 "engine_layout": args.engine_layout,
                 "max_tokens": args.max_tokens, "dtype": args.dtype, "prompts": args.prompts,

@@ -43,7 +43,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from benchmarks import engines
-from benchmarks.engines import REPO, fmt
+from benchmarks.engines import REPO
+from benchmarks.report import fmt, installed_vllm_version, machine, portable_paths, pyplot
+
 
 TREE_BUDGET = 60
 
@@ -119,7 +121,7 @@ def markdown(report: dict) -> str:
 
 
 def plots(report: dict, out: Path) -> list[str]:
-    plt = engines.pyplot()
+    plt = pyplot()
     if plt is None:
         return []
     written = []
@@ -235,9 +237,9 @@ def main(argv: list[str] | None = None) -> None:
 
     report = {
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "vllm_version": engines.installed_vllm_version(),
-        "machine": engines.machine(),
-        "settings": engines.portable_paths(
+        "vllm_version": installed_vllm_version(),
+        "machine": machine(),
+        "settings": portable_paths(
             {"methods": methods, "batch_sizes": batch_sizes, "temperatures": temperatures, "prompts": sizes,
              "max_tokens": args.max_tokens, "engine_layout": args.engine_layout,
              "prompt_ids": [p.id for p in prompts]}),

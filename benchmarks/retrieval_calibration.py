@@ -52,7 +52,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks import engines
+from benchmarks import engine_worker, engines
 from benchmarks.engines import REPO
 
 from vllm_adaptive_spec.budget import LoadBudget
@@ -77,7 +77,7 @@ def greedy_answers(max_tokens: int, path: Path) -> list[dict]:
     from vllm_adaptive_spec.prompts import load_prompts
 
     prompts = load_prompts()
-    llm = engines.open_engine({"model": str(ensure_demo_model()), "dtype": "float32", "max_model_len": 1024,
+    llm = engine_worker.open_engine({"model": str(ensure_demo_model()), "dtype": "float32", "max_model_len": 1024,
                                "max_num_seqs": 16})
     outputs = llm.chat([p.messages for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_tokens),
                        use_tqdm=False)

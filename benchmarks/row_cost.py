@@ -37,8 +37,9 @@ import os
 import time
 from pathlib import Path
 
-from benchmarks import engines
+from benchmarks import engine_worker
 from benchmarks.engines import REPO
+
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 BLOCK = 128
@@ -106,7 +107,7 @@ def measure(context: int, rows: tuple[int, ...], repeats: int, dtype: str, shape
     max_len = -(-(context + max(rows) + 1) // BLOCK) * BLOCK
     job = {"model": model, "dtype": dtype, "max_model_len": max_len, "max_num_seqs": 1, "block_size": BLOCK,
            "engine_layout": "in-process"}
-    llm = engines.open_engine(job, enable_prefix_caching=True, **settings)
+    llm = engine_worker.open_engine(job, enable_prefix_caching=True, **settings)
     base = [100 + (i * 7919) % 40000 for i in range(context)]
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=shape == "demo")
     llm.generate([TokensPrompt(prompt_token_ids=base)], params, use_tqdm=False)

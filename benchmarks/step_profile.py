@@ -65,9 +65,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from benchmarks import engines
+from benchmarks import engine_worker, engines
 from benchmarks.engines import REPO
+from benchmarks.report import portable_paths
 from vllm_adaptive_spec.adapter.step_profile import GRAPH_KEY
+
 
 MAX_LEN = 64  # l_max = l_min = 64: the suffix never matches, no tree is drafted
 
@@ -151,13 +153,13 @@ class ProfiledEngine:
         self.prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
                         for m in job["conversations"]]
         self.params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
-        self.tree_method = engines.is_tree_method(job)
+        self.tree_method = engine_worker.is_tree_method(job)
         llm.collective_rpc(step_profile.install)
 
     def start(self, count: int, in_flight: int) -> None:
         self.llm.reset_prefix_cache()
         self.llm.collective_rpc(self.profile.reset)
-        self.before = self.counters = engines.tree_counters(self.llm, self.tree_method)
+        self.before = self.counters = engine_worker.tree_counters(self.llm, self.tree_method)
         self.phases: dict = {}
         self.by_kind: dict[str, dict] = {}
         self.waiting, self.in_flight, self.running = list(range(count)), in_flight, 0
@@ -187,7 +189,7 @@ class ProfiledEngine:
                 self.running -= 1
                 self.token_ids[int(output.request_id[1:].split("-")[0])] = list(output.outputs[0].token_ids)
         if self.tree_method:
-            now, now_phases = engines.tree_counters(self.llm, True), self.llm.collective_rpc(self.profile.report)[0]
+            now, now_phases = engine_worker.tree_counters(self.llm, True), self.llm.collective_rpc(self.profile.report)[0]
             kind = self.by_kind.setdefault(_kind_of_step(self.counters, now), {"steps": 0, "wall_s": 0.0, "phases": {}})
             kind["steps"] += 1
             kind["wall_s"] += self.step_seconds[-1]
@@ -199,7 +201,7 @@ class ProfiledEngine:
             self.counters, self.phases = now, now_phases
 
     def result(self) -> dict:
-        after = engines.tree_counters(self.llm, self.tree_method)
+        after = engine_worker.tree_counters(self.llm, self.tree_method)
         return {"steps": len(self.step_seconds), "wall_s": sum(self.step_seconds),
                 "tokens": sum(len(ids) for ids in self.token_ids.values()),
                 "phases": self.llm.collective_rpc(self.profile.report)[0],
@@ -231,7 +233,7 @@ def worker(job_path: str) -> None:
     # The timers are installed by sending a function to the worker process
     # (collective_rpc), which vLLM only pickles with this set.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    profiled = ProfiledEngine(engines.open_engine(job, max(job["batch_sizes"])), job)
+    profiled = ProfiledEngine(engine_worker.open_engine(job, max(job["batch_sizes"])), job)
     _profile_pass(profiled, 2, 2)  # warm-up
     results = []
     for batch_size in job["batch_sizes"]:
@@ -259,12 +261,12 @@ def lockstep(jobs: dict[str, dict], batch_sizes: list[int], passes: int, counts:
     method. ``counts``: prompts of a pass at each batch size (default: the
     batch size, at least the first job's ``min_prompts``)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    order = sorted(jobs, key=lambda name: 0 if engines.is_tree_method(jobs[name])
+    order = sorted(jobs, key=lambda name: 0 if engine_worker.is_tree_method(jobs[name])
                    else 1 if jobs[name]["speculative_config"] is None else 2)
     profiled = {}
     for name in order:
         print(f"{name} starts", flush=True)
-        profiled[name] = ProfiledEngine(engines.open_engine({**jobs[name], "engine_layout": "in-process"},
+        profiled[name] = ProfiledEngine(engine_worker.open_engine({**jobs[name], "engine_layout": "in-process"},
                                                             max(batch_sizes)), jobs[name])
     rows = []
     counts = counts or [_pass_size(jobs[order[0]], b) for b in batch_sizes]
@@ -389,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
                       "batch_sizes": batch_sizes, "max_tokens": args.max_tokens, "min_prompts": args.min_prompts,
                       "max_model_len": engines.needed_model_len(model, conversations, args.max_tokens),
                       "conversations": conversations, "engine_layout": args.engine_layout,
-                      "runner": engines.V1_SYNC if method == "none-v1-sync" else None}
+                      "runner": engine_worker.V1_SYNC if method == "none-v1-sync" else None}
     if args.engine_layout == "lockstep":
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         rows = lockstep(jobs, batch_sizes, args.passes)
@@ -404,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
                          for b in batch_sizes]
                 continue
             rows += [{"method": name, **r} for r in result["runs"]]
-    report = {"settings": engines.portable_paths(vars(args)), "rows": rows}
+    report = {"settings": portable_paths(vars(args)), "rows": rows}
     (out / "step_profile.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     text = table(report)
     (out / "step_profile.md").write_text(text + "\n", encoding="utf-8")

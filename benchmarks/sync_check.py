@@ -22,8 +22,7 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
-from benchmarks import engines
-from benchmarks import step_profile
+from benchmarks import engine_worker, engines, step_profile
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
@@ -79,8 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     for method in methods:
         job = {"model": model, "dtype": args.dtype, "max_model_len": 2048, "max_num_seqs": args.batch_size,
                "speculative_config": step_profile.method_config(method), "engine_layout": "in-process",
-               "runner": engines.V1_SYNC if method == "none-v1-sync" else None}
-        llm = engines.open_engine(job)
+               "runner": engine_worker.V1_SYNC if method == "none-v1-sync" else None}
+        llm = engine_worker.open_engine(job)
         tokenizer = llm.get_tokenizer()
         prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations]
         per_step, origins = count_syncs(llm, prompts, params, args.batch_size, args.steps)

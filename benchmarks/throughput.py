@@ -38,8 +38,19 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks import engines
-from benchmarks.engines import REPO, fmt
+from benchmarks import engine_worker, engines
+from benchmarks.engines import REPO
+from benchmarks.report import (
+    compare,
+    fmt,
+    installed_vllm_version,
+    machine,
+    machine_line,
+    portable_paths,
+    pyplot,
+    save_ratio_plot,
+)
+
 
 def _tree(args, drafter: str, policy: str, budget: int | None = None, model: str | None = None, **params) -> dict:
     spec = {
@@ -92,7 +103,7 @@ METHODS = {
                             "suffix_decoding_max_tree_depth": SUFFIX_DEPTH},
 }
 SUFFIX_DEPTH = 24
-RUNNERS = {"none-v1-sync": engines.V1_SYNC}  # methods on another runner than vLLM's default
+RUNNERS = {"none-v1-sync": engine_worker.V1_SYNC}  # methods on another runner than vLLM's default
 BASELINE = "none"
 # The default run stays within 15 minutes on 2 CPU cores.
 DEFAULT_METHODS = ("none", "ngram", "tree-retrieval", "tree-retrieval-fixed")
@@ -127,7 +138,7 @@ def worker(job_path: str) -> None:
     prompts the engine has answered)."""
     job = json.loads(Path(job_path).read_text(encoding="utf-8"))
     if (job["speculative_config"] or {}).get("method") != "suffix":
-        engines.worker(job_path)
+        engine_worker.worker(job_path)
         return
     # _reset_suffix_cache is sent to the engine process, which vLLM only pickles with this set.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -136,7 +147,7 @@ def worker(job_path: str) -> None:
         dropped = llm.collective_rpc(_reset_suffix_cache)[0]
         print(f"[worker] suffix decoding cache emptied ({dropped} cached responses)", flush=True)
 
-    engines.worker(job_path, empty_suffix_cache)
+    engine_worker.worker(job_path, empty_suffix_cache)
 
 
 def markdown(report: dict) -> str:
@@ -148,7 +159,7 @@ def markdown(report: dict) -> str:
         f"max_tokens={s['max_tokens']}, dtype={s['dtype']}, retrieval budget={s['budget']}, ngram K={s['ngram_k']}, "
         f"chain K={s['chain_k']}, eagle2 N={s['tree_budget']}, engine per {s['engine_per']}, "
         f"engine layout {s.get('engine_layout', 'processes')}; "
-        f"vLLM {report['vllm_version']}, {engines.machine_line(report['machine'])}; {report['timestamp']}",
+        f"vLLM {report['vllm_version']}, {machine_line(report['machine'])}; {report['timestamp']}",
         "",
         "vs none: tok/s over none's at that batch size (interleaved runs: the median over rounds of the ratio "
         "to none's pass in the same round, with the rounds' range); "
@@ -196,7 +207,7 @@ def markdown(report: dict) -> str:
 def plot(report: dict, path: Path) -> bool:
     """Each method's tok/s over no speculation's against the batch size, with
     the rounds' range (False without matplotlib: ``pip install -e .[bench]``)."""
-    plt = engines.pyplot()
+    plt = pyplot()
     if plt is None:
         return False
     rows = [r for r in report["results"] if r.get("ratio_vs_none") is not None]
@@ -212,7 +223,7 @@ def plot(report: dict, path: Path) -> bool:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(batch_sizes)), [str(b) for b in batch_sizes])
     ax.set_xlabel("batch size")
-    engines.save_ratio_plot(plt, fig, ax, path)
+    save_ratio_plot(plt, fig, ax, path)
     return True
 
 
@@ -369,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     for b in batch_sizes:
         base = runs.get((BASELINE, b))
         for method in methods:
-            row = engines.compare(method, configs[method] is not None, runs.get((method, b)),
+            row = compare(method, configs[method] is not None, runs.get((method, b)),
                                   base if method != BASELINE else None, errors.get((method, b)),
                                   [p.id for p in prompts])
             rows.append({**row, "batch_size": b, "num_prompts": sizes_by_batch[b]})
@@ -377,9 +388,9 @@ def main(argv: list[str] | None = None) -> None:
     versions = [r.get("vllm_version") for *_, r in results if r.get("vllm_version")]
     report = {
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "vllm_version": versions[0] if versions else engines.installed_vllm_version(),
-        "machine": engines.machine(),
-        "settings": engines.portable_paths({
+        "vllm_version": versions[0] if versions else installed_vllm_version(),
+        "machine": machine(),
+        "settings": portable_paths({
             "methods": {m: configs[m] for m in methods}, "batch_sizes": batch_sizes,
             "num_prompts": args.num_prompts,
             "prompts_per_batch_size": {str(b): n for b, n in sizes_by_batch.items()},

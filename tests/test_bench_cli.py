@@ -24,7 +24,7 @@ def test_every_tool_answers_help(tool, capsys):
 def test_every_tool_module_is_listed():
     """A tool added to the package is reachable from the command (the
     package's helpers excepted)."""
-    helpers = {"__init__", "cli", "engines", "gpu_timing", "options"}
+    helpers = {"__init__", "cli", "engines", "engine_worker", "gpu_timing", "options", "report"}
     modules = {path.stem for path in BENCHMARKS.glob("*.py")} - helpers
     assert modules == {module for module, _ in TOOLS.values()}
 
@@ -32,3 +32,9 @@ def test_every_tool_module_is_listed():
 def test_no_tool_edits_sys_path():
     offenders = [path.name for path in BENCHMARKS.glob("*.py") if "sys.path" in path.read_text(encoding="utf-8")]
     assert not offenders
+
+
+def test_no_benchmark_file_is_over_450_lines():
+    long = {path.relative_to(BENCHMARKS).as_posix(): n for path in BENCHMARKS.rglob("*.py")
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > 450}
+    assert not long

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import engines
+from benchmarks.report import compare
 
 
 def _pass(round_index: int, tok_per_s: float, token_ids, accepted: int = 0) -> dict:
@@ -23,7 +24,7 @@ def test_interleaved_rounds_report_the_median_of_paired_ratios():
     same, other = [[1, 2], [3, 4]], [[1, 2], [3, 5]]
     base = [_pass(0, 10.0, same), _pass(2, 20.0, same), _pass(1, 40.0, same)]
     passes = [_pass(1, 60.0, same, 5), _pass(0, 11.0, same, 5), _pass(2, 40.0, other, 5)]
-    row = engines.compare("m", True, passes, base, None, ["p0", "p1"])
+    row = compare("m", True, passes, base, None, ["p0", "p1"])
     assert row["ratio_per_round"] == pytest.approx([1.1, 1.5, 2.0])  # rounds paired by index, not by order given
     assert row["ratio_vs_none"] == pytest.approx(1.5)
     assert row["tok_per_s"] == pytest.approx(40.0)
@@ -33,7 +34,7 @@ def test_interleaved_rounds_report_the_median_of_paired_ratios():
 
 def test_a_single_pass_is_reported_as_is():
     base, run = [_pass(0, 10.0, [[1]])], [_pass(0, 12.0, [[1]], 3)]
-    row = engines.compare("m", True, run, base, None, ["p0"])
+    row = compare("m", True, run, base, None, ["p0"])
     assert row["ratio_vs_none"] == pytest.approx(1.2) and row["same_as_none"] == [1, 1]
     assert "rounds" not in row
 
@@ -151,12 +152,12 @@ def test_cold_start_reports_the_first_pass_against_the_warm_ones_and_refuses_one
 
 def test_serve_load_reads_options_from_a_command_line():
     """How a server's environment follows its arguments (the uni executor)."""
-    from benchmarks import serve_load
+    from benchmarks.serving import servers
 
-    assert serve_load.option(["--distributed-executor-backend", "uni"], "--distributed-executor-backend") == "uni"
-    assert serve_load.option(["--distributed-executor-backend=mp"], "--distributed-executor-backend") == "mp"
-    assert serve_load.option(["--served-model-name", "uni"], "--distributed-executor-backend") is None
-    assert serve_load.option(["--seed", "0", "--seed", "1"], "--seed") == "1"
+    assert servers.option(["--distributed-executor-backend", "uni"], "--distributed-executor-backend") == "uni"
+    assert servers.option(["--distributed-executor-backend=mp"], "--distributed-executor-backend") == "mp"
+    assert servers.option(["--served-model-name", "uni"], "--distributed-executor-backend") is None
+    assert servers.option(["--seed", "0", "--seed", "1"], "--seed") == "1"
 
 
 def test_serve_load_names_the_servers_allocator(monkeypatch):
@@ -169,20 +170,20 @@ def test_serve_load_names_the_servers_allocator(monkeypatch):
 
 
 def test_serve_load_caps_onednn_primitive_cache_in_every_server_environment(monkeypatch):
-    from benchmarks import serve_load
+    from benchmarks.serving import servers
 
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
-    env = serve_load.server_env([], 128)
+    env = servers.server_env([], 128)
     assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "128" and env["VLLM_SERVER_DEV_MODE"] == "1"
-    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in serve_load.server_env([], 0)
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in servers.server_env([], 0)
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
-    assert serve_load.server_env(["--distributed-executor-backend", "uni"], 0)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert servers.server_env(["--distributed-executor-backend", "uni"], 0)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
 def test_serve_load_warmup_gives_every_weight_more_row_counts_than_its_cache_keeps():
-    from benchmarks import serve_load
+    from benchmarks.serving import workload
 
-    jobs = serve_load.warmup_jobs(40, 2048, "model")
+    jobs = workload.warmup_jobs(40, 2048, "model")
     lengths = [len(job.body["prompt"]) for job in jobs]
     assert len(set(lengths)) == 40 > 32  # vLLM's CPU build keeps 32 primitives a weight
     assert min(lengths) == 8 and max(lengths) == 512
@@ -192,14 +193,14 @@ def test_serve_load_warmup_gives_every_weight_more_row_counts_than_its_cache_kee
 
 
 def test_serve_load_batch_warmup_draws_the_mix_from_held_out_prompts_only():
-    from benchmarks import serve_load
+    from benchmarks.serving import workload
     from vllm_adaptive_spec.prompts import load_prompts
 
-    jobs = serve_load.batch_warmup_jobs(64, 2048, "model")
+    jobs = workload.batch_warmup_jobs(64, 2048, "model")
     assert len(jobs) == 64 and all(job.kind == "warmup" and job.index < 0 for job in jobs)
     assert any(job.stream for job in jobs) and any(job.body.get("n") == 2 for job in jobs)
     measured = [p.messages[-1]["content"] for p in load_prompts()]
-    held_out = [p.messages[-1]["content"] for p in load_prompts(serve_load.HELDOUT_PROMPTS)]
+    held_out = [p.messages[-1]["content"] for p in load_prompts(workload.HELDOUT_PROMPTS)]
     # Every question but the structured-output requests' fixed one.
     texts = [job.body["messages"][-1]["content"] if job.endpoint == "chat" else job.body["prompt"]
              for job in jobs if "response_format" not in job.body]
@@ -210,31 +211,31 @@ def test_serve_load_batch_warmup_draws_the_mix_from_held_out_prompts_only():
 FAKE_WORKER = """
 import json, sys, time
 from pathlib import Path
-sys.path.append({benchmarks!r})
-import engines
+sys.path.insert(0, {repo!r})
+from benchmarks import engine_worker
 job = json.loads(Path(sys.argv[2]).read_text())
-engines.wait_for_turn(job, "start")
+engine_worker.wait_for_turn(job, "start")
 gate = Path(job["gate_dir"])
 (gate / (job["label"] + ".up")).touch()
 deadline = time.monotonic() + {wait_s}
 while len(list(gate.glob("*.up"))) < {engines_n} and time.monotonic() < deadline:
     time.sleep(0.02)
 seen = len(list(gate.glob("*.up")))
-engines.signal_done(job, "start")
+engine_worker.signal_done(job, "start")
 result = {{"runs": []}}
 for b in job["batch_sizes"]:
-    engines.wait_for_turn(job, "b%d-r0" % b)
+    engine_worker.wait_for_turn(job, "b%d-r0" % b)
     result["runs"].append({{"batch_size": b, "engines_up": seen}})
     Path(job["result_path"]).write_text(json.dumps(result))
-    engines.signal_done(job, "b%d-r0" % b)
+    engine_worker.signal_done(job, "b%d-r0" % b)
 """
 
 
 @pytest.mark.parametrize("together", [True, False])
 def test_interleaved_engines_start_one_by_one_or_together(tmp_path, together):
-    benchmarks = str(Path(engines.__file__).parent)
+    repo = str(Path(engines.__file__).parent.parent)
     script = tmp_path / "fake_worker.py"
-    script.write_text(FAKE_WORKER.format(benchmarks=benchmarks, wait_s=1.0 if not together else 20.0, engines_n=3))
+    script.write_text(FAKE_WORKER.format(repo=repo, wait_s=1.0 if not together else 20.0, engines_n=3))
     jobs = {name: {"batch_sizes": [1, 8]} for name in ("none", "a", "b")}
     done = engines.run_interleaved(jobs, tmp_path / "work", 1, 60.0, log=lambda line: None,
                                    script_for=lambda name: script, start_together=together)

@@ -13,7 +13,9 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import serve_load
+from benchmarks.serving import workload
 from conftest import REGISTERED
+
 
 pytestmark = pytest.mark.engine
 
@@ -28,13 +30,13 @@ def test_server_loses_nothing_and_changes_no_greedy_answer(demo_model, tmp_path)
             "tree": {"drafter": "retrieval", "load_budget": "fixed"}}
     # KV for one full-length sequence, the smallest vLLM starts with, in blocks of 32 tokens (a request
     # needs a new block 4x as often as with the CPU's default 128): the speculative server preempts.
-    report = serve_load.compare(demo_model, {"retrieval": spec}, requests=64, concurrency=16, seed=62,
-                                max_model_len=512, kv_sequences=1, dtype="float32", out=tmp_path, max_tokens_cap=48,
-                                blocks=2, chunked_spec=True, warmup=2, reference_kv_sequences=16,
-                                block_size=32, extra_args=["--distributed-executor-backend", "uni"])
-    jobs = serve_load.workload(64, 62, 512, demo_model, 48)
+    report = serve_load.compare(serve_load.ServeLoadConfig(
+        demo_model, {"retrieval": spec}, tmp_path, requests=64, concurrency=16, seed=62, max_model_len=512,
+        kv_sequences=1, dtype="float32", max_tokens_cap=48, blocks=2, chunked_spec=True, warmup=2,
+        reference_kv_sequences=16, block_size=32, extra_args=["--distributed-executor-backend", "uni"]))
+    jobs = workload.workload(64, 62, 512, demo_model, 48)
     kinds = {job.kind for job in jobs}
-    assert kinds == {*serve_load.MIX, "greedy"}, kinds
+    assert kinds == {*workload.MIX, "greedy"}, kinds
     assert any(job.disconnect_after for job in jobs) and any(job.stream for job in jobs)
     for label, summary in report["servers"].items():
         assert summary["requests"] == 64 and summary["alive"], label

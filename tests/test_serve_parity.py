@@ -17,7 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from benchmarks import serve_load
+from benchmarks.serving import servers
 from parity_cases import CASES, Case
+
 
 pytestmark = pytest.mark.engine
 
@@ -36,7 +38,7 @@ def answers(demo_model, tmp_path_factory):
         for label, spec in (("none", None), ("tree", SPEC)):
             args = serve_load.server_args(demo_model, 1024, 4, "float32", spec, chunked=False)
             args += ["--max-num-seqs", "8", "--distributed-executor-backend", "uni"]
-            servers[label] = serve_load.Server(demo_model, serve_load.free_port(), spec, args, out / f"{label}.log")
+            servers[label] = servers.Server(demo_model, servers.free_port(), spec, args, out / f"{label}.log")
         for server in servers.values():
             server.wait_healthy()
         result = {}
@@ -46,7 +48,7 @@ def answers(demo_model, tmp_path_factory):
                 result[label] = dict(zip((c.name for c in together),
                                          pool.map(lambda case: answer(server.base, demo_model, case), together)))
             result[label] |= {case.name: answer(server.base, demo_model, case) for case in CASES if case.alone}
-        result["counters"] = serve_load.counters(servers["tree"].get("/metrics"))
+        result["counters"] = servers.counters(servers["tree"].get("/metrics"))
         (out / "answers.json").write_text(json.dumps(result, indent=1))
         return result
     finally:
