@@ -93,8 +93,9 @@ def measure(model: str, spec: dict, batch: int, args) -> dict:
 
     prompts = [p.messages for p in load_prompts()]
     conversations = [prompts[i % len(prompts)] for i in range(batch)]
-    llm = LLM(model, dtype="float32", max_model_len=4096, speculative_config=spec, max_num_seqs=max(batch, 8),
-              enforce_eager=True)
+    extra = {} if args.gpu_memory_utilization is None else {"gpu_memory_utilization": args.gpu_memory_utilization}
+    llm = LLM(model, dtype=args.dtype, max_model_len=4096, speculative_config=spec, max_num_seqs=max(batch, 8),
+              enforce_eager=True, **extra)
     try:
         llm.collective_rpc(profile_drafting, args=(args.warmup, args.steps))
         llm.chat(conversations, SamplingParams(max_tokens=args.max_tokens, temperature=0), use_tqdm=False)
@@ -130,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=12, help="profiled drafting steps")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--head", default=str(HEAD))
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--gpu-memory-utilization", type=float, help="GPU: the share of the device (default vLLM's)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process, where the hooks are

@@ -19,7 +19,9 @@
 #            V1 runner with synchronous scheduling (the plugin must add none);
 #      profile: benchmarks/step_profile.py in lockstep at batch 8 and 64: the graphs column
 #            (FULL for every draft-free and every uniform tree step) and the step times of none
-#            (vLLM's default), none-v1-sync, tree-0 (draft-free) and tree-16 / tree-adaptive-16.
+#            (vLLM's default), none-v1-sync, tree-0 (draft-free) and tree-16 / tree-adaptive-16;
+#      drafthost: benchmarks/draft_host_time.py at batch 8 and 64: a drafting step's host time outside
+#            torch operations for the tensor retrieval matcher and an EAGLE-3 tree (issue 53).
 #   2. throughput: benchmarks/throughput.py, bf16, held-out prompts, batch 1, 8, 32, 64: none,
 #            none-v1-sync, ngram, eagle3 (vLLM's chain), tree-retrieval (the trie) and
 #            tree-retrieval-tensors (issue 53's tensor matcher, which auto would pick if faster);
@@ -58,6 +60,9 @@ PARTS=$!
 part sync "$WAVE1" bash -c "python3 benchmarks/sync_check.py --batch-size 8 --methods none-v1-sync,tree-0,tree-16 \
     --out $WORK/sync && python3 benchmarks/sync_check.py --batch-size 64 --methods none-v1-sync,tree-0,tree-16 \
     --out $WORK/sync" &
+PARTS="$PARTS $!"
+part drafthost "$WAVE1" python3 benchmarks/draft_host_time.py --drafters retrieval-tensors,eagle3 --batch-sizes 8,64 \
+    --dtype bfloat16 --gpu-memory-utilization 0.1 --out "$WORK/drafthost" &
 PARTS="$PARTS $!"
 part profile "$WAVE1" python3 benchmarks/step_profile.py --dtype bfloat16 --engine-layout lockstep --passes 1 \
     --methods none,none-v1-sync,tree-0,tree-16,tree-adaptive-16 --batch-sizes 8,64 --max-tokens 64 --out "$WORK/profile" &

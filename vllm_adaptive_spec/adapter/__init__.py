@@ -28,6 +28,7 @@ CONFIG_HOOKS: tuple[str, ...] = (
 )
 ENGINE_HOOKS: tuple[str, ...] = (
     "vllm.v1.attention.backends.registry:register_backend",
+    "vllm.v1.attention.selector:_cached_get_attn_backend",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states",
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model",

@@ -26,7 +26,7 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAt
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
 
 from kernels.tree_attention import graph_splits, tree_attention, tree_attention_triton
-from vllm_adaptive_spec.adapter.tree_impl import TreeImplMixin
+from vllm_adaptive_spec.adapter.tree_impl import TreeImplMixin, register_tree_backend
 
 
 def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,8 +95,5 @@ class TreeTritonAttentionBackend(TritonAttentionBackend):
 def register_tree_backends() -> None:
     """Point ``FLASH_ATTN`` and ``TRITON_ATTN`` at the tree-aware backends in
     this process (before the model's layers are built)."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-    module = __name__
-    register_backend(AttentionBackendEnum.FLASH_ATTN, f"{module}.TreeFlashAttentionBackend")
-    register_backend(AttentionBackendEnum.TRITON_ATTN, f"{module}.TreeTritonAttentionBackend")
+    register_tree_backend("FLASH_ATTN", f"{__name__}.TreeFlashAttentionBackend")
+    register_tree_backend("TRITON_ATTN", f"{__name__}.TreeTritonAttentionBackend")

@@ -95,3 +95,16 @@ def check_tree_backends(vllm_config, supported: tuple[str, ...]) -> None:
             f"adaptive_tree: vLLM chose the attention backend(s) {', '.join(sorted(others))}, which have no tree "
             f"path; supported here: {', '.join(supported)} (set attention_backend to one of them)"
         )
+
+
+def register_tree_backend(name: str, backend_path: str) -> None:
+    """Point vLLM's attention backend ``name`` at the tree-aware
+    ``backend_path`` in this process, and forget vLLM's cached backend
+    choices: an engine without speculation opened earlier in the same
+    process (the demo, lockstep benchmarks) left the stock class cached,
+    which this engine would otherwise get, and be refused."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.attention.selector import _cached_get_attn_backend
+
+    register_backend(AttentionBackendEnum[name], backend_path)
+    _cached_get_attn_backend.cache_clear()

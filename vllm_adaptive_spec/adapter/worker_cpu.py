@@ -10,12 +10,12 @@ tree-aware backend before any attention layer exists in this process.
 from __future__ import annotations
 
 import torch
-from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_adaptive_spec.adapter.attention_cpu import cache_views
 from vllm_adaptive_spec.adapter.runner import TreeRunnerMixin
+from vllm_adaptive_spec.adapter.tree_impl import register_tree_backend
 from vllm_adaptive_spec.adapter.worker import TreeWorkerMixin
 
 
@@ -26,10 +26,7 @@ class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
 
 class TreeCPUWorker(TreeWorkerMixin, CPUWorker):
     def __init__(self, *args, **kwargs) -> None:
-        register_backend(
-            AttentionBackendEnum.CPU_ATTN,
-            "vllm_adaptive_spec.adapter.attention_cpu.TreeCPUAttentionBackend",
-        )
+        register_tree_backend("CPU_ATTN", "vllm_adaptive_spec.adapter.attention_cpu.TreeCPUAttentionBackend")
         super().__init__(*args, **kwargs)
 
     def init_device(self) -> None:
