@@ -24,8 +24,6 @@ from pathlib import Path
 
 from benchmarks import engine_worker, engines, step_profile
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-
 
 def count_syncs(llm, prompts, params, batch_size: int, steps: int) -> tuple[float, Counter]:
     """Synchronising calls per step over ``steps`` decode steps of
@@ -64,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default=str(engines.REPO / "benchmarks" / "results"))
     args = parser.parse_args(argv)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, where the warnings are caught
     from vllm import SamplingParams
 
     from vllm_adaptive_spec.demo_model import ensure_demo_model

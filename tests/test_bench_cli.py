@@ -38,3 +38,17 @@ def test_no_benchmark_file_is_over_450_lines():
     long = {path.relative_to(BENCHMARKS).as_posix(): n for path in BENCHMARKS.rglob("*.py")
             if (n := len(path.read_text(encoding="utf-8").splitlines())) > 450}
     assert not long
+
+
+def test_importing_a_tool_changes_no_environment(monkeypatch):
+    """A tool sets what its engines need when it runs, not when imported
+    (the suite imports every tool)."""
+    import importlib
+    import os
+    import sys
+
+    before = dict(os.environ)
+    for module, _ in TOOLS.values():
+        monkeypatch.delitem(sys.modules, f"benchmarks.{module}", raising=False)
+        importlib.import_module(f"benchmarks.{module}")
+    assert dict(os.environ) == before
