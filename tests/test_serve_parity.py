@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from benchmarks import serve_load
-from benchmarks.serving import servers
+from benchmarks.serving.servers import Server, counters, free_port
 from parity_cases import CASES, Case
 
 
@@ -38,7 +38,7 @@ def answers(demo_model, tmp_path_factory):
         for label, spec in (("none", None), ("tree", SPEC)):
             args = serve_load.server_args(demo_model, 1024, 4, "float32", spec, chunked=False)
             args += ["--max-num-seqs", "8", "--distributed-executor-backend", "uni"]
-            servers[label] = servers.Server(demo_model, servers.free_port(), spec, args, out / f"{label}.log")
+            servers[label] = Server(demo_model, free_port(), spec, args, out / f"{label}.log")
         for server in servers.values():
             server.wait_healthy()
         result = {}
@@ -48,7 +48,7 @@ def answers(demo_model, tmp_path_factory):
                 result[label] = dict(zip((c.name for c in together),
                                          pool.map(lambda case: answer(server.base, demo_model, case), together)))
             result[label] |= {case.name: answer(server.base, demo_model, case) for case in CASES if case.alone}
-        result["counters"] = servers.counters(servers["tree"].get("/metrics"))
+        result["counters"] = counters(servers["tree"].get("/metrics"))
         (out / "answers.json").write_text(json.dumps(result, indent=1))
         return result
     finally:

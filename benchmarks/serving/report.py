@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks import engines
+from benchmarks.report import pyplot
 from benchmarks.serving.workload import PLAIN, Job, Outcome
 
 
@@ -125,7 +125,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, runs: dict, path: Path) -> None:
-    plt = engines.pyplot()
+    plt = pyplot()
     if plt is None:
         return
     fig, (latency, throughput, memory) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
