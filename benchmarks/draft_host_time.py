@@ -27,9 +27,12 @@ Reproduce (about 4 minutes on 2 CPU cores)::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -93,15 +96,17 @@ def measure(model: str, spec: dict, batch: int, args) -> dict:
 
     prompts = [p.messages for p in load_prompts()]
     conversations = [prompts[i % len(prompts)] for i in range(batch)]
-    extra = {} if args.gpu_memory_utilization is None else {"gpu_memory_utilization": args.gpu_memory_utilization}
-    llm = LLM(model, dtype=args.dtype, max_model_len=4096, speculative_config=spec, max_num_seqs=max(batch, 8),
-              enforce_eager=True, **extra)
+    from vllm_adaptive_spec.kv_cache_size import engine_kwargs
+
+    llm = LLM(**engine_kwargs(model, args.dtype, max_model_len=2048, max_num_seqs=batch, speculative_config=spec))
     try:
         llm.collective_rpc(profile_drafting, args=(args.warmup, args.steps))
         llm.chat(conversations, SamplingParams(max_tokens=args.max_tokens, temperature=0), use_tqdm=False)
         samples = llm.collective_rpc(lambda worker: worker.draft_host_samples)[0]
     finally:
+        llm.llm_engine.engine_core.shutdown()
         del llm
+        gc.collect()
     if not samples:
         return {"error": "no drafting step was profiled (raise --max-tokens)"}
     return {key: statistics.median(s[key] for s in samples) for key in samples[0]} | {"steps": len(samples)}
@@ -132,27 +137,42 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--head", default=str(HEAD))
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--gpu-memory-utilization", type=float, help="GPU: the share of the device (default vLLM's)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # DRAFTER:BATCH, measured in this process
     args = parser.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process, where the hooks are
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with functions
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.one:
+        from vllm_adaptive_spec.demo_model import ensure_demo_model
 
-    from vllm_adaptive_spec.demo_model import ensure_demo_model
-
-    model = str(ensure_demo_model())
+        drafter, batch = args.one.split(":")
+        row = measure(str(ensure_demo_model()), spec_of(drafter, args.budget, args.head), int(batch), args)
+        (out / f"draft_host_time.{drafter}.{batch}.json").write_text(json.dumps(row) + "\n")
+        return
     rows = []
     for drafter in args.drafters.split(","):
         for batch in (int(b) for b in args.batch_sizes.split(",")):
             print(f"{drafter} b={batch} ...", flush=True)
-            rows.append({"drafter": drafter, "batch": batch,
-                         **measure(model, spec_of(drafter, args.budget, args.head), batch, args)})
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+            rows.append({"drafter": drafter, "batch": batch, **measure_apart(drafter, batch, argv or [], out)})
     (out / "draft_host_time.json").write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=2) + "\n")
     text = table(rows)
     (out / "draft_host_time.md").write_text(text + "\n")
     print(text)
+
+
+def measure_apart(drafter: str, batch: int, argv: list[str], out: Path) -> dict:
+    """One measurement in a process of its own (an engine's memory is not
+    all returned when it shuts down in the process that opened it)."""
+    result = out / f"draft_host_time.{drafter}.{batch}.json"
+    result.unlink(missing_ok=True)
+    done = subprocess.run([sys.executable, "-m", "benchmarks.draft_host_time", *argv, "--out", str(out),
+                           "--one", f"{drafter}:{batch}"], capture_output=True, text=True)
+    if not result.exists():
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        return {"error": f"exit {done.returncode}: {lines[-1] if lines else 'no output'}"}
+    return json.loads(result.read_text())
 
 
 if __name__ == "__main__":

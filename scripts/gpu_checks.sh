@@ -62,7 +62,7 @@ part sync "$WAVE1" bash -c "python3 benchmarks/sync_check.py --batch-size 8 --me
     --out $WORK/sync" &
 PARTS="$PARTS $!"
 part drafthost "$WAVE1" python3 benchmarks/draft_host_time.py --drafters retrieval-tensors,eagle3 --batch-sizes 8,64 \
-    --dtype bfloat16 --gpu-memory-utilization 0.1 --out "$WORK/drafthost" &
+    --dtype bfloat16 --out "$WORK/drafthost" &
 PARTS="$PARTS $!"
 part profile "$WAVE1" python3 benchmarks/step_profile.py --dtype bfloat16 --engine-layout lockstep --passes 1 \
     --methods none,none-v1-sync,tree-0,tree-16,tree-adaptive-16 --batch-sizes 8,64 --max-tokens 64 --out "$WORK/profile" &
