@@ -36,8 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-HEAD = REPO / "heads" / "smollm2-135m-eagle3"
+from benchmarks.engines import HEAD, REPO
+from benchmarks.report import portable_paths
 
 
 def spec_of(drafter: str, budget: int, head: str) -> dict:
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         for batch in (int(b) for b in args.batch_sizes.split(",")):
             print(f"{drafter} b={batch} ...", flush=True)
             rows.append({"drafter": drafter, "batch": batch, **measure_apart(drafter, batch, argv or [], out)})
-    (out / "draft_host_time.json").write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=2) + "\n")
+    (out / "draft_host_time.json").write_text(json.dumps({"settings": portable_paths(vars(args)), "rows": rows}, indent=2) + "\n")
     text = table(rows)
     (out / "draft_host_time.md").write_text(text + "\n")
     print(text)
