@@ -267,8 +267,8 @@ class PagedDraftBackend:
         positions_t = torch.cat(rows.positions)
         rows_t = torch.tensor(rows.batch_rows, dtype=torch.long)
         slots = self._slots(block_table, torch.repeat_interleave(rows_t, lens_t.long()), positions_t)
-        seq_lens = (torch.stack([p[-1] for p in rows.positions]) + 1).to(torch.int32)
         last = starts[1:].long() - 1
+        seq_lens = (positions_t[last] + 1).to(torch.int32)  # each entry's last position, one gather
         out_logits, out_hidden = self._run(torch.cat(rows.tokens), positions_t, self._combine(rows.aux), slots, starts,
                                            seq_lens, block_table[rows_t], logit_rows=last if logits else last[:0])
         return out_logits, out_hidden, last
