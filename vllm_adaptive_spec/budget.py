@@ -140,8 +140,8 @@ class LoadBudget:
         fit = self.fit.solve()
         if fit is None:
             return self._cold_choice(trees, p_hat, plain)
-        delta = self.draft_cost()
-        plan = plan_nodes(p_hat, fit, delta, plain, self.room(len(trees), plain))
+        delta, room = self.draft_cost(), self.room(len(trees), plain)
+        plan = plan_nodes(p_hat, fit, delta, plain, room)
         chosen = [shaped(tree.keep_best(count), rho, fit, plan.rate)
                   for tree, count, rho in zip(trees, plan.kept, rhos)]
         plain_seconds = fit.alpha + fit.beta * (len(trees) + plain)
@@ -149,8 +149,7 @@ class LoadBudget:
         if fallback is not None:
             scorer = fallback_budget or self
             fallback_p_hat = self.expected(fallback, [scorer.calibration(r) for r in ids])
-            without = max(without, plan_nodes(fallback_p_hat, fit, 0.0, plain, self.room(len(trees), plain))
-                          .expected_rate)
+            without = max(without, plan_nodes(fallback_p_hat, fit, 0.0, plain, room).expected_rate)
         measurable = bool(trees) and delta > 0.0
         seconds = node_allocation.modelled_seconds(fit, plain_seconds, delta, chosen) if self.pauses.realized else 0.0
         self.pauses.judge(plan.expected_rate if measurable else None, without, len(trees) + plain, seconds,

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+from vllm.v1.attention.selector import _cached_get_attn_backend
 
 from vllm_adaptive_spec.adapter import step as tree_step
 
@@ -103,8 +105,5 @@ def register_tree_backend(name: str, backend_path: str) -> None:
     choices: an engine without speculation opened earlier in the same
     process (the demo, lockstep benchmarks) left the stock class cached,
     which this engine would otherwise get, and be refused."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-    from vllm.v1.attention.selector import _cached_get_attn_backend
-
     register_backend(AttentionBackendEnum[name], backend_path)
     _cached_get_attn_backend.cache_clear()
