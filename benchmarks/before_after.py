@@ -24,14 +24,12 @@ Reproduce (the project's default config, the held-out prompts)::
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 from pathlib import Path
 
 from benchmarks import engines, throughput
-from benchmarks.engines import REPO
-from benchmarks.report import compare, fmt, installed_vllm_version, machine, machine_line, portable_paths
-from benchmarks.options import parse_spec
+from benchmarks.options import REPO, add_batches, add_output, add_workload, check_batches, parse_spec
+from benchmarks.report import compare, fmt, installed_vllm_version, machine, machine_line, write_report
 
 
 VLLM_METHODS = ("ngram", "suffix", "eagle3")
@@ -68,23 +66,19 @@ def main(argv: list[str] | None = None) -> None:
                         help="LABEL=JSON, a speculative config (repeatable); a 'model' key is replaced by the head")
     parser.add_argument("--vllm-methods", default="ngram",
                         help=f"vLLM's own methods run beside (comma list of {', '.join(VLLM_METHODS)}; '' for none)")
-    parser.add_argument("--batch-sizes", default="1,8,32")
-    parser.add_argument("--prompts-per-batch", default="2,16,64")
-    parser.add_argument("--max-tokens", type=int, default=256)
+    add_batches(parser, "1,8,32", prompts_per_batch="2,16,64")
+    add_workload(parser, max_tokens=256)
+    add_output(parser, "before_after")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--prompts", default=str(REPO / "benchmarks" / "data" / "heldout_prompts.jsonl"))
     parser.add_argument("--head", default=str(engines.HEAD))
     parser.add_argument("--worker-timeout", type=float, default=3600)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "before_after")
     args = parser.parse_args(argv)
     vllm_methods = [m for m in args.vllm_methods.split(",") if m]
     unknown = sorted(set(vllm_methods) - set(VLLM_METHODS))
     if unknown:
         parser.error(f"--vllm-methods: unknown {', '.join(unknown)}; valid: {', '.join(VLLM_METHODS)}")
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    counts = [int(n) for n in args.prompts_per_batch.split(",")]
-    if len(counts) != len(batch_sizes):
-        parser.error("--prompts-per-batch needs one count per batch size")
+    check_batches(parser, args)
+    batch_sizes, counts = args.batch_sizes, args.prompts_per_batch
     scripts = {}
     for side in ("before", "after"):
         script = getattr(args, side).resolve() / "benchmarks" / "engines.py"
@@ -130,17 +124,14 @@ def main(argv: list[str] | None = None) -> None:
             rows.append({"batch_size": b, **row})
     report = {
         "vllm_version": installed_vllm_version(), "machine": machine(),
-        "settings": portable_paths({
+        "settings": {
             "before_rev": git_rev(args.before), "after_rev": git_rev(args.after), "specs": dict(args.spec),
             "vllm_methods": {m: jobs[m]["speculative_config"] for m in vllm_methods},
             "batch_sizes": batch_sizes, "prompts_per_batch": counts, "max_tokens": args.max_tokens,
-            "rounds": args.rounds, "prompts": args.prompts}),
+            "rounds": args.rounds, "prompts": str(args.prompts)},
         "rows": rows,
     }
-    (args.out / "before_after.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    text = markdown(report)
-    (args.out / "before_after.md").write_text(text, encoding="utf-8")
-    print(text)
+    write_report(args.out, "before_after", report, markdown(report))
 
 
 if __name__ == "__main__":

@@ -30,9 +30,8 @@ import time
 from pathlib import Path
 
 from benchmarks import engine_worker, engines
-from benchmarks.engines import REPO
-from benchmarks.report import fmt, installed_vllm_version, machine, machine_line, portable_paths
-from benchmarks.options import parse_spec
+from benchmarks.options import add_output, add_workload, parse_spec
+from benchmarks.report import fmt, installed_vllm_version, machine, machine_line, write_report
 
 
 def count_new_shapes() -> set | None:
@@ -118,10 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--passes", type=int, default=3)
-    parser.add_argument("--prompts", default=str(REPO / "benchmarks" / "data" / "heldout_prompts.jsonl"))
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "cold_start")
+    add_workload(parser, max_tokens=96)
+    add_output(parser, "cold_start")
     parser.add_argument("--one", nargs=2, metavar=("LABEL", "JSON"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.passes < 2:
@@ -145,10 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = {k: v for k, v in vars(args).items() if k not in ("spec", "one", "out")}
     report = {"settings": settings, "vllm_version": installed_vllm_version(), "machine": machine(),
               "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cold_start.json").write_text(json.dumps(portable_paths(report), indent=1))
-    (args.out / "cold_start.md").write_text(markdown(report))
-    print(markdown(report))
+    write_report(args.out, "cold_start", report, markdown(report))
 
 
 if __name__ == "__main__":

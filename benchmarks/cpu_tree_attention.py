@@ -21,14 +21,12 @@ Reproduce (about a minute on 2 CPU cores; writes ``cpu_tree_attention.{json,md}`
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-
+from benchmarks.options import add_output
+from benchmarks.report import write_report
 from vllm_adaptive_spec.adapter.attention_cpu import group_keys, paged_tree_attention, plan_pages
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK = 3, 3, 64, 128
@@ -103,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default=SHAPES, help="batch x context x rows per request, comma-separated")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    add_output(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     results = []
@@ -116,16 +114,12 @@ def main(argv: list[str] | None = None) -> None:
               f" tree path {result['tree_path_ms']:.3f} ms ({result['groups']} groups; one group"
               f" {result['one_group_ms']:.3f}), vLLM kernel {result['vllm_kernel_ms']:.3f} ms ({result['ratio']:.2f}x),"
               f" max |difference| {result['max_abs_difference']:.1e}", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cpu_tree_attention.json").write_text(json.dumps({"results": results}, indent=2))
     lines = ["| batch | context | rows | groups | tree path ms | one group ms | vLLM kernel ms | ratio |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['batch']} | {r['context']}{'+' + str(r['long']) if r['long'] else ''} | {r['rows']} |"
               f" {r['groups']} | {r['tree_path_ms']:.3f} | {r['one_group_ms']:.3f} | {r['vllm_kernel_ms']:.3f} |"
               f" {r['ratio']:.2f} |" for r in results]
-    (out / "cpu_tree_attention.md").write_text("\n".join(lines) + "\n")
-    print(f"Wrote {out / 'cpu_tree_attention.json'} and .md")
+    write_report(args.out, "cpu_tree_attention", {"results": results}, "\n".join(lines))
 
 
 if __name__ == "__main__":

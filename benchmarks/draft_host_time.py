@@ -1,7 +1,7 @@
 """The host time of a drafting step, outside torch operations, per batch size
 (issue 53: a drafter's host work must not grow with the batch).
 
-For each drafter and batch size ``b``: ``b`` prompts of the project's set in
+For each drafter and batch size ``b``: ``b`` prompts of the project's set (or ``--prompts``) in
 flight (greedy, ``--max-tokens``), the engine in this process; after
 ``--warmup`` steps, each of ``--steps`` engine steps' drafting
 (``propose_draft_token_ids``: the first pass, growth, the load budget, the
@@ -36,8 +36,9 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.engines import HEAD, REPO
-from benchmarks.report import portable_paths
+from benchmarks.engines import HEAD
+from benchmarks.options import add_batches, add_output, add_workload
+from benchmarks.report import write_report
 
 
 def spec_of(drafter: str, budget: int, head: str) -> dict:
@@ -94,7 +95,7 @@ def measure(model: str, spec: dict, batch: int, args) -> dict:
 
     from vllm_adaptive_spec.prompts import load_prompts
 
-    prompts = [p.messages for p in load_prompts()]
+    prompts = [p.messages for p in load_prompts(args.prompts)]
     conversations = [prompts[i % len(prompts)] for i in range(batch)]
     from vllm_adaptive_spec.kv_cache_size import engine_kwargs
 
@@ -130,19 +131,19 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafters", default="retrieval,retrieval-tensors,eagle3")
-    parser.add_argument("--batch-sizes", default="8,64")
+    add_batches(parser, "8,64")
+    add_workload(parser, max_tokens=48, prompts=None)
     parser.add_argument("--budget", type=int, default=16, help="N, nodes per tree")
     parser.add_argument("--warmup", type=int, default=8, help="engine steps before profiling")
     parser.add_argument("--steps", type=int, default=12, help="profiled drafting steps")
-    parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--head", default=str(HEAD))
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    add_output(parser)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # DRAFTER:BATCH, measured in this process
     args = parser.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process, where the hooks are
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with functions
-    out = Path(args.out)
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
     if args.one:
         from vllm_adaptive_spec.demo_model import ensure_demo_model
@@ -153,13 +154,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     rows = []
     for drafter in args.drafters.split(","):
-        for batch in (int(b) for b in args.batch_sizes.split(",")):
+        for batch in args.batch_sizes:
             print(f"{drafter} b={batch} ...", flush=True)
             rows.append({"drafter": drafter, "batch": batch, **measure_apart(drafter, batch, argv or [], out)})
-    (out / "draft_host_time.json").write_text(json.dumps({"settings": portable_paths(vars(args)), "rows": rows}, indent=2) + "\n")
-    text = table(rows)
-    (out / "draft_host_time.md").write_text(text + "\n")
-    print(text)
+    write_report(out, "draft_host_time", {"settings": vars(args), "rows": rows}, table(rows))
 
 
 def measure_apart(drafter: str, batch: int, argv: list[str], out: Path) -> dict:

@@ -80,7 +80,7 @@ def _with_runner_env(value: str | None, open_llm):
 
 
 def is_tree_method(job: dict) -> bool:
-    return (job["speculative_config"] or {}).get("method") == "adaptive_tree"
+    return (job.get("speculative_config") or {}).get("method") == "adaptive_tree"
 
 
 def spec_counters(llm) -> dict[str, int]:

@@ -37,8 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks.options import REPO
 
 HEAD = REPO / "heads" / "smollm2-135m-eagle3"
 # vLLM's n-gram drafter as the benchmarks compare against it (K = 4).

@@ -69,20 +69,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from benchmarks import engines, step_profile
-from benchmarks.engines import REPO
-from benchmarks.report import (
-    compare,
-    fmt,
-    installed_vllm_version,
-    machine,
-    machine_line,
-    portable_paths,
-    pyplot,
-    save_ratio_plot,
-)
+from benchmarks.options import add_batches, add_output, add_workload, check_batches
+from benchmarks.report import compare, fmt, installed_vllm_version, machine, machine_line, pyplot, save_ratio_plot, write_report
 
-
-HELDOUT = REPO / "benchmarks" / "data" / "heldout_prompts.jsonl"
 FLOORS = {"retrieval": 0.97, "eagle3": 0.95, "draft_model": 0.95, "hybrid": 0.95}
 MODEL_POLICIES = engines.MODEL_POLICIES
 RETRIEVAL_POLICIES = {"retrieval": ("retrieval", {}), "chain": ("chain", {})}
@@ -175,10 +164,11 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(report: dict, path: Path) -> bool:
+def plot(report: dict, out: Path) -> list[Path]:
+    """Each cell's ratio to no speculation per batch size, with the floors."""
     plt = pyplot()
     if plt is None:
-        return False
+        return []
     rows = [r for r in report["rows"] if r["ratio"] is not None]
     names = list(dict.fromkeys(r["cell"] for r in rows))
     batch_sizes = sorted({r["batch_size"] for r in rows})
@@ -198,8 +188,8 @@ def plot(report: dict, path: Path) -> bool:
     ax.minorticks_off()
     ax.set_xticks(range(len(names)), names, rotation=70, ha="right", fontsize=7)
     ax.grid(axis="x", linewidth=0.3)
-    save_ratio_plot(plt, fig, ax, path)
-    return True
+    save_ratio_plot(plt, fig, ax, out / "floor_sweep.png")
+    return [out / "floor_sweep.png"]
 
 
 # Settings that make two runs' ratios one workload; a merge refuses runs that differ in any.
@@ -238,19 +228,6 @@ def merge(reports: dict[str, dict]) -> dict:
     }
 
 
-def write(report: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "floor_sweep.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    (out / "floor_sweep.md").write_text(markdown(report), encoding="utf-8")
-
-
-def show(report: dict, out: Path) -> None:
-    """Print the table and draw the plot beside the written report."""
-    print(markdown(report))
-    if plot(report, out / "floor_sweep.png"):
-        print(f"plot: {out / 'floor_sweep.png'}")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafters", default="retrieval,eagle3,draft_model,hybrid")
@@ -258,9 +235,9 @@ def main(argv: list[str] | None = None) -> None:
                                            f"{', '.join(MODEL_POLICIES)} (retrieval: retrieval, chain)")
     parser.add_argument("--budgets", default="8,32,60")
     parser.add_argument("--cells", help="comma list of cells DRAFTER/POLICY/N (instead of the product of the above)")
-    parser.add_argument("--batch-sizes", default="1,8,64")
-    parser.add_argument("--prompts-per-batch", default="2,16,64", help="prompts of a pass at each batch size")
-    parser.add_argument("--max-tokens", type=int, default=256)
+    add_batches(parser, "1,8,64", prompts_per_batch="2,16,64")
+    add_workload(parser, max_tokens=256)
+    add_output(parser, "floor_sweep")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=3,
                         help="cells interleaved with one none engine; every engine of a group is up at once with "
@@ -273,9 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--head", default=str(engines.HEAD))
     parser.add_argument("--draft-lm", help="draft LM directory (default: `vllm-adaptive-spec draft-lm`'s)")
-    parser.add_argument("--prompts", default=str(HELDOUT))
     parser.add_argument("--worker-timeout", type=float, default=3600)
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "floor_sweep"))
     parser.add_argument("--merge", nargs="+", metavar="RUN_DIR",
                         help="instead of measuring: read these runs' floor_sweep.json as one table and plot in --out")
     args = parser.parse_args(argv)
@@ -292,8 +267,7 @@ def main(argv: list[str] | None = None) -> None:
             report = merge(reports)
         except ValueError as error:
             parser.error(f"--merge: {error}")
-        write(report, Path(args.out))
-        show(report, Path(args.out))
+        write_report(args.out, "floor_sweep", report, markdown(report), plot)
         return
 
     from vllm_adaptive_spec.demo_model import ensure_demo_model
@@ -310,10 +284,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown drafter(s) {unknown}; choose from {', '.join(FLOORS)}")
     policies = [p for p in args.policies.split(",") if p] if args.policies else None
     budgets = [int(n) for n in args.budgets.split(",")]
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    counts = [int(n) for n in args.prompts_per_batch.split(",")]
-    if len(counts) != len(batch_sizes):
-        parser.error("--prompts-per-batch needs one count per batch size")
+    check_batches(parser, args)
+    batch_sizes, counts = args.batch_sizes, args.prompts_per_batch
     if args.cells:
         wanted = [c.strip() for c in args.cells.split(",") if c.strip()]
         parts = [c.split("/") for c in wanted]
@@ -335,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     model = str(ensure_demo_model())
     base_job, prompts = engines.greedy_job(model, engines.interleave_categories(load_prompts(args.prompts)),
                                            args.dtype, args.max_tokens, batch_sizes, counts)
-    out = Path(args.out)
+    out = args.out
     rows = []
     names = list(grid)
     groups = [names[i: i + args.group_size] for i in range(0, len(names), args.group_size)]
@@ -369,15 +341,14 @@ def main(argv: list[str] | None = None) -> None:
         report = {
             "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "vllm_version": installed_vllm_version(), "machine": machine(),
-            "settings": portable_paths({
+            "settings": {
                 "cells": grid, "batch_sizes": batch_sizes, "prompts_per_batch": counts, "rounds": args.rounds,
                 "engine_layout": args.engine_layout,
                 "max_tokens": args.max_tokens, "dtype": args.dtype, "prompts": args.prompts,
-                "prompt_ids": [p.id for p in prompts]}),
+                "prompt_ids": [p.id for p in prompts]},
             "rows": rows, "elapsed_s": time.perf_counter() - t0,
         }
-        write(report, out)  # after every group, so an interrupted sweep keeps what it measured
-    show(report, out)
+        write_report(out, "floor_sweep", report, markdown(report), plot)  # an interrupted sweep keeps what it measured
 
 
 if __name__ == "__main__":

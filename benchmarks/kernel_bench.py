@@ -44,14 +44,13 @@ import argparse
 import itertools
 import json
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parent.parent
-
 from benchmarks.gpu_timing import bench, copy_bandwidth, graph_bench, require_cuda
+from benchmarks.options import add_output
+from benchmarks.report import write_report
 from kernels.kv_compaction import compact_kv_reference, compact_kv_triton
 from kernels.tree_attention import tree_attention_reference, tree_attention_triton
 from vllm_adaptive_spec.tree import ROOT, TreeBatch
@@ -324,27 +323,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compact-requests", type=int, default=256)
     parser.add_argument("--tune", default="", metavar="BxCxN,...",
                         help="first sweep the kernel's launch choices on these shapes, e.g. 32x4096x64")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    add_output(parser)
     args = parser.parse_args(argv)
     require_cuda("benchmarks/kernel_bench.py")
 
     def ints(text):
         return [int(x) for x in text.split(",")]
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     bandwidth = copy_bandwidth()
     report = {"gpu": torch.cuda.get_device_name(), "copy_bandwidth_tb_s": bandwidth / 1e12,
               "torch": torch.__version__, "attention": [], "compaction": [], "tuning": []}
     if args.tune:
         report["tuning"] = tune(bandwidth, [tuple(ints(shape.replace("x", ","))) for shape in args.tune.split(",")])
-        (out / "kernels.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        write_report(args.out, "kernels", report, markdown(report))  # the tuning kept if a later part fails
     report["compaction"] = compaction_rows(bandwidth, args.compact_requests)
     report["attention"] = attention_rows(bandwidth, ints(args.batches), ints(args.contexts), ints(args.nodes),
                                          not args.no_flex)
-    (out / "kernels.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    (out / "kernels.md").write_text(markdown(report), encoding="utf-8")
-    print(markdown(report))
+    write_report(args.out, "kernels", report, markdown(report))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,69 @@
-"""What the benchmark tools' command lines share."""
+"""What the benchmark tools' command lines share: the output directory, the
+workload (answer length, prompt set, batch sizes and prompts per pass) and
+the one ``--spec`` parser, so every tool spells and checks them alike."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+HELDOUT = REPO / "benchmarks" / "data" / "heldout_prompts.jsonl"
+
+
+def add_output(parser: argparse.ArgumentParser, subdir: str = "") -> None:
+    """``--out``: where the tool writes its report (JSON, Markdown, plot) and
+    its engines' logs; under ``benchmarks/results/``, which git ignores."""
+    parser.add_argument("--out", type=Path, default=RESULTS / subdir,
+                        help="directory for the report (JSON, Markdown, plot) and logs (default: %(default)s)")
+
+
+def add_workload(parser: argparse.ArgumentParser, max_tokens: int | None, prompts: Path | None = HELDOUT) -> None:
+    """``--max-tokens`` and ``--prompts``: the answer length a request may
+    reach (None: a preset the tool fills in) and the prompt set (JSONL; the
+    held-out set unless a tool says otherwise; None: the project's own
+    prompts)."""
+    parser.add_argument("--max-tokens", type=positive_int, default=max_tokens,
+                        help=f"most tokens an answer may have (default: {max_tokens or 'the preset'})")
+    parser.add_argument("--prompts", type=Path, default=prompts,
+                        help="prompt set JSONL (default: " + (str(prompts) if prompts else "the project's prompts") + ")")
+
+
+def add_batches(parser: argparse.ArgumentParser, batch_sizes: str | None, prompts_per_batch: str | None = None) -> None:
+    """``--batch-sizes`` and, where a tool takes it, ``--prompts-per-batch``
+    (one count per batch size; :func:`check_batches` checks the two agree)."""
+    parser.add_argument("--batch-sizes", type=int_list, default=None if batch_sizes is None else int_list(batch_sizes),
+                        help=f"comma list (default: {batch_sizes or 'the preset'})")
+    if prompts_per_batch is not None:
+        parser.add_argument("--prompts-per-batch", type=int_list, default=int_list(prompts_per_batch),
+                            help=f"prompts of a pass at each batch size, one per batch size (default: {prompts_per_batch})")
+
+
+def check_batches(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A usage error when the prompt counts do not match the batch sizes."""
+    if len(args.prompts_per_batch) != len(args.batch_sizes):
+        parser.error(f"--prompts-per-batch needs one count per batch size ({len(args.batch_sizes)}), "
+                     f"got {len(args.prompts_per_batch)}")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a positive integer, got {text!r}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """``1,8,64`` as ``[1, 8, 64]``: positive integers, comma-separated."""
+    try:
+        values = [positive_int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma list of positive integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("a comma list of positive integers, got nothing")
+    return values
 
 
 def parse_spec(text: str) -> tuple[str, dict | None]:

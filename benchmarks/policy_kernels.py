@@ -22,14 +22,12 @@ Reproduce on a GPU machine (only torch and triton needed, no vLLM)::
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-
 from benchmarks.gpu_timing import bench, copy_bandwidth, require_cuda
+from benchmarks.options import add_output
+from benchmarks.report import write_report
 from kernels.draft_distribution import draft_distribution_reference, draft_distribution_triton
 from kernels.tree_gating import (
     dynatree_gate_reference,
@@ -42,7 +40,7 @@ from kernels.tree_gating import (
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=640)
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    add_output(parser)
     args = parser.parse_args(argv)
     require_cuda("benchmarks/policy_kernels.py")
     bandwidth = copy_bandwidth()
@@ -86,11 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         share = "" if row["copy_fraction"] is None else f"{100 * row['copy_fraction']:.1f}"
         lines.append(f"| {row['kernel']} | {row['shape']} | {row['kernel_us']:.1f} | {row['reference_us']:.1f} | {share} |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "policy_kernels.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    (out / "policy_kernels.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print("\n".join(lines))
+    write_report(args.out, "policy_kernels", report, "\n".join(lines))
 
 
 if __name__ == "__main__":

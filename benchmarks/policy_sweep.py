@@ -37,14 +37,13 @@ Reproduce (about 40 minutes on 2 CPU cores)::
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 from benchmarks import engines
-from benchmarks.engines import REPO
-from benchmarks.report import fmt, installed_vllm_version, machine, portable_paths, pyplot
+from benchmarks.options import add_batches, add_output, add_workload
+from benchmarks.report import fmt, installed_vllm_version, machine, pyplot, write_report
 
 
 TREE_BUDGET = 60
@@ -120,7 +119,8 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plots(report: dict, out: Path) -> list[str]:
+def plots(report: dict, out: Path) -> list[Path]:
+    """tau against nodes verified per tree and against draft passes per step."""
     plt = pyplot()
     if plt is None:
         return []
@@ -146,7 +146,7 @@ def plots(report: dict, out: Path) -> list[str]:
         path = out / f"policy_sweep_tau_{x_key}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
-        written.append(str(path))
+        written.append(path)
     return written
 
 
@@ -155,16 +155,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", help="comma list (default: all of the sweep)")
     parser.add_argument("--depths", default="6,10,18", help="DEAGLE's (and eagle2's) maximum depths")
     parser.add_argument("--eagle2-budgets", default="", help="extra eagle2 trees of these N (methods eagle2-N<n>)")
-    parser.add_argument("--batch-sizes", default="1,16")
+    add_batches(parser, "1,16")
     parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--prompts-at-batch-1", type=int, default=7, help="prompts of the batch-1 pass (round-robin over categories)")
     parser.add_argument("--prompts-at-batch", type=int, default=32, help="prompts of the other passes")
-    parser.add_argument("--max-tokens", type=int, default=48)
+    add_workload(parser, max_tokens=48, prompts=None)
     parser.add_argument("--chain-k", type=int, default=4)
     parser.add_argument("--head", default=str(engines.HEAD))
     parser.add_argument("--engine-layout", choices=("processes", "in-process"), default="in-process")
     parser.add_argument("--worker-timeout", type=float, default=1800)
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    add_output(parser)
     args = parser.parse_args(argv)
 
     from vllm_adaptive_spec.demo_model import ensure_demo_model
@@ -182,13 +182,13 @@ def main(argv: list[str] | None = None) -> None:
         methods = {m: methods[m] for m in chosen}
     if "none" not in methods:
         methods = {"none": None, **methods}
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    batch_sizes = args.batch_sizes
     temperatures = [float(t) for t in args.temperatures.split(",")]
     model = str(ensure_demo_model())
-    prompts = engines.interleave_categories(load_prompts())
+    prompts = engines.interleave_categories(load_prompts(args.prompts))
     sizes = [args.prompts_at_batch_1 if b == 1 else args.prompts_at_batch for b in batch_sizes]
     prompts = prompts[: max(sizes + [2])]
-    out = Path(args.out)
+    out = args.out
     work = out / "logs"
     work.mkdir(parents=True, exist_ok=True)
     base_job = {
@@ -239,19 +239,13 @@ def main(argv: list[str] | None = None) -> None:
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "vllm_version": installed_vllm_version(),
         "machine": machine(),
-        "settings": portable_paths(
-            {"methods": methods, "batch_sizes": batch_sizes, "temperatures": temperatures, "prompts": sizes,
-             "max_tokens": args.max_tokens, "engine_layout": args.engine_layout,
-             "prompt_ids": [p.id for p in prompts]}),
+        "settings": {"methods": methods, "batch_sizes": batch_sizes, "temperatures": temperatures, "prompts": sizes,
+                     "max_tokens": args.max_tokens, "engine_layout": args.engine_layout,
+                     "prompt_ids": [p.id for p in prompts]},
         "rows": rows,
         "elapsed_s": time.perf_counter() - t0,
     }
-    (out / "policy_sweep.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    text = markdown(report)
-    (out / "policy_sweep.md").write_text(text + "\n", encoding="utf-8")
-    print(text)
-    for path in plots(report, out):
-        print(f"wrote {path}")
+    write_report(out, "policy_sweep", report, markdown(report), plots)
 
 
 if __name__ == "__main__":

@@ -6,22 +6,44 @@ formatting and the ratio plots."""
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.engines import REPO
+from benchmarks.options import REPO
+
+
+def write_report(out: Path, name: str, report: dict, text: str,
+                 plot: Callable[[dict, Path], list[Path]] | None = None) -> list[Path]:
+    """The one way a tool keeps what it measured: ``NAME.json`` (the report,
+    its paths made portable), ``NAME.md`` (``text``, the table) and whatever
+    ``plot(report, out)`` draws, all in ``out``; prints the table and what it
+    wrote. Written whole each call, so a tool may call it after every part of
+    a long run and an interrupted run keeps what it measured."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / f"{name}.json", out / f"{name}.md"]
+    written[0].write_text(json.dumps(portable_paths(report), indent=1) + "\n", encoding="utf-8")
+    written[1].write_text(text.rstrip("\n") + "\n", encoding="utf-8")
+    if plot is not None:
+        written += plot(report, out)
+    print(text.rstrip("\n"), flush=True)
+    print("wrote " + ", ".join(str(path) for path in written), flush=True)
+    return written
 
 
 def portable_paths(value):
-    """``value`` (settings for a report) with paths in this checkout made
-    relative to it and the home directory written ``~``: a committed report
-    names no machine's paths."""
+    """``value`` (settings for a report) with paths (strings or ``Path``s)
+    in this checkout made relative to it and the home directory written
+    ``~``: a committed report names no machine's paths."""
     if isinstance(value, dict):
         return {k: portable_paths(v) for k, v in value.items()}
     if isinstance(value, list):
         return [portable_paths(v) for v in value]
+    if isinstance(value, Path):
+        value = str(value)
     if isinstance(value, str):
         return value.replace(str(REPO) + os.sep, "").replace(str(Path.home()), "~")
     return value

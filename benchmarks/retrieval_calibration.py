@@ -53,7 +53,8 @@ import numpy as np
 import torch
 
 from benchmarks import engine_worker, engines
-from benchmarks.engines import REPO
+from benchmarks.options import add_output, add_workload
+from benchmarks.report import write_report
 
 from vllm_adaptive_spec.budget import LoadBudget
 from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
@@ -66,7 +67,7 @@ TRIE_MS = 0.6
 BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0001)
 
 
-def greedy_answers(max_tokens: int, path: Path) -> list[dict]:
+def greedy_answers(prompts_path: Path | None, max_tokens: int, path: Path) -> list[dict]:
     """``[{"prompt": ids, "answer": ids, "category": ...}]``, generated once
     (the demo model's answers to the prompt set) and kept at ``path``."""
     if path.is_file():
@@ -76,7 +77,7 @@ def greedy_answers(max_tokens: int, path: Path) -> list[dict]:
     from vllm_adaptive_spec.demo_model import ensure_demo_model
     from vllm_adaptive_spec.prompts import load_prompts
 
-    prompts = load_prompts()
+    prompts = load_prompts(prompts_path)
     llm = engine_worker.open_engine({"model": str(ensure_demo_model()), "dtype": "float32", "max_model_len": 1024,
                                "max_num_seqs": 16})
     outputs = llm.chat([p.messages for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_tokens),
@@ -351,7 +352,7 @@ def costs_from_row_cost(report: dict) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    add_workload(parser, max_tokens=128, prompts=None)
     parser.add_argument("--settings", default=",".join([*SETTINGS, *CHAIN_SETTINGS]),
                         help=f"of {', '.join([*SETTINGS, *CHAIN_SETTINGS])}")
     parser.add_argument("--step-ms", type=float, default=46.6,
@@ -365,15 +366,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--row-cost", type=Path,
                         help="row_cost.py's JSON (e.g. an 8B-shaped model on a GPU): its one-row step and its "
                              "ms per added row (forward and logits) replace --step-ms and --row-ms")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    add_output(parser)
     args = parser.parse_args(argv)
     if args.row_cost is not None:
         args.step_ms, args.row_ms = costs_from_row_cost(json.loads(args.row_cost.read_text(encoding="utf-8")))
     cost = StepCost(args.step_ms, args.row_ms, args.tree_ms, args.branch_ms)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    answers = greedy_answers(args.max_tokens, out / f"greedy_answers_{args.max_tokens}.json")
+    args.out.mkdir(parents=True, exist_ok=True)
+    prompt_set = args.prompts.stem if args.prompts else "prompts"
+    answers = greedy_answers(args.prompts, args.max_tokens,
+                             args.out / f"greedy_answers_{prompt_set}_{args.max_tokens}.json")
     report = {"cost_ms": vars(cost), "max_tokens": args.max_tokens}
     text = [f"Greedy answers of {args.max_tokens} tokens to the {len(answers)} prompts; est. b1 with a step of "
             f"{cost.step} ms, {cost.row} ms a verified node, {cost.tree} ms of the plugin's work a tree, "
@@ -394,8 +396,7 @@ def main(argv: list[str] | None = None) -> None:
             title = f"{name}: drafter {drafter_params}, policy {policy_params}, N={args.budget}"
         text.append(markdown(title, report[name]))
         print(text[-1] + "\n", flush=True)
-    (out / "retrieval_calibration.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    (out / "retrieval_calibration.md").write_text("\n\n".join(text) + "\n", encoding="utf-8")
+    write_report(args.out, "retrieval_calibration", report, "\n\n".join(text))
 
 
 if __name__ == "__main__":

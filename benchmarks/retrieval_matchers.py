@@ -21,18 +21,15 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
+from benchmarks.options import HELDOUT, add_batches, add_output
+from benchmarks.report import write_report
 from vllm_adaptive_spec.demo_model import ensure_demo_model
 from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
 from vllm_adaptive_spec.drafters.retrieval_tensors import TensorRetrievalDrafter
-
-HELDOUT = Path(__file__).parent / "data" / "heldout_prompts.jsonl"
-
 
 def streams(batch: int, length: int, seed: int) -> list[list[int]]:
     from transformers import AutoTokenizer
@@ -72,18 +69,16 @@ def time_matchers(batch: int, steps: int, seed: int = 0) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch-sizes", default="1,8,64")
+    add_batches(parser, "1,8,64")
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--out", help="a JSON file for the rows")
+    add_output(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    rows = [time_matchers(int(b), args.steps) for b in args.batch_sizes.split(",")]
-    print("| batch | nodes/tree | trie ms/step | tensors ms/step |\n|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['batch']} | {row['nodes_per_tree']:.1f} | {row['trie_ms']:.2f} | {row['tensors_ms']:.2f} |")
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1), encoding="utf-8")
-    sys.stdout.flush()
+    rows = [time_matchers(b, args.steps) for b in args.batch_sizes]
+    lines = ["| batch | nodes/tree | trie ms/step | tensors ms/step |", "|---|---|---|---|"]
+    lines += [f"| {row['batch']} | {row['nodes_per_tree']:.1f} | {row['trie_ms']:.2f} | {row['tensors_ms']:.2f} |"
+              for row in rows]
+    write_report(args.out, "retrieval_matchers", {"steps": args.steps, "rows": rows}, "\n".join(lines))
 
 
 if __name__ == "__main__":

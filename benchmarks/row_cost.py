@@ -38,7 +38,8 @@ import time
 from pathlib import Path
 
 from benchmarks import engine_worker
-from benchmarks.engines import REPO
+from benchmarks.options import RESULTS, add_output, int_list
+from benchmarks.report import write_report
 
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -97,7 +98,7 @@ def model_path(shape: str, workdir: Path) -> tuple[str, dict]:
 
 
 def measure(context: int, rows: tuple[int, ...], repeats: int, dtype: str, shape: str = "demo",
-            workdir: Path = REPO / "benchmarks" / "results") -> dict:
+            workdir: Path = RESULTS) -> dict:
     # logits_ms is sent to the worker, which vLLM only pickles with this set.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import SamplingParams
@@ -139,23 +140,22 @@ def markdown(report: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=3 * BLOCK, help="cached context tokens (whole blocks)")
-    parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--rows", type=int_list, default=list(ROWS),
+                        help="row counts to time; two of them at least 2 (the slope leaves one row out)")
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--shape", choices=("demo", "llama3-8b"), default="demo",
                         help="the demo model, or Llama-3-8B's shape with random weights")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    add_output(parser)
     args = parser.parse_args(argv)
     if args.context % BLOCK:
         parser.error(f"--context must be a multiple of {BLOCK} (whole cache blocks, so all of it is cached)")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    report = measure(args.context, tuple(int(r) for r in args.rows.split(",")), args.repeats, args.dtype,
-                     args.shape, out)
-    (out / "row_cost.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    text = markdown(report)
-    (out / "row_cost.md").write_text(text, encoding="utf-8")
-    print(text)
+    if len({r for r in args.rows if r >= 2}) < 2:
+        parser.error("--rows needs two distinct counts of at least 2 (the ms per row is their slope)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = measure(args.context, tuple(args.rows), args.repeats, args.dtype,
+                     args.shape, args.out)
+    write_report(args.out, "row_cost", report, markdown(report))
 
 
 if __name__ == "__main__":

@@ -78,8 +78,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.engines import REPO
-from benchmarks.options import parse_spec
+from benchmarks.options import REPO, add_output, add_workload, parse_spec
+from benchmarks.report import write_report
 from benchmarks.serving.report import greedy_comparison, markdown, plot, summarize
 from benchmarks.serving.servers import run_servers
 from benchmarks.serving.workload import DEFAULT_SPEC, PLAIN, batch_warmup_jobs, warmup_jobs, workload
@@ -124,7 +124,8 @@ class ServeLoadConfig:
     (with ``--distributed-executor-backend uni`` each server's worker runs in
     its engine core process: one vLLM import fewer to start).
     ``primitive_cache``: oneDNN's primitive cache capacity in every server
-    (``servers.server_env``; 0: oneDNN's default)."""
+    (``servers.server_env``; 0: oneDNN's default). ``prompts``: the
+    measured requests' prompt set (None: the project's prompts)."""
 
     model: str
     specs: dict[str, dict]
@@ -144,6 +145,7 @@ class ServeLoadConfig:
     extra_args: list[str] = field(default_factory=list)
     batch_warmup: int = 0
     primitive_cache: int = 0
+    prompts: Path | None = None
 
 
 def compare(config: ServeLoadConfig) -> dict:
@@ -151,7 +153,7 @@ def compare(config: ServeLoadConfig) -> dict:
     c = config
     model, specs, out, max_model_len = c.model, c.specs, c.out, c.max_model_len
     out.mkdir(parents=True, exist_ok=True)
-    jobs = workload(c.requests, c.seed, max_model_len, model, c.max_tokens_cap)
+    jobs = workload(c.requests, c.seed, max_model_len, model, c.max_tokens_cap, c.prompts)
     try:
         import torch
 
@@ -199,9 +201,7 @@ def compare(config: ServeLoadConfig) -> dict:
         "note": note, "servers": summaries, "ratios": ratios,
         "greedy": {label: greedy_comparison(plain, runs[label], jobs) for label in specs},
     }
-    (out / "serve_load.json").write_text(json.dumps({**report, "runs": runs}, indent=1) + "\n", encoding="utf-8")
-    (out / "serve_load.md").write_text(markdown(report), encoding="utf-8")
-    plot(report, runs, out / "serve_load.png")
+    write_report(out, "serve_load", {**report, "runs": runs}, markdown(report), plot)
     return report
 
 
@@ -244,8 +244,8 @@ def main(argv: list[str] | None = None) -> None:
                              "128 bounds vLLM's matmul primitives once the warm-up has run; 0: oneDNN's default, "
                              "1,024, under which memory grows for thousands of seconds)")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--max-tokens", type=int, default=512, help="the largest max_tokens drawn")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "serve_load"))
+    add_workload(parser, max_tokens=512, prompts=None)  # max_tokens drawn log-uniform up to this
+    add_output(parser, "serve_load")
     args = parser.parse_args(argv)
     specs = dict(args.spec) if args.spec else {"retrieval": DEFAULT_SPEC}
     if PLAIN in specs:
@@ -257,11 +257,12 @@ def main(argv: list[str] | None = None) -> None:
     for spec in specs.values():  # a head or draft model given relative to the repository
         if spec and spec.get("model") and not Path(spec["model"]).is_absolute() and (REPO / spec["model"]).exists():
             spec["model"] = str(REPO / spec["model"])
-    report = compare(ServeLoadConfig(
-        args.model, specs, Path(args.out), args.requests, args.concurrency, args.seed, args.max_model_len,
-        args.kv_sequences, args.dtype, args.max_tokens, args.blocks, args.chunked_spec, args.warmup,
-        block_size=args.block_size, batch_warmup=args.batch_warmup, primitive_cache=args.onednn_primitive_cache))
-    print(markdown(report))
+    compare(ServeLoadConfig(
+        args.model, specs, args.out, requests=args.requests, concurrency=args.concurrency, seed=args.seed,
+        max_model_len=args.max_model_len, kv_sequences=args.kv_sequences, dtype=args.dtype,
+        max_tokens_cap=args.max_tokens, blocks=args.blocks, chunked_spec=args.chunked_spec, warmup=args.warmup,
+        block_size=args.block_size, batch_warmup=args.batch_warmup, primitive_cache=args.onednn_primitive_cache,
+        prompts=args.prompts))
 
 
 if __name__ == "__main__":

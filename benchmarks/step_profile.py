@@ -66,8 +66,8 @@ from collections import Counter
 from pathlib import Path
 
 from benchmarks import engine_worker, engines
-from benchmarks.engines import REPO
-from benchmarks.report import portable_paths
+from benchmarks.options import add_batches, add_output, add_workload
+from benchmarks.report import write_report
 from vllm_adaptive_spec.adapter.step_profile import GRAPH_KEY
 
 
@@ -347,8 +347,8 @@ def table(report: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", default="none,ngram,tree-0,tree-1,tree-4,tree-16,tree-60,tree-adaptive-16")
-    parser.add_argument("--batch-sizes", default="1,8,64")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    add_batches(parser, "1,8,64")
+    add_workload(parser, max_tokens=32, prompts=None)
     parser.add_argument("--min-prompts", type=int, default=4, help="prompts per pass at least (b=1 runs them in turn)")
     parser.add_argument("--dtype", default="float32",
                         help="float32 (default): on CPUs without native bf16 (AVX2 only), bf16 matmuls cost "
@@ -359,9 +359,8 @@ def main(argv: list[str] | None = None) -> None:
                              "stepped in turn (ratios between methods without the machine's drift)")
     parser.add_argument("--passes", type=int, default=2, help="lockstep: timed passes per batch size")
     parser.add_argument("--head", default=str(engines.HEAD), help="EAGLE-3 head (eagle3-N)")
-    parser.add_argument("--prompts", help="prompt set JSONL (default: the project's)")
     parser.add_argument("--worker-timeout", type=float, default=1800, help="seconds per engine process")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    add_output(parser)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -372,10 +371,10 @@ def main(argv: list[str] | None = None) -> None:
     from vllm_adaptive_spec.prompts import load_prompts
 
     model = str(ensure_demo_model())
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    batch_sizes = args.batch_sizes
     conversations = [p.messages for p in engines.interleave_categories(load_prompts(args.prompts))]
     conversations = conversations[: max(max(batch_sizes), args.min_prompts)]
-    out = Path(args.out)
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
     jobs, listed = {}, Counter()
     for method in args.methods.split(","):
@@ -406,11 +405,8 @@ def main(argv: list[str] | None = None) -> None:
                          for b in batch_sizes]
                 continue
             rows += [{"method": name, **r} for r in result["runs"]]
-    report = {"settings": portable_paths(vars(args)), "rows": rows}
-    (out / "step_profile.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    text = table(report)
-    (out / "step_profile.md").write_text(text + "\n", encoding="utf-8")
-    print(text)
+    report = {"settings": vars(args), "rows": rows}
+    write_report(out, "step_profile", report, table(report))
 
 
 if __name__ == "__main__":

@@ -16,13 +16,14 @@ nothing and every count is 0.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import warnings
 from collections import Counter
 from pathlib import Path
 
-from benchmarks import engine_worker, engines, step_profile
+from benchmarks import engine_worker, step_profile
+from benchmarks.options import add_output
+from benchmarks.report import write_report
 
 
 def count_syncs(llm, prompts, params, batch_size: int, steps: int) -> tuple[float, Counter]:
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--out", default=str(engines.REPO / "benchmarks" / "results"))
+    add_output(parser)
     args = parser.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, where the warnings are caught
     from vllm import SamplingParams
@@ -85,9 +86,9 @@ def main(argv: list[str] | None = None) -> None:
         rows[method] = {"syncs_per_step": per_step, "origins": origins.most_common(8)}
         print(f"{method}: {per_step:.2f} synchronising calls per step; {origins.most_common(4)}", flush=True)
         del llm
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"sync_check_b{args.batch_size}.json").write_text(json.dumps(rows, indent=1), encoding="utf-8")
+    lines = ["| method | synchronising calls per step | where from (most often) |", "|---|---|---|"]
+    lines += [f"| {method} | {row['syncs_per_step']:.2f} | {row['origins'][:2]} |" for method, row in rows.items()]
+    write_report(args.out, f"sync_check_b{args.batch_size}", rows, "\n".join(lines))
 
 
 if __name__ == "__main__":

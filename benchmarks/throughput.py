@@ -39,17 +39,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from benchmarks import engine_worker, engines
-from benchmarks.engines import REPO
-from benchmarks.report import (
-    compare,
-    fmt,
-    installed_vllm_version,
-    machine,
-    machine_line,
-    portable_paths,
-    pyplot,
-    save_ratio_plot,
-)
+from benchmarks.options import REPO, add_batches, add_output, add_workload
+from benchmarks.report import compare, fmt, installed_vllm_version, machine, machine_line, pyplot, save_ratio_plot, write_report
 
 
 def _tree(args, drafter: str, policy: str, budget: int | None = None, model: str | None = None, **params) -> dict:
@@ -108,8 +99,8 @@ BASELINE = "none"
 # The default run stays within 15 minutes on 2 CPU cores.
 DEFAULT_METHODS = ("none", "ngram", "tree-retrieval", "tree-retrieval-fixed")
 
-DEFAULTS = dict(batch_sizes="1,4,16,64", num_prompts="auto", max_tokens=64)
-QUICK = dict(batch_sizes="1,4", num_prompts="8", max_tokens=32)
+DEFAULTS = dict(batch_sizes=[1, 4, 16, 64], num_prompts="auto", max_tokens=64)
+QUICK = dict(batch_sizes=[1, 4], num_prompts="8", max_tokens=32)
 # --num-prompts auto: at batch size b, min(set size, max(AUTO_MIN_PROMPTS, AUTO_WAVES * b)) prompts.
 AUTO_MIN_PROMPTS, AUTO_WAVES = 8, 2
 
@@ -204,12 +195,12 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(report: dict, path: Path) -> bool:
+def plot(report: dict, out: Path) -> list[Path]:
     """Each method's tok/s over no speculation's against the batch size, with
-    the rounds' range (False without matplotlib: ``pip install -e .[bench]``)."""
+    the rounds' range (none without matplotlib: ``pip install -e .[bench]``)."""
     plt = pyplot()
     if plt is None:
-        return False
+        return []
     rows = [r for r in report["results"] if r.get("ratio_vs_none") is not None]
     batch_sizes = sorted({r["batch_size"] for r in rows})
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
@@ -223,8 +214,8 @@ def plot(report: dict, path: Path) -> bool:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(batch_sizes)), [str(b) for b in batch_sizes])
     ax.set_xlabel("batch size")
-    save_ratio_plot(plt, fig, ax, path)
-    return True
+    save_ratio_plot(plt, fig, ax, out / "throughput.png")
+    return [out / "throughput.png"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -234,9 +225,9 @@ def main(argv: list[str] | None = None) -> None:
         default=",".join(DEFAULT_METHODS),
         help=f"comma list of {', '.join(METHODS)} (default: {','.join(DEFAULT_METHODS)})",
     )
-    parser.add_argument("--batch-sizes", help=f"comma list (default {DEFAULTS['batch_sizes']})")
+    add_batches(parser, None)
     parser.add_argument("--num-prompts", help="prompts per pass: N, or auto = min(70, max(8, 2 * batch size)) (default auto)")
-    parser.add_argument("--max-tokens", type=int, help=f"per request (default {DEFAULTS['max_tokens']})")
+    add_workload(parser, max_tokens=None, prompts=None)
     parser.add_argument("--quick", action="store_true", help="smoke run: batch sizes 1,4; 8 prompts; 32 tokens")
     parser.add_argument("--prompt-order", choices=("interleaved", "file"), default="interleaved",
                         help="take prompts round-robin over categories (default) or in file order")
@@ -260,7 +251,6 @@ def main(argv: list[str] | None = None) -> None:
                              "cores and memory hold them; startup is not timed)")
     parser.add_argument("--warmup-prompts", type=int, default=2, help="prompts in each engine's warm-up pass")
     parser.add_argument("--model", help="model directory (default: the demo model)")
-    parser.add_argument("--prompts", help="prompt set JSONL (default: vllm_adaptive_spec/data/prompts.jsonl)")
     parser.add_argument("--dtype", default="float32",
                         help="float32 (default): on CPUs without native bf16 (AVX2 only), bf16 matmuls cost "
                              "the same per row whatever the batch, so no speculation can pay there")
@@ -272,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="0 (default): the longest prompt plus --max-tokens plus 128, rounded up to 128; "
                              "the KV cache is sized for max_num_seqs requests of this length")
     parser.add_argument("--worker-timeout", type=float, default=1800, help="seconds per engine process")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="output directory")
+    add_output(parser)
     parser.add_argument("--worker", metavar="JOB_JSON", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -288,9 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         parser.error(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
-    if not batch_sizes or min(batch_sizes) < 1:
-        parser.error("--batch-sizes must be positive integers")
+    batch_sizes = args.batch_sizes
     if args.num_prompts != "auto" and not (args.num_prompts.isdigit() and int(args.num_prompts) > 0):
         parser.error("--num-prompts must be a positive integer or auto")
 
@@ -311,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     # (the prefix cache is reset before every timed pass).
     prompts = prompts[: max(max(sizes_by_batch.values()), args.warmup_prompts)]
     configs = {m: METHODS[m](args) for m in methods}
-    work = Path(args.out) / "logs"
+    work = args.out / "logs"
     work.mkdir(parents=True, exist_ok=True)
     if not args.max_model_len:
         args.max_model_len = engines.needed_model_len(model, [p.messages for p in prompts], args.max_tokens)
@@ -390,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "vllm_version": versions[0] if versions else installed_vllm_version(),
         "machine": machine(),
-        "settings": portable_paths({
+        "settings": {
             "methods": {m: configs[m] for m in methods}, "batch_sizes": batch_sizes,
             "num_prompts": args.num_prompts,
             "prompts_per_batch_size": {str(b): n for b, n in sizes_by_batch.items()},
@@ -402,20 +390,13 @@ def main(argv: list[str] | None = None) -> None:
             "rounds": args.rounds if args.engine_per == "interleaved" else 1,
             "warmup_prompts": args.warmup_prompts, "model": model, "quick": args.quick,
             **({"suffix_decoding_dir": suffix_dir} if "suffix" in methods else {}),
-        }),
+        },
         "engines": engine_records,
         "results": rows,
         "elapsed_s": time.perf_counter() - t0,
     }
-    out = Path(args.out)
-    (out / "throughput.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    table = markdown(report)
-    (out / "throughput.md").write_text(table, encoding="utf-8")
-    print()
-    print(table)
-    plotted = plot(report, out / "throughput.png")
-    print(f"Wrote {out / 'throughput.json'}, {out / 'throughput.md'}" + (f", {out / 'throughput.png'}" if plotted else "")
-          + f"; elapsed {report['elapsed_s']:.0f} s")
+    log(f"done in {report['elapsed_s']:.0f} s")
+    write_report(args.out, "throughput", report, markdown(report), plot)
 
 
 if __name__ == "__main__":

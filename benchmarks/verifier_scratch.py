@@ -21,6 +21,9 @@ import argparse
 import resource
 import time
 
+from benchmarks.options import add_output
+from benchmarks.report import write_report
+
 
 def sampling_metadata(batch: int, mixed: bool):
     import torch
@@ -46,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--mixed", action="store_true", help="half the requests sampled (default: all greedy)")
     parser.add_argument("--max-rows", type=int, default=None, help="chunk bound (default: the verifier's)")
+    add_output(parser)
     args = parser.parse_args(argv)
 
     import torch
@@ -62,7 +66,11 @@ def main(argv: list[str] | None = None) -> None:
     elapsed = time.perf_counter() - begin
     peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     kind = "mixed" if args.mixed else "greedy"
-    print(f"{args.requests} x {args.rows} rows, {kind}, chunks of {max_rows}: peak RSS +{peak:.0f} MB, {elapsed * 1e3:.1f} ms")
+    report = {"requests": args.requests, "rows": args.rows, "vocab": args.vocab, "kind": kind, "max_rows": max_rows,
+              "peak_rss_mb": peak, "ms": elapsed * 1e3}
+    write_report(args.out, "verifier_scratch", report,
+                 f"{args.requests} x {args.rows} rows, {kind}, chunks of {max_rows}: peak RSS +{peak:.0f} MB, "
+                 f"{elapsed * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

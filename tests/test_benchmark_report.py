@@ -200,7 +200,7 @@ def test_serve_load_batch_warmup_draws_the_mix_from_held_out_prompts_only():
     assert len(jobs) == 64 and all(job.kind == "warmup" and job.index < 0 for job in jobs)
     assert any(job.stream for job in jobs) and any(job.body.get("n") == 2 for job in jobs)
     measured = [p.messages[-1]["content"] for p in load_prompts()]
-    held_out = [p.messages[-1]["content"] for p in load_prompts(workload.HELDOUT_PROMPTS)]
+    held_out = [p.messages[-1]["content"] for p in load_prompts(workload.HELDOUT)]
     # Every question but the structured-output requests' fixed one.
     texts = [job.body["messages"][-1]["content"] if job.endpoint == "chat" else job.body["prompt"]
              for job in jobs if "response_format" not in job.body]

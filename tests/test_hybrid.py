@@ -132,7 +132,6 @@ def test_uniform_steps_give_both_budgets_the_width_choice_over_one_cost_table():
     row count feed it), and still share one step-cost fit."""
     from test_policies import proposer_for
     from vllm_adaptive_spec.config import TreeConfig
-    from vllm_adaptive_spec.pause_control import StepDecision
     from vllm_adaptive_spec.width_budget import WidthBudget
 
     proposer = proposer_for(TreeConfig("hybrid", "dynatree", 8, {"l_max": 2, "evidence_prior": 0.0}, {"window": 1}))

@@ -56,7 +56,7 @@ def test_row_slope_leaves_the_first_row_out():
 def test_the_tool_reports_every_setting_from_stored_answers(tmp_path):
     """``main`` on answers already on disk (no engine): one report entry and
     one markdown section per setting, with the cost it was estimated at."""
-    (tmp_path / "greedy_answers_8.json").write_text(json.dumps(_answers(0)), encoding="utf-8")
+    (tmp_path / "greedy_answers_prompts_8.json").write_text(json.dumps(_answers(0)), encoding="utf-8")
     retrieval_calibration.main(["--max-tokens", "8", "--settings", "evidence,oracle", "--row-ms", "3",
                                 "--out", str(tmp_path)])
     report = json.loads((tmp_path / "retrieval_calibration.json").read_text(encoding="utf-8"))

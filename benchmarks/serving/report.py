@@ -124,10 +124,13 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(report: dict, runs: dict, path: Path) -> None:
+def plot(report: dict, out: Path) -> list[Path]:
+    """Latency, tok/s and memory over the run, one line per server (from the
+    report's ``runs``)."""
     plt = pyplot()
     if plt is None:
-        return
+        return []
+    runs = report["runs"]
     fig, (latency, throughput, memory) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
     for label, run in runs.items():
         outcomes = [o for o in run["outcomes"] if o["status"] == 200]
@@ -148,5 +151,6 @@ def plot(report: dict, runs: dict, path: Path) -> None:
     latency.legend()
     fig.suptitle(f"{report['requests']} requests, concurrency {report['concurrency']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(out / "serve_load.png", dpi=110)
     plt.close(fig)
+    return [out / "serve_load.png"]

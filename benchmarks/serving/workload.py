@@ -9,7 +9,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.engines import REPO
+from benchmarks.options import HELDOUT
 
 
 DEFAULT_SPEC = {"method": "adaptive_tree", "num_speculative_tokens": 16, "tree": {"drafter": "retrieval"}}
@@ -28,7 +28,6 @@ JSON_SCHEMA = {
 MIX = {"sampled": 0.10, "seeded": 0.12, "n2": 0.05, "logprobs": 0.08, "stop": 0.07, "penalty": 0.07,
        "json": 0.05, "min_p": 0.04, "logit_bias": 0.04, "bad": 0.03}
 LONG_SHARE, SHARED_SHARE, COMPLETIONS_SHARE, STREAM_SHARE, DISCONNECT_SHARE = 0.15, 0.15, 0.2, 0.5, 0.08
-HELDOUT_PROMPTS = REPO / "benchmarks" / "data" / "heldout_prompts.jsonl"
 
 
 @dataclass
@@ -155,5 +154,5 @@ def batch_warmup_jobs(count: int, max_model_len: int, model: str, max_tokens_cap
     requests, with their trees, are where a server's largest step-sized
     buffers and the draft model's matmul primitives for batched row counts
     first appear; one request at a time never shows them."""
-    jobs = workload(count, -1, max_model_len, model, max_tokens_cap, HELDOUT_PROMPTS)
+    jobs = workload(count, -1, max_model_len, model, max_tokens_cap, HELDOUT)
     return [Job(-1 - job.index, "warmup", job.endpoint, job.body, job.stream, job.disconnect_after) for job in jobs]

@@ -28,7 +28,6 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from vllm_adaptive_spec.training.eagle3_head import Eagle3Head, HeadConfig
