@@ -27,7 +27,8 @@ import torch
 
 from benchmarks.options import add_output
 from benchmarks.report import write_report
-from vllm_adaptive_spec.adapter.attention_cpu import group_keys, paged_tree_attention, plan_pages
+from vllm_adaptive_spec.adapter.attention_cpu import paged_tree_attention, plan_pages
+from vllm_adaptive_spec.adapter.cpu_cache_layout import group_keys
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK = 3, 3, 64, 128
 SHAPES = "1x300x4,1x300x8,1x600x16,4x400x8,16x400x6,30x500x17+2000"

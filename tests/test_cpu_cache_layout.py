@@ -18,7 +18,7 @@ def cpu_ops():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cache_views_read_what_the_cpp_writer_wrote(cpu_ops, dtype):
-    from vllm_adaptive_spec.adapter.attention_cpu import cache_views
+    from vllm_adaptive_spec.adapter.cpu_cache_layout import cache_views
 
     torch.manual_seed(0)
     num_blocks, heads, block_size, head_dim = 5, 3, 32, 64
@@ -39,7 +39,7 @@ def test_cache_views_read_what_the_cpp_writer_wrote(cpu_ops, dtype):
 
 
 def test_compaction_through_the_views_moves_whole_tokens(cpu_ops):
-    from vllm_adaptive_spec.adapter.attention_cpu import cache_views
+    from vllm_adaptive_spec.adapter.cpu_cache_layout import cache_views
 
     torch.manual_seed(1)
     num_blocks, heads, block_size, head_dim = 3, 2, 32, 64

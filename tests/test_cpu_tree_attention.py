@@ -22,7 +22,7 @@ def _random_tree(rng: torch.Generator, size: int) -> DraftTree:
 
 
 def _case(seed: int, dtype, window: bool, requests: int = 3):
-    from vllm_adaptive_spec.adapter.attention_cpu import cache_views
+    from vllm_adaptive_spec.adapter.cpu_cache_layout import cache_views
 
     rng = torch.Generator().manual_seed(seed)
     heads, group, head_dim, block_size = 3, 3, 64, 32
@@ -61,7 +61,8 @@ def _case(seed: int, dtype, window: bool, requests: int = 3):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(4))
 def test_page_reader_matches_the_reference(seed, dtype, window, requests, max_keys):
-    from vllm_adaptive_spec.adapter.attention_cpu import cache_views, paged_tree_attention, plan_pages
+    from vllm_adaptive_spec.adapter.attention_cpu import paged_tree_attention, plan_pages
+    from vllm_adaptive_spec.adapter.cpu_cache_layout import cache_views
 
     query, kv_cache, block_table, starts, seq_lens, query_mask, window_lens, expected = _case(
         seed, dtype, window, requests
@@ -87,7 +88,8 @@ def test_groups_bound_the_padded_keys_of_a_ragged_batch():
     padded keys stay within the bound (the long request alone), every
     request is in one group, and the plan's buffers hold the largest group
     only, where one padded batch would hold 31 x 2,048 keys."""
-    from vllm_adaptive_spec.adapter.attention_cpu import group_keys, plan_pages
+    from vllm_adaptive_spec.adapter.attention_cpu import plan_pages
+    from vllm_adaptive_spec.adapter.cpu_cache_layout import group_keys
 
     rng = torch.Generator().manual_seed(0)
     block_size, rows = 32, 5

@@ -6,7 +6,9 @@ to :class:`TreeCPUAttentionBackend` when adaptive_tree is selected, so target
 mask: the rows of requests whose tree branches are recomputed
 (:class:`~vllm_adaptive_spec.adapter.tree_impl.TreeImplMixin`) by
 :func:`paged_tree_attention` (``kernels.tree_attention``'s reference
-semantics, reading whole cache pages).
+semantics, reading whole cache pages); a model drafter's tree layers by
+:func:`~vllm_adaptive_spec.adapter.draft_attention_cpu.draft_pass_attention`,
+which reads each drafting step's committed context once.
 
 Decision: the builder pins the ``vec``/``vec16`` cache layout (K stored
 transposed per block page, V row-major), the one the reader understands; on
@@ -26,35 +28,11 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from kernels.tree_attention import key_visibility
+from vllm_adaptive_spec.adapter.cpu_cache_layout import group_keys, groups_by_length
+from vllm_adaptive_spec.adapter.draft_attention_cpu import draft_pass_attention
 from vllm_adaptive_spec.adapter.tree_impl import TreeImplMixin
 
 PINNED_LAYOUTS = ("vec", "vec16")
-
-
-def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[num_blocks, block_size, H, D] views of K and V in a CPU_ATTN cache
-    ``[num_blocks, H, block_size, 2 * D]`` written with the vec layout: within
-    each (block, head) page, K is a ``[D, block_size]`` area, then V a
-    ``[block_size, D]`` area."""
-    num_blocks, heads, block_size, two_d = kv_cache.shape
-    head_dim = two_d // 2
-    block_stride, head_stride = kv_cache.stride(0), kv_cache.stride(1)
-    base = kv_cache.storage_offset()
-    size = (num_blocks, block_size, heads, head_dim)
-    key = kv_cache.as_strided(size, (block_stride, 1, head_stride, block_size), base)
-    value = kv_cache.as_strided(size, (block_stride, head_dim, head_stride, 1), base + block_size * head_dim)
-    return key, value
-
-
-GROUP_BYTES = 12 << 20
-
-
-def group_keys(kv_cache: torch.Tensor) -> int:
-    """The padded keys one group of requests may read at once: its pages (the
-    cache's dtype) and float32 K and V layouts take ``GROUP_BYTES`` at most."""
-    _, heads, block_size, two_d = kv_cache.shape
-    per_key = heads * two_d * (kv_cache.element_size() + 4)
-    return max(block_size, GROUP_BYTES // per_key)
 
 
 @dataclass
@@ -113,27 +91,12 @@ class PagePlan:
                 values[: size // 2].view(batch, heads, num_blocks, block_size, two_d // 2))
 
 
-def _groups_by_length(lengths: list[int], block_size: int, max_keys: int) -> list[list[int]]:
-    """Requests in ascending key length, cut wherever the next would take the
-    group's padded keys (its size times its longest, in whole blocks) past
-    ``max_keys``; a request longer than that is a group of its own."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    groups: list[list[int]] = []
-    for request in order:
-        padded = -(-lengths[request] // block_size) * block_size
-        if groups and (len(groups[-1]) + 1) * padded <= max_keys:
-            groups[-1].append(request)
-        else:
-            groups.append([request])
-    return groups
-
-
 def plan_pages(block_table, query_start_loc, seq_lens, query_mask, block_size, window_lens=None,
                max_keys: int | None = None) -> PagePlan:
     """The pass's plan: its requests in groups of at most ``max_keys`` padded
     keys (one group when None)."""
     lengths = seq_lens.tolist()
-    members = _groups_by_length(lengths, block_size, max_keys) if max_keys else []
+    members = groups_by_length(lengths, block_size, max_keys) if max_keys else []
     if len(members) < 2:
         members = [list(range(len(lengths)))]
     starts = query_start_loc.tolist()
@@ -231,6 +194,8 @@ class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
 
 class TreeCPUAttentionImpl(TreeImplMixin, CPUAttentionBackendImpl):
     def tree_forward(self, query, kv_cache, attn_metadata, rows):
+        if getattr(rows, "step_keys", None) is not None:  # a drafting pass: the step's context read once
+            return draft_pass_attention(query, kv_cache, rows, self.scale)
         if rows.page_plan is None:  # the pass's first layer builds it, the others reuse it
             rows.page_plan = plan_pages(
                 attn_metadata.block_table[rows.batch_indices],

@@ -113,8 +113,9 @@ class TreeScratch:
     (batch rows ``rows``): the ``roots``' draft distributions, each
     request's committed draft ``context`` length ``C`` and root position,
     the trees' ``state`` (``draft_layer.TreeState``: nodes fed, room,
-    depths, ancestor sets), and an EAGLE-3 head's hidden states (``hidden``
-    per node, its last column the spill; ``root_hidden`` per request)."""
+    depths, ancestor sets), the committed context as the attention reads
+    it (``keys``), and an EAGLE-3 head's hidden states (``hidden`` per node,
+    its last column the spill; ``root_hidden`` per request)."""
 
     roots: DraftDistribution
     rows: torch.Tensor
@@ -122,6 +123,7 @@ class TreeScratch:
     root_position: torch.Tensor
     state: TreeState
     block_table: torch.Tensor | None
+    keys: tree_step.StepKeys | None = None
     hidden: torch.Tensor | None = None
     root_hidden: torch.Tensor | None = None
 
@@ -292,13 +294,15 @@ class PagedDraftBackend:
             at, source = (torch.tensor(x, dtype=torch.long) for x in zip(*found))
             for mine, theirs in zip(distribution, roots.distribution):
                 mine[at] = theirs[source.to(theirs.device)].to(mine.device)
+        rows_t = torch.tensor(rows, dtype=torch.long)
         return TreeScratch(
             roots=distribution,
-            rows=torch.tensor(rows, dtype=torch.long),
+            rows=rows_t,
             context=committed,
             root_position=torch.tensor([context.get(i, (0, 0))[1] for i in rows], dtype=torch.long),
             state=empty_state(torch.where(ready, room.clamp(0, self.max_nodes), 0), self.max_nodes),
             block_table=None if roots is None else roots.block_table,
+            keys=None if roots is None else tree_step.StepKeys(committed, roots.block_table[rows_t]),
         )
 
     def feed(self, scratch: TreeScratch, live: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor):
@@ -332,7 +336,7 @@ class PagedDraftBackend:
             parent_hidden = scratch.hidden[b_idx, rows.parent_slot[b_idx, f_idx]]
             hidden = torch.where(on_device, parent_hidden, scratch.root_hidden[b_idx])
         mask = rows.visible[b_idx, f_idx, : int(window.max())]
-        with tree_step.published(self._layer_step(requests, per_request, node, starts, mask, window)):
+        with tree_step.published(self._layer_step(requests, per_request, node, starts, mask, window, scratch.keys)):
             logits, out_hidden = self._run(tokens[b_idx, f_idx], rows.position[b_idx, f_idx], hidden,
                                            rows.slot[b_idx, f_idx], starts, seq_lens,
                                            scratch.block_table[scratch.rows[requests]])
@@ -342,7 +346,7 @@ class PagedDraftBackend:
             mine[b_idx, f_idx] = theirs.to(mine.device)
         return rows.node, out
 
-    def _layer_step(self, requests, per_request, node, starts, mask, window) -> tree_step.DraftStep | None:
+    def _layer_step(self, requests, per_request, node, starts, mask, window, keys) -> tree_step.DraftStep | None:
         """The layer's rows for the tree path, or None where the layer is a
         chain's (one node per request that sees its whole tree): plain causal
         decoding, which vLLM's own kernel serves."""
@@ -357,6 +361,8 @@ class PagedDraftBackend:
             query_mask=mask.to(device),
             window_lens=window.to(device, torch.int32),
             max_query_len=int(per_request.max()),
+            step_keys=keys,
+            step_requests=requests,
         )
 
     # -- one forward of the draft model ----------------------------------------------

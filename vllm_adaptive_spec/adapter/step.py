@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,11 +55,24 @@ class UniformRows:
 
 
 @dataclass
+class StepKeys:
+    """The committed draft context of one drafting step's requests, the same
+    for every tree layer's pass: its ``lengths`` [n] and the requests'
+    block-table rows [n, nb]. ``cache``: what an attention impl keeps between
+    the step's passes (the CPU's: each cache's context keys, gathered once)."""
+
+    lengths: torch.Tensor
+    block_table: torch.Tensor
+    cache: dict = field(default_factory=dict)
+
+
+@dataclass
 class DraftStep:
     """One drafting pass: every row is a tree node of request ``batch_indices``
     (rows of the pass's block table), seeing the committed draft context and,
     of the request's last ``window_lens`` cached keys (its tree so far), those
-    ``query_mask`` [T, W] marks (ancestors and itself)."""
+    ``query_mask`` [T, W] marks (ancestors and itself). ``step_keys``: the
+    step's context, ``step_requests`` [B] the pass's requests among its."""
 
     batch_indices: torch.Tensor
     query_rows: torch.Tensor
@@ -68,6 +81,8 @@ class DraftStep:
     window_lens: torch.Tensor
     max_query_len: int  # the most rows of one request, on the host
     page_plan: object = None  # the attention's plan, built by the pass's first layer
+    step_keys: StepKeys | None = None
+    step_requests: torch.Tensor | None = None
 
 
 @dataclass

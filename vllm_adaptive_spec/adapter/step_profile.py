@@ -104,13 +104,13 @@ def install(worker) -> bool:
 
         from vllm_adaptive_spec.adapter import attention_cuda as tree_module
 
-        stock_impls, tree_function = (FlashAttentionImpl, TritonAttentionImpl), "tree_attention"
+        stock_impls, tree_functions = (FlashAttentionImpl, TritonAttentionImpl), ("tree_attention",)
     else:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
         from vllm_adaptive_spec.adapter import attention_cpu as tree_module
 
-        stock_impls, tree_function = (CPUAttentionBackendImpl,), "paged_tree_attention"
+        stock_impls, tree_functions = (CPUAttentionBackendImpl,), ("paged_tree_attention", "draft_pass_attention")
 
     runner = worker.model_runner
     if getattr(runner, "_step_timer", None) is not None:
@@ -133,7 +133,8 @@ def install(worker) -> bool:
     proposer = getattr(runner, "_tree_proposer", None)
     if proposer is not None:
         _wrap(proposer, "propose_trees", "grow", timer)
-        _wrap(tree_module, tree_function, "tree_attention", None)
+        for function in tree_functions:
+            _wrap(tree_module, function, "tree_attention", None)
     backend = getattr(runner, "_draft_backend", None)
     if backend is not None:
         _wrap(backend, "first_pass", "draft_first_pass", timer)

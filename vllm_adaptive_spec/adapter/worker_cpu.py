@@ -13,7 +13,7 @@ import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_adaptive_spec.adapter.attention_cpu import cache_views
+from vllm_adaptive_spec.adapter.cpu_cache_layout import cache_views
 from vllm_adaptive_spec.adapter.runner import TreeRunnerMixin
 from vllm_adaptive_spec.adapter.tree_impl import register_tree_backend
 from vllm_adaptive_spec.adapter.worker import TreeWorkerMixin
