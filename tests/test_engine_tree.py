@@ -256,6 +256,38 @@ def test_sampling_distribution_unchanged_by_a_tree(tree, sampling_job, sampled_w
         assert pvalue > 1e-3, f"token {position}: p = {pvalue:.2g}"
 
 
+def test_sampling_with_penalties_is_unchanged_by_a_tree(sampling_job, sampled_without_speculation, tmp_path):
+    """Temperature 1 with strong repetition and frequency penalties on every
+    request, TALON's hybrid tree (the EAGLE-3 head and the retrieval trie,
+    drafting every step): each tree row's logits are penalised after its own
+    path, so the 2nd and 3rd tokens keep the law of the penalised target
+    without speculation (300 seeds without, 200 with; chi-square, alpha =
+    1e-3), and the penalties do change that law (p < 1e-3 against the
+    unpenalised run at one position at least). Tree rows left unpenalised
+    fail it (tried: p = 5e-6 at the 2nd token).
+
+    Decision: the retrieval tree alone is not the configuration tested. Under
+    a repetition penalty the target avoids the prompt's tokens, which is
+    what the trie drafts: with penalties of 1.05 and 0.5 it drafted on 35 of
+    these 400 positions (4 tokens accepted), too few for the test to see an error."""
+    penalties = {"repetition_penalty": 1.5, "frequency_penalty": 1.0}
+    job = {**sampling_job, "penalties": penalties}
+    plain = run_engine_job(tmp_path / "plain", job)
+    unpenalised = sampled_without_speculation
+    changed = [_homogeneity_pvalue([t[p] for t in plain.token_ids], [t[p] for t in unpenalised.token_ids])
+               for p in (1, 2)]
+    assert min(changed) < 1e-3, changed
+    spec = SAMPLED_TREES["hybrid-talon-6"][0]
+    run = run_engine_job(tmp_path / "tree", {**job, "prompt_token_ids": job["prompt_token_ids"][:200],
+                                             "seeds": list(range(2000, 2200)), "speculative_config": spec})
+    # Trees on most of the 400 positions they could decide.
+    assert run.metrics["vllm:spec_decode_num_drafts"] >= 300, run.metrics
+    assert run.metrics["vllm:spec_decode_num_accepted_tokens"] > 30, run.metrics
+    for position in (1, 2):
+        pvalue = _homogeneity_pvalue([t[position] for t in plain.token_ids], [t[position] for t in run.token_ids])
+        assert pvalue > 1e-3, f"token {position}: p = {pvalue:.2g}"
+
+
 def test_seeded_request_with_a_chunked_prompt(demo_model, prompts, prompt_ids, tmp_path):
     """A seeded sampled request whose prompt is prefilled in chunks of 64
     tokens (vLLM 0.32 alone raises "CPU Generator does not use offset" on
