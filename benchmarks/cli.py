@@ -37,3 +37,7 @@ def main(argv: list[str] | None = None) -> None:
         tools.add_parser(name, help=text, add_help=False)
     args, rest = parser.parse_known_args(argv)
     importlib.import_module(f"benchmarks.{TOOLS[args.tool][0]}").main(rest)
+
+
+if __name__ == "__main__":
+    main()
