@@ -10,14 +10,13 @@ cache (:class:`ContextKeys`, kept in the step's :class:`~vllm_adaptive_spec.adap
 and each pass gathers only the tree's window. A row's scores over both are
 one softmax, so the result is :func:`~vllm_adaptive_spec.adapter.attention_cpu.paged_tree_attention`'s.
 
-Decision: measured on the demo model's EAGLE-3 head (float32, 2 cores), an
-8-layer tree at batch 64 spent 40% of its drafting time gathering every
-request's context pages again in each layer's pass
-(``torch.index_select``, 16.6 of 42 s of draft forwards under cProfile).
-Requests are grouped by context length as the pass's plan groups them
-(:func:`~vllm_adaptive_spec.adapter.cpu_cache_layout.group_keys`); a group's
-members without rows in a pass compute padding rows rather than being
-gathered out of the group's layout, a copy the cache is meant to avoid.
+Decision: requests are grouped by context length as the pass's plan groups
+them (:func:`~vllm_adaptive_spec.adapter.cpu_cache_layout.group_keys`); a
+group's members without rows in a pass compute padding rows rather than
+being gathered out of the group's layout, a copy the cache is meant to
+avoid. One pass of 64 requests took half the time of re-reading the pages,
+the EAGLE-3 tree's draft forward about 10% less at batch 64
+(``benchmarks/RESULTS.md``, twenty-fourth session).
 """
 
 from __future__ import annotations
