@@ -28,7 +28,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from kernels.tree_attention import key_visibility
-from vllm_adaptive_spec.adapter.cpu_cache_layout import group_keys, groups_by_length
+from vllm_adaptive_spec.adapter.cpu_cache_layout import group_keys, groups_by_length, page_layouts
 from vllm_adaptive_spec.adapter.draft_attention_cpu import draft_pass_attention
 from vllm_adaptive_spec.adapter.tree_impl import TreeImplMixin
 
@@ -164,11 +164,9 @@ def _group_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: PagePlan
     num_blocks = keys.shape[3]
     paged = num_blocks * block_size
     torch.index_select(kv_cache, 0, group.blocks, out=pages)
-    pages = pages.view(batch, num_blocks, heads, 2 * block_size * head_dim)
-    page_keys = pages[..., : block_size * head_dim].view(batch, num_blocks, heads, head_dim, block_size)
-    keys = keys.copy_(page_keys.permute(0, 2, 3, 1, 4)).view(batch, heads, head_dim, paged)[..., :span]
-    page_values = pages[..., block_size * head_dim:].view(batch, num_blocks, heads, block_size, head_dim)
-    values = values.copy_(page_values.permute(0, 2, 1, 3, 4)).view(batch, heads, paged, head_dim)[:, :, :span]
+    page_keys, page_values = page_layouts(pages, batch, num_blocks)
+    keys = keys.copy_(page_keys).view(batch, heads, head_dim, paged)[..., :span]
+    values = values.copy_(page_values).view(batch, heads, paged, head_dim)[:, :, :span]
     rows = query.float()
     if group.slots is not None:
         rows = rows.new_zeros(batch * max_q, num_heads, head_dim).index_copy_(0, group.slots, rows)

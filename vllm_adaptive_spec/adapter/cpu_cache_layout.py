@@ -23,6 +23,19 @@ def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return key, value
 
 
+def page_layouts(pages: torch.Tensor, batch: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gathered pages ``[batch * num_blocks, H, block_size, 2 * D]`` (each
+    request's blocks in turn) as views of their keys ``[batch, H, D,
+    num_blocks, block_size]`` and values ``[batch, H, num_blocks,
+    block_size, D]``, the layouts the tree paths' products read once copied."""
+    _, heads, block_size, two_d = pages.shape
+    head_dim = two_d // 2
+    flat = pages.view(batch, num_blocks, heads, block_size * two_d)
+    keys = flat[..., : block_size * head_dim].view(batch, num_blocks, heads, head_dim, block_size)
+    values = flat[..., block_size * head_dim:].view(batch, num_blocks, heads, block_size, head_dim)
+    return keys.permute(0, 2, 3, 1, 4), values.permute(0, 2, 1, 3, 4)
+
+
 GROUP_BYTES = 12 << 20
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_adaptive_spec.adapter.cpu_cache_layout import cache_views, group_keys, groups_by_length
+from vllm_adaptive_spec.adapter.cpu_cache_layout import cache_views, group_keys, groups_by_length, page_layouts
 
 
 @dataclass
@@ -65,11 +65,9 @@ def gather_context(kv_cache: torch.Tensor, lengths: torch.Tensor, block_table: t
         span = int(lengths[member].max())
         num_blocks = -(-span // block_size)
         pages = kv_cache.index_select(0, block_table[member, :num_blocks].flatten().long())
-        pages = pages.view(len(requests), num_blocks, heads, 2 * block_size * head_dim)
-        page_keys = pages[..., : block_size * head_dim].view(len(requests), num_blocks, heads, head_dim, block_size)
-        page_values = pages[..., block_size * head_dim:].view(len(requests), num_blocks, heads, block_size, head_dim)
-        keys = page_keys.permute(0, 2, 3, 1, 4).float().reshape(len(requests), heads, head_dim, -1)[..., :span]
-        values = page_values.permute(0, 2, 1, 3, 4).float().reshape(len(requests), heads, -1, head_dim)[:, :, :span]
+        page_keys, page_values = page_layouts(pages, len(requests), num_blocks)
+        keys = page_keys.float().reshape(len(requests), heads, head_dim, -1)[..., :span]
+        values = page_values.float().reshape(len(requests), heads, -1, head_dim)[:, :, :span]
         bias = torch.where(torch.arange(span) < lengths[member].unsqueeze(1), 0.0, float("-inf")).unsqueeze(1)
         groups.append(ContextGroup(member, keys.contiguous(), values.contiguous(), bias))
     return ContextKeys(groups, group_of, slot_of)
