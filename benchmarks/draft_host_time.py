@@ -7,7 +7,7 @@ flight (greedy, ``--max-tokens``), the engine in this process; after
 (``propose_draft_token_ids``: the first pass, growth, the load budget, the
 trees handed to vLLM) runs under ``torch.profiler``. A step's host time is
 its wall time less the time inside top-level torch operations, and less the
-draft model's forwards (``PagedDraftBackend._run``, labelled
+draft model's forwards (``PagedDraftBackend.run``, labelled
 ``draft_forward``: vLLM's model code, which the draft loop's graphs replace
 on a GPU). The table gives the median per step in milliseconds, the torch
 operations dispatched per step, and the ratio of batch ``b`` to the first.
@@ -61,13 +61,13 @@ def profile_drafting(worker, warmup: int, steps: int) -> None:
     worker.draft_host_samples = samples = []
     backend = runner._draft_backend
     if backend is not None:
-        run = backend._run
+        run = backend.run
 
         def labelled(*args, **kwargs):
             with record_function("draft_forward"):
                 return run(*args, **kwargs)
 
-        backend._run = labelled
+        backend.run = labelled
 
     def profiled(*args, **kwargs):
         seen[0] += 1

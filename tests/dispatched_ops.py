@@ -9,7 +9,7 @@ from collections import Counter
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-READS = ("_local_scalar_dense", "nonzero")
+READS = ("aten.item", "_local_scalar_dense", "nonzero")  # ``item``: a read under inference mode
 
 
 class OpCounter(TorchDispatchMode):

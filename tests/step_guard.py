@@ -3,14 +3,18 @@
 Installed in the engine's worker with ``collective_rpc(install)`` (the engine
 job's ``step_guard``), it wraps the tree verifier's ``forward`` (target
 tokens, acceptance, vLLM's output, KV compaction, the statistics' copy) and
-the runner's depth positions. Inside, a dispatch mode records every torch
+the runner's depth positions, and a model drafter's draft loop
+(``growth.grow_layers``: every tree layer's layout, draft forward and
+policy). Inside, a dispatch mode records every torch
 operation whose caller (the innermost frame outside torch) is the plugin's
 code, and every read of a tensor's value by that code: what ``item``,
 ``bool``, ``int`` and ``nonzero`` dispatch, and ``Tensor.tolist`` (which
 dispatches nothing); the CPU's own KV compaction (``HOST_ONLY``), which
-never runs on a GPU, is left out. On a GPU each such read would make the host wait for
-the device in the middle of the step. ``report`` returns the reads and, per
-tree step, the operations dispatched.
+never runs on a GPU, is left out, and so is the CPU's draft attention (a
+GPU's kernel reads the pages where they are). On a GPU each such read would
+make the host wait for the device in the middle of the step. ``report``
+returns the reads and, per tree step and per draft loop, the operations
+dispatched.
 """
 
 from __future__ import annotations
@@ -22,23 +26,27 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 PLUGIN = ("/vllm_adaptive_spec/", "/kernels/")
-# Code that runs only where there is no device, so reading a value there waits for nothing:
-# the CPU's KV compaction finds its moving pairs on the host, where they already are.
-HOST_ONLY = {"compact_kv_cpu"}
-READS = ("_local_scalar_dense", "nonzero", "is_nonzero")
+# Code that runs only where there is no device, so reading a value there waits for nothing
+# (everything it calls included): the CPU's KV compaction finds its moving pairs on the host,
+# where they already are; the CPU's draft attention groups the step's contexts by length.
+HOST_ONLY = {"compact_kv_cpu", "draft_pass_attention"}
+# ``item`` is what a read dispatches under inference mode (the engine's), ``_local_scalar_dense`` outside it.
+READS = ("aten.item", "_local_scalar_dense", "nonzero", "is_nonzero")
 
 
 def plugin_caller() -> str | None:
     """``file:line`` of the innermost caller outside torch and this file, if it is the plugin's."""
-    frame = sys._getframe(2)
+    frame, caller = sys._getframe(2), None
     while frame is not None:
         name = frame.f_code.co_filename
-        if "/torch/" not in name and not name.endswith("step_guard.py"):
-            if frame.f_code.co_name in HOST_ONLY:
+        if frame.f_code.co_name in HOST_ONLY:
+            return None
+        if caller is None and "/torch/" not in name and not name.endswith("step_guard.py"):
+            if not any(part in name for part in PLUGIN):
                 return None
-            return f"{name}:{frame.f_lineno}" if any(part in name for part in PLUGIN) else None
+            caller = f"{name}:{frame.f_lineno}"
         frame = frame.f_back
-    return None
+    return caller
 
 
 class StepGuard(TorchDispatchMode):
@@ -56,12 +64,15 @@ class StepGuard(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _guarded(function, record, per_step: bool):
+def _guarded(function, record, steps: str | None):
+    """``function`` under the guard; the operations of each call go to
+    ``record[steps]`` (for the tree verifier: each call with trees)."""
+
     def run(*args, **kwargs):
         from vllm_adaptive_spec.adapter import step as tree_step
 
         current = tree_step.current()
-        tree = isinstance(current, tree_step.TreeStep) and bool(current.trees)
+        tree = steps == "draft_loops" or (isinstance(current, tree_step.TreeStep) and bool(current.trees))
         tolist = torch.Tensor.tolist
 
         def counted_tolist(tensor):
@@ -76,8 +87,8 @@ def _guarded(function, record, per_step: bool):
                 result = function(*args, **kwargs)
         finally:
             torch.Tensor.tolist = tolist
-        if per_step and tree:
-            record["tree_steps"].append(sorted(guard.ops.items()))
+        if steps is not None and tree:
+            record[steps].append(sorted(guard.ops.items()))
         return result
 
     return run
@@ -85,10 +96,14 @@ def _guarded(function, record, per_step: bool):
 
 def install(worker) -> None:
     runner = worker.model_runner
-    record = runner._step_guard = {"reads": [], "tree_steps": []}
+    record = runner._step_guard = {"reads": [], "tree_steps": [], "draft_loops": []}
     verifier = runner.rejection_sampler
-    verifier.forward = _guarded(verifier.forward, record, per_step=True)
-    runner._set_depth_positions = _guarded(runner._set_depth_positions, record, per_step=False)
+    verifier.forward = _guarded(verifier.forward, record, "tree_steps")
+    runner._set_depth_positions = _guarded(runner._set_depth_positions, record, None)
+    if runner._draft_backend is not None:
+        from vllm_adaptive_spec import growth
+
+        growth.grow_layers = _guarded(growth.grow_layers, record, "draft_loops")
 
 
 def report(worker) -> dict:

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import chat_token_ids, run_engine_job
+from conftest import HEAD, chat_token_ids, run_engine_job
 from vllm_adaptive_spec.prompts import load_prompts
 
 MAX_TOKENS = 24
@@ -46,3 +46,30 @@ def test_a_tree_step_reads_nothing_back_and_its_operations_do_not_grow(tmp_path,
         first, *others = [dict(s) for s in steps]
         raise AssertionError([{op: (first.get(op), other.get(op)) for op in first.keys() | other.keys()
                                if first.get(op) != other.get(op)} for other in others])
+
+
+def draft_guarded_run(tmp_path, demo_model, prompt_ids, batch: int) -> dict:
+    tree = {"drafter": "eagle3", "policy": "eagle2", "top_k": 4, "depth": 5, "load_budget": "fixed",
+            "draft_loop": "fixed"}
+    run = run_engine_job(tmp_path, {
+        "model": demo_model, "prompt_token_ids": [prompt_ids[k % len(prompt_ids)] for k in range(batch)],
+        "max_tokens": 6, "max_num_seqs": batch, "step_guard": True,
+        "speculative_config": {"method": "adaptive_tree", "num_speculative_tokens": 16, "model": HEAD,
+                               "tree": tree},
+    })
+    return run.step_guard
+
+
+def test_a_fixed_draft_loop_reads_nothing_back_and_its_operations_do_not_grow(tmp_path, demo_model, prompt_ids):
+    """Issue 53: an EAGLE-3 head's draft loop at fixed capacity (every layer's
+    layout, forward and policy) reads no value back, and dispatches the same
+    operations at batch 8 and 64 (the CPU's own draft attention left out:
+    on a GPU the kernel reads the pages)."""
+    small = draft_guarded_run(tmp_path / "b8", demo_model, prompt_ids, batch=8)
+    large = draft_guarded_run(tmp_path / "b64", demo_model, prompt_ids, batch=64)
+    for run in (small, large):
+        assert run["reads"] == []
+        assert len(run["draft_loops"]) >= 3
+    loops = Counter(signature(loop) for run in (small, large) for loop in run["draft_loops"])
+    assert len(loops) == 1, [sorted(dict(loop).items())[:40] for loop in loops]
+    assert sum(count for _, count in next(iter(loops))) > 100  # the loop's operations are seen

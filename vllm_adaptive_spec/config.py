@@ -35,8 +35,15 @@ ENGINE_PARAMS = {
     "uniform_steps": Param(
         str, "auto", "one of 'auto', 'on', 'off'", lambda v: v in ("auto", "on", "off")
     ),
+    # How a model drafter's tree layers run (``adapter/draft_layers``): ``ragged``
+    # (the fed rows only) or ``fixed`` (every layer B x F rows, nothing read
+    # back); ``auto``: fixed where uniform steps are on, ragged elsewhere.
+    "draft_loop": Param(
+        str, "auto", "one of 'auto', 'ragged', 'fixed'", lambda v: v in ("auto", "ragged", "fixed")
+    ),
 }
 DRAFTERS_NEEDING_MODEL = frozenset({"eagle3", "draft_model", "hybrid"})
+FIXED_LOOP_DRAFTERS = frozenset({"eagle3", "draft_model"})  # ``draft_loop: fixed``
 
 
 class TreeConfigError(ValueError):
@@ -52,6 +59,7 @@ class TreeConfig:
     policy_params: dict[str, Any] = field(default_factory=dict)
     load_budget: str = "adaptive"
     uniform_steps: str = "auto"
+    draft_loop: str = "auto"
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (it travels in ``VllmConfig.additional_config``)."""
@@ -63,6 +71,7 @@ class TreeConfig:
             "policy_params": dict(self.policy_params),
             "load_budget": self.load_budget,
             "uniform_steps": self.uniform_steps,
+            "draft_loop": self.draft_loop,
         }
 
     @staticmethod
@@ -162,8 +171,13 @@ def parse_tree_config(spec: dict[str, Any]) -> TreeConfig:
                 f"({default!r} not found); train one with `vllm-adaptive-spec c2t-train`"
             )
         params[1]["classifier"] = default
+    if params[2]["draft_loop"] == "fixed" and drafter not in FIXED_LOOP_DRAFTERS:
+        raise TreeConfigError(
+            f"speculative_config['tree']['draft_loop'] 'fixed' runs a draft model's layers; drafter {drafter!r} "
+            f"has none that runs alone (use one of {_choices(FIXED_LOOP_DRAFTERS)}, or 'auto')"
+        )
     config = TreeConfig(drafter, policy, budget, params[0], params[1], params[2]["load_budget"],
-                        params[2]["uniform_steps"])
+                        params[2]["uniform_steps"], params[2]["draft_loop"])
     try:
         config.make_drafter()
         config.make_policy()

@@ -127,6 +127,9 @@ def grow(
     largest = int(budget.max()) if batch else 0
     # A kept tree is ancestor-closed with at most ``budget`` nodes: no deeper.
     max_depth = min(max_depth, policy.depth_limit(largest), largest)
+    if getattr(drafter, "fixed_layers", False) and max_depth > 0:
+        fixed = grow_fixed(drafter, policy, budget.to(drafter.device), max_depth, policy.layer_width(largest), floor)
+        return fixed.to_trees(), GrowthStats(draft_passes=max_depth)
     layers = grow_layers(drafter, policy, budget, max_depth, floor=floor)
     stats = GrowthStats(draft_passes=layers.passes)
     if layers.depth == 0:
@@ -134,7 +137,8 @@ def grow(
     return assemble(layers, policy, budget).to_trees(), stats
 
 
-def grow_fixed(drafter: Drafter, policy: Policy, budget: torch.Tensor, depth: int, width: int) -> "GrownTrees":
+def grow_fixed(drafter: Drafter, policy: Policy, budget: torch.Tensor, depth: int, width: int,
+               floor: float = 0.0) -> "GrownTrees":
     """Growth at fixed capacity (issue 53, item 2): ``depth`` layers of
     ``width`` slots per request (``budget`` [B] nodes each at most), the
     chosen candidates packed to the left and the rest invalid, layers past a
@@ -143,8 +147,10 @@ def grow_fixed(drafter: Drafter, policy: Policy, budget: torch.Tensor, depth: in
     a graph. The trees equal :func:`grow`'s whenever no layer chose more than
     ``width`` candidates (the policy's ``layer_width``); beyond it a layer
     keeps its first ``width`` (by frontier, then candidate order), a tree cut
-    to the capacity."""
-    return assemble(grow_layers(drafter, policy, budget, depth, width), policy, budget)
+    to the capacity. :func:`grow` grows this way, on the drafter's
+    ``device``, for a drafter with ``fixed_layers`` (a model drafter whose
+    draft loop reads nothing back: ``adapter/draft_layers.FixedLayers``)."""
+    return assemble(grow_layers(drafter, policy, budget, depth, width, floor), policy, budget)
 
 
 def grow_layers(drafter: Drafter, policy: Policy, budget: torch.Tensor, depth: int, width: int | None = None,
@@ -160,10 +166,11 @@ def grow_layers(drafter: Drafter, policy: Policy, budget: torch.Tensor, depth: i
     could be kept either. This is what stops a confident-but-short tree's
     growth early (the draft passes it saves are most of a model drafter's
     cost), without changing the tree the budget keeps (up to float rounding at the floor)."""
-    batch = budget.shape[0]
-    grown, size, offset = [], torch.zeros(batch, dtype=torch.long), 0
-    handles = slot = torch.full((batch, 1), ROOT, dtype=torch.long)
-    p, score, live = torch.ones(batch, 1), torch.ones(batch, 1), (budget > 0).unsqueeze(1)
+    batch, device = budget.shape[0], budget.device
+    grown, size, offset = [], torch.zeros(batch, dtype=torch.long, device=device), 0
+    handles = slot = torch.full((batch, 1), ROOT, dtype=torch.long, device=device)
+    p, score = torch.ones(batch, 1, device=device), torch.ones(batch, 1, device=device)
+    live = (budget > 0).unsqueeze(1)
     passes = 0
     for index in range(depth):
         if not policy.grows_past_budget:
@@ -180,10 +187,10 @@ def grow_layers(drafter: Drafter, policy: Policy, budget: torch.Tensor, depth: i
         packed, handles, p = _packed(candidates, layer, chosen, slot, layer_width)
         grown.append(packed)
         size = size + packed.valid.sum(1)
-        slot = offset + torch.arange(layer_width).expand(batch, -1)
+        slot = offset + torch.arange(layer_width, device=device).expand(batch, -1)
         offset += layer_width
         score, live = packed.score, packed.valid & ~layer.stop.unsqueeze(1) & (p >= floor)
-    return _joined(grown, passes, batch)
+    return _joined(grown, passes, batch, device)
 
 
 def _packed(candidates: Candidates, layer: Layer, chosen: torch.Tensor, frontier_slot: torch.Tensor, width: int):
@@ -194,7 +201,7 @@ def _packed(candidates: Candidates, layer: Layer, chosen: torch.Tensor, frontier
     order = torch.sort((~chosen).to(torch.int8), dim=1, stable=True).indices[:, :width]
     if order.shape[1] < width:  # a layer with fewer candidates than slots: pad with its first
         order = torch.nn.functional.pad(order, (0, width - order.shape[1]))
-    here = torch.arange(width).unsqueeze(0) < count.unsqueeze(1)
+    here = torch.arange(width, device=count.device).unsqueeze(0) < count.unsqueeze(1)
     parent_slot = order // candidates.q.shape[-1]
     p = layer.p.flatten(1).gather(1, order)
     score = p if layer.score is None else layer.score.flatten(1).gather(1, order)
@@ -206,10 +213,10 @@ def _packed(candidates: Candidates, layer: Layer, chosen: torch.Tensor, frontier
     return packed, candidates.handles.flatten(1).gather(1, order), torch.where(here, p, 0.0)
 
 
-def _joined(grown: list, passes: int, batch: int) -> "Layers":
+def _joined(grown: list, passes: int, batch: int, device: torch.device) -> "Layers":
     """The layers side by side, a slot each (``Layers.depth``: how many)."""
     if not grown:
-        empty = torch.zeros(batch, 0)
+        empty = torch.zeros(batch, 0, device=device)
         return Layers(empty.long(), empty.long(), empty, empty, None, empty.bool(), 0, passes)
     entropy = None if any(layer.entropy is None for layer in grown) else torch.cat([x.entropy for x in grown], 1)
     return Layers(*(torch.cat([getattr(x, name) for x in grown], 1) for name in ("tokens", "parents", "q", "score")),
@@ -264,7 +271,7 @@ def assemble(layers: Layers, policy: Policy, budget: torch.Tensor) -> GrownTrees
     new_parent = torch.where(layers.parents >= 0, new_index.gather(1, layers.parents.clamp(min=0)), ROOT)
 
     def placed(values: torch.Tensor, fill) -> torch.Tensor:
-        out = torch.full((batch, total + 1), fill, dtype=values.dtype)
+        out = torch.full((batch, total + 1), fill, dtype=values.dtype, device=values.device)
         return out.scatter_(1, target, values)[:, :total]
 
     entropy = None if layers.entropy is None else placed(layers.entropy, 0.0)

@@ -42,7 +42,8 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from kernels.draft_distribution import DraftDistribution, draft_distribution
 from vllm_adaptive_spec.adapter import step as tree_step
-from vllm_adaptive_spec.draft_layer import TreeState, empty_state, lay_out_layer
+from vllm_adaptive_spec.adapter.draft_layers import PassLayout, RaggedLayers, empty_distribution
+from vllm_adaptive_spec.draft_layer import TreeState, empty_state
 
 
 class _Committed(NamedTuple):
@@ -114,8 +115,11 @@ class TreeScratch:
     request's committed draft ``context`` length ``C`` and root position,
     the trees' ``state`` (``draft_layer.TreeState``: nodes fed, room,
     depths, ancestor sets), the committed context as the attention reads
-    it (``keys``), and an EAGLE-3 head's hidden states (``hidden`` per node,
-    its last column the spill; ``root_hidden`` per request)."""
+    it (``keys``), an EAGLE-3 head's hidden states (``hidden`` per node,
+    its last column the spill; ``root_hidden`` per request), and the
+    contexts on the host (``host_context``, ``longest_context``: the
+    attention metadata's bounds).
+    Its tensors are where the layer variant keeps them (``draft_layers``)."""
 
     roots: DraftDistribution
     rows: torch.Tensor
@@ -126,20 +130,34 @@ class TreeScratch:
     keys: tree_step.StepKeys | None = None
     hidden: torch.Tensor | None = None
     root_hidden: torch.Tensor | None = None
+    host_context: torch.Tensor | None = None
+    longest_context: int = 0
 
 
 class PagedDraftBackend:
     """What both draft models share (:class:`~vllm_adaptive_spec.adapter.draft_head.HeadDraftBackend`,
     :class:`~vllm_adaptive_spec.adapter.draft_lm.LMDraftBackend`): the step's
-    committed rows, the first pass, tree layers, the forward over vLLM's paged cache."""
+    committed rows, the first pass, tree layers (as ``layers``, a
+    ``draft_layers`` variant, runs them), the forward over vLLM's paged cache."""
 
-    def __init__(self, runner, native, max_nodes: int) -> None:
+    def __init__(self, runner, native, max_nodes: int, layers=None) -> None:
         self.runner = runner
         self.native = native
         self.max_nodes = max_nodes
+        self.layers = RaggedLayers() if layers is None else layers
         self.max_pass_rows = native.max_num_tokens  # rows one draft forward takes (vLLM's buffers)
         self.top_k, self.top_m = 1, 0  # what each pass keeps of its distributions (set by the drafter)
         self.roots: StepRoots | None = None  # the last first pass's, for this step's trees
+
+    @property
+    def fixed_layers(self) -> bool:
+        """Whether every tree layer runs at fixed capacity, reading nothing back."""
+        return self.layers.fixed
+
+    @property
+    def device(self) -> torch.device:
+        """Where the trees' scratch and distributions are."""
+        return self.layers.device
 
     # -- what the variants differ in ------------------------------------------------
     def forget(self, request_ids) -> None:
@@ -212,7 +230,7 @@ class PagedDraftBackend:
         if drafting:
             index = {i: k for k, i in enumerate(rows.batch_rows)}
             hidden = None if out_hidden is None else out_hidden[last.to(out_hidden.device)]
-            self.roots = StepRoots(self._distribution(logits), index, committed.context, hidden, block_table)
+            self.roots = StepRoots(self.distribution(logits), index, committed.context, hidden, block_table)
         return own_share if drafting else 0.0
 
     def _committed(self, accepted, sampled, drafting: bool, only_rows) -> list[_Committed]:
@@ -268,11 +286,12 @@ class PagedDraftBackend:
         starts[1:] = lens_t.cumsum(0)
         positions_t = torch.cat(rows.positions)
         rows_t = torch.tensor(rows.batch_rows, dtype=torch.long)
-        slots = self._slots(block_table, torch.repeat_interleave(rows_t, lens_t.long()), positions_t)
+        slots = self.slots(block_table, torch.repeat_interleave(rows_t, lens_t.long()), positions_t)
         last = starts[1:].long() - 1
         seq_lens = (positions_t[last] + 1).to(torch.int32)  # each entry's last position, one gather
-        out_logits, out_hidden = self._run(torch.cat(rows.tokens), positions_t, self._combine(rows.aux), slots, starts,
-                                           seq_lens, block_table[rows_t], logit_rows=last if logits else last[:0])
+        layout = PassLayout.on_host(starts, seq_lens, block_table[rows_t])
+        out_logits, out_hidden = self.run(torch.cat(rows.tokens), positions_t, self._combine(rows.aux), slots, layout,
+                                          logit_rows=last if logits else last[:0])
         return out_logits, out_hidden, last
 
     # -- tree growth ----------------------------------------------------------------
@@ -288,110 +307,60 @@ class PagedDraftBackend:
         committed = torch.tensor([context.get(i, (0, 0))[0] for i in rows], dtype=torch.long)
         ready = torch.tensor([i in context for i in rows], dtype=torch.bool)
         room = torch.from_numpy(np.asarray(allocated[rows], dtype=np.int64)) * block_size - committed
-        distribution = _empty_distribution((batch,), self.top_k)
+        distribution = empty_distribution((batch,), self.top_k)
         found = [] if roots is None else [(b, roots.index[i]) for b, i in enumerate(rows) if i in roots.index]
         if found:
             at, source = (torch.tensor(x, dtype=torch.long) for x in zip(*found))
             for mine, theirs in zip(distribution, roots.distribution):
                 mine[at] = theirs[source.to(theirs.device)].to(mine.device)
         rows_t = torch.tensor(rows, dtype=torch.long)
+        device = self.device
+        longest = max((context[i][0] for i in rows if i in context), default=0)
         return TreeScratch(
-            roots=distribution,
-            rows=rows_t,
-            context=committed,
-            root_position=torch.tensor([context.get(i, (0, 0))[1] for i in rows], dtype=torch.long),
-            state=empty_state(torch.where(ready, room.clamp(0, self.max_nodes), 0), self.max_nodes),
+            roots=DraftDistribution(*(x.to(device) for x in distribution)),
+            rows=rows_t.to(device),
+            context=committed.to(device),
+            root_position=torch.tensor([context.get(i, (0, 0))[1] for i in rows], dtype=torch.long, device=device),
+            state=empty_state(torch.where(ready, room.clamp(0, self.max_nodes), 0).to(device), self.max_nodes),
             block_table=None if roots is None else roots.block_table,
             keys=None if roots is None else tree_step.StepKeys(committed, roots.block_table[rows_t]),
+            host_context=committed,
+            longest_context=longest,
         )
 
     def feed(self, scratch: TreeScratch, live: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor):
-        """Run the draft model on the live frontier nodes; their node ids
-        (-1: not fed) and draft distributions, ``[B, F, top_k]``. The
-        layer's layout is ``draft_layer.lay_out_layer``'s; the forward takes
-        the fed rows only (on the CPU a padded row costs a row)."""
-
-        def kv_slots(positions: torch.Tensor) -> torch.Tensor:
-            if scratch.block_table is None:  # no first pass this step: no room, nothing fed
-                return torch.full_like(positions, -1)
-            batch_rows = scratch.rows.unsqueeze(1).expand_as(positions)
-            return self._slots(scratch.block_table, batch_rows, positions).to(positions.device)
-
-        scratch.state, rows = lay_out_layer(scratch.state, live, parents, scratch.root_position, scratch.context,
-                                            kv_slots)
-        out = _empty_distribution(live.shape, self.top_k)
-        b_idx, f_idx = rows.fed.nonzero(as_tuple=True)  # the layer's one read: the rows the forward takes
-        if b_idx.numel() == 0:
-            return rows.node, out
-        node = rows.node[b_idx, f_idx]
-        requests = rows.fed.any(1).nonzero(as_tuple=True)[0]
-        per_request = rows.fed.sum(1)[requests].to(torch.int32)
-        starts = torch.zeros(requests.shape[0] + 1, dtype=torch.int32)
-        starts[1:] = per_request.cumsum(0)
-        window = scratch.state.count[requests]
-        seq_lens = (scratch.context[requests] + window).to(torch.int32)
-        hidden = None
-        if scratch.hidden is not None:
-            on_device = rows.has_parent[b_idx, f_idx].unsqueeze(1).to(scratch.hidden.device)
-            parent_hidden = scratch.hidden[b_idx, rows.parent_slot[b_idx, f_idx]]
-            hidden = torch.where(on_device, parent_hidden, scratch.root_hidden[b_idx])
-        mask = rows.visible[b_idx, f_idx, : int(window.max())]
-        with tree_step.published(self._layer_step(requests, per_request, node, starts, mask, window, scratch.keys)):
-            logits, out_hidden = self._run(tokens[b_idx, f_idx], rows.position[b_idx, f_idx], hidden,
-                                           rows.slot[b_idx, f_idx], starts, seq_lens,
-                                           scratch.block_table[scratch.rows[requests]])
-        if scratch.hidden is not None:
-            scratch.hidden[b_idx, node] = out_hidden
-        for mine, theirs in zip(out, self._distribution(logits)):
-            mine[b_idx, f_idx] = theirs.to(mine.device)
-        return rows.node, out
-
-    def _layer_step(self, requests, per_request, node, starts, mask, window, keys) -> tree_step.DraftStep | None:
-        """The layer's rows for the tree path, or None where the layer is a
-        chain's (one node per request that sees its whole tree): plain causal
-        decoding, which vLLM's own kernel serves."""
-        request_of_row = torch.repeat_interleave(torch.arange(requests.shape[0]), per_request.long())
-        if bool((per_request == 1).all()) and bool((mask.sum(1) == window[request_of_row]).all()):
-            return None
-        device = self.runner.device
-        return tree_step.DraftStep(
-            batch_indices=torch.arange(requests.shape[0], device=device),
-            query_rows=torch.arange(node.shape[0], device=device),
-            query_start_loc=starts.to(device),
-            query_mask=mask.to(device),
-            window_lens=window.to(device, torch.int32),
-            max_query_len=int(per_request.max()),
-            step_keys=keys,
-            step_requests=requests,
-        )
+        """Run the draft model on the live frontier nodes ``[B, F]``; their
+        node ids (-1: not fed) and draft distributions, ``[B, F, top_k]``,
+        as the backend's layer variant (``draft_layers``) runs them."""
+        return self.layers.feed(self, scratch, live, tokens, parents)
 
     # -- one forward of the draft model ----------------------------------------------
-    def _slots(self, block_table: torch.Tensor, batch_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def slots(self, block_table: torch.Tensor, batch_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         block_size = self.runner.input_batch.block_table[0].block_size
         batch_rows, positions = batch_rows.to(block_table.device), positions.to(block_table.device)
         blocks = block_table[batch_rows, positions // block_size].to(torch.long)
         return blocks * block_size + positions % block_size
 
-    def _run(self, tokens, positions, hidden, slots, starts, seq_lens, block_table, logit_rows=None):
-        """One draft-model forward; the logits of ``logit_rows`` only (all rows
-        when None: the LM head is a large part of a small draft model's cost),
-        over the head's own vocabulary where it has one."""
+    def run(self, tokens, positions, hidden, slots, layout: PassLayout, logit_rows=None):
+        """One draft-model forward over the rows of ``layout``; the logits of
+        ``logit_rows`` only (all rows when None: the LM head is a large part
+        of a small draft model's cost), over the head's own vocabulary where
+        it has one."""
         native = self.native
         num_tokens = int(tokens.shape[0])
-        # The pass's layout is built on the host; the model reads it on its device.
         device = self.runner.device
         tokens, positions, slots = tokens.to(device), positions.to(device), slots.to(device)
         hidden = None if hidden is None else hidden.to(device)
         metadata = CommonAttentionMetadata(
-            query_start_loc=starts.to(device),
-            query_start_loc_cpu=starts,
-            seq_lens=seq_lens.to(device),
-            seq_lens_cpu_upper_bound=seq_lens,
-            num_reqs=int(seq_lens.shape[0]),
+            query_start_loc=layout.query_start_loc.to(device),
+            query_start_loc_cpu=layout.query_start_loc,
+            seq_lens=layout.seq_lens.to(device),
+            seq_lens_cpu_upper_bound=layout.seq_lens_bound,
+            num_reqs=int(layout.seq_lens.shape[0]),
             num_actual_tokens=num_tokens,
-            max_query_len=int(starts.diff().max()),
-            max_seq_len=int(seq_lens.max()),
-            block_table_tensor=block_table.to(device),
+            max_query_len=layout.max_query_len,
+            max_seq_len=layout.max_seq_len,
+            block_table_tensor=layout.block_table.to(device),
             slot_mapping=slots,
             positions=positions,
         )
@@ -406,16 +375,10 @@ class PagedDraftBackend:
             return native.model.logits_processor(native.model.lm_head, normed), prenorm
         return native.model.compute_logits(normed), prenorm
 
-    def _distribution(self, logits: torch.Tensor) -> DraftDistribution:
+    def distribution(self, logits: torch.Tensor) -> DraftDistribution:
         """The pass's distributions, tokens in the target's vocabulary (ties:
         the lower draft id first, the target's order where ``d2t`` ascends)."""
         dist = draft_distribution(logits, self.top_k, self.top_m)
         target_ids = self._target_ids()
         return dist if target_ids is None else dist._replace(tokens=target_ids[dist.tokens])
 
-
-def _empty_distribution(shape: tuple[int, ...], top_k: int) -> DraftDistribution:
-    """Zero probabilities (no candidates) for ``shape`` nodes."""
-    return DraftDistribution(
-        torch.zeros(*shape, top_k, dtype=torch.long), torch.zeros(*shape, top_k), torch.zeros(shape), torch.zeros(shape)
-    )

@@ -30,8 +30,8 @@ class HeadDraftBackend(PagedDraftBackend):
     # while paused is never fed: its rows cost only their gather.
     STASH_BYTES = 64 << 20
 
-    def __init__(self, runner, native, max_nodes: int) -> None:
-        super().__init__(runner, native, max_nodes)
+    def __init__(self, runner, native, max_nodes: int, layers=None) -> None:
+        super().__init__(runner, native, max_nodes, layers)
         self._draft_vocab: torch.Tensor | None = None  # see _target_ids
         self.paused_rows = PausedRows(self.STASH_BYTES)  # rows of paused steps, not yet fed
 

@@ -14,8 +14,8 @@ from vllm_adaptive_spec.adapter.draft_backend import CommittedPass, PagedDraftBa
 
 
 class LMDraftBackend(PagedDraftBackend):
-    def __init__(self, runner, native, max_nodes: int) -> None:
-        super().__init__(runner, native, max_nodes)
+    def __init__(self, runner, native, max_nodes: int, layers=None) -> None:
+        super().__init__(runner, native, max_nodes, layers)
         self._stops: dict[str, int] = {}  # paused request -> first position without draft KV
 
     def forget(self, request_ids) -> None:

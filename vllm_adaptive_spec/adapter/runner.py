@@ -37,12 +37,14 @@ from kernels.kv_compaction import compact_kv
 from vllm_adaptive_spec.adapter import step as tree_step
 from vllm_adaptive_spec.adapter.cudagraphs import TreeCudagraphDispatcher, graph_batch_sizes, uniform_rows
 from vllm_adaptive_spec.adapter.draft_head import HeadDraftBackend
+from vllm_adaptive_spec.adapter.draft_layers import FixedLayers, RaggedLayers
 from vllm_adaptive_spec.adapter.draft_lm import LMDraftBackend
 from vllm_adaptive_spec.adapter.proposer import TreeProposer, can_draft
 from vllm_adaptive_spec.adapter.pending import PendingAcceptance
 from vllm_adaptive_spec.adapter.sampling_controls import builtin_logits_processors
 from vllm_adaptive_spec.adapter.tree_impl import check_tree_backends
 from vllm_adaptive_spec.adapter.verifier import TreeVerifier
+from vllm_adaptive_spec.config import FIXED_LOOP_DRAFTERS
 from vllm_adaptive_spec.step_widths import drafted_nodes, step_widths
 from vllm_adaptive_spec.tree import DraftTree
 from vllm_adaptive_spec.verify import Acceptance, path_moves
@@ -72,6 +74,16 @@ def uniform_steps(setting: str, vllm_config, device) -> bool:
 
     mode = vllm_config.compilation_config.cudagraph_mode
     return torch.device(device).type == "cuda" and mode is not None and mode != CUDAGraphMode.NONE
+
+
+def draft_layers(config, vllm_config, device):
+    """How a model drafter's tree layers run (``draft_loop``): ``auto`` runs
+    them at fixed capacity, on the device, where uniform steps are on (the
+    step a graph replays), and ragged on the host elsewhere. The hybrid's
+    trie merges on the host: its layers stay ragged."""
+    fixed = config.draft_loop == "fixed" or (config.draft_loop == "auto" and config.drafter in FIXED_LOOP_DRAFTERS
+                                              and uniform_steps(config.uniform_steps, vllm_config, device))
+    return FixedLayers(torch.device(device)) if fixed else RaggedLayers()
 
 
 def rank0_reading(seconds: float) -> float:
@@ -119,7 +131,8 @@ class TreeRunnerMixin:
             self._tree_proposer = TreeProposer(vllm_config)
             config = self._tree_proposer.config
             variant = HeadDraftBackend if self.drafter.method == "eagle3" else LMDraftBackend
-            self._draft_backend = variant(self, self.drafter, config.draft_slots())
+            self._draft_backend = variant(self, self.drafter, config.draft_slots(), draft_layers(config, vllm_config,
+                                                                                                  device))
             policy = self._tree_proposer.policy
             self._tree_proposer.drafter.bind(self._draft_backend, policy.fanout, policy.entropy_top_m)
         if vllm_config.parallel_config.tensor_parallel_size > 1:

@@ -75,6 +75,17 @@ class ModelDrafter:
         self.fanout = fanout
         backend.top_k, backend.top_m = fanout, entropy_top_m
 
+    @property
+    def fixed_layers(self) -> bool:
+        """Whether the backend runs every layer at fixed capacity, reading
+        nothing back (then ``growth.grow`` grows at fixed capacity too)."""
+        return getattr(self.backend, "fixed_layers", False)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the backend's distributions are."""
+        return getattr(self.backend, "device", torch.device("cpu"))
+
     def prepare(self, request_ids: list[str], contexts, rows: list[int], prompt_lens=None) -> None:
         if self.backend is None:
             raise RuntimeError(f"the {self.name} drafter has no backend; the engine adapter binds one")
@@ -99,7 +110,7 @@ class ModelDrafter:
             self._at_root = False
             roots = self._scratch.roots
             dist = DraftDistribution(*(x.unsqueeze(1).expand(batch, width, *x.shape[1:]) for x in roots))
-            return torch.full((batch, width), ROOT_HANDLE, dtype=torch.long), dist, live
+            return torch.full((batch, width), ROOT_HANDLE, dtype=torch.long, device=live.device), dist, live
         flat = handles.clamp(min=0)
         nodes, dist = self.backend.feed(self._scratch, live, tokens.gather(1, flat), parents.gather(1, flat))
         return nodes, dist, live & (nodes >= 0)
@@ -112,7 +123,7 @@ class ModelDrafter:
         fanout = q.shape[-1]
         self._tokens = tokens.flatten(1)
         self._parents = parents.unsqueeze(-1).expand(-1, -1, fanout).flatten(1)
-        handles = torch.arange(width * fanout).view(1, width, fanout).expand(batch, -1, -1)
+        handles = torch.arange(width * fanout, device=live.device).view(1, width, fanout).expand(batch, -1, -1)
         entropy = dist.entropy if self.backend.top_m else None
         return Candidates(tokens=tokens, q=q, handles=handles.clone(), entropy=entropy)
 

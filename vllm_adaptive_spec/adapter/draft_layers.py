@@ -1,0 +1,179 @@
+"""How a model drafter's tree layer reaches the draft model (issue 53, item 2):
+two variants over one layout (``draft_layer.lay_out_layer``), chosen by the
+tree config's ``draft_loop``.
+
+* :class:`RaggedLayers` (the CPU's): the forward takes the fed rows only, and
+  a layer shaped like a chain goes to vLLM's own kernel. Finding those rows
+  reads the layer's layout back once, which costs nothing where the layout
+  already is (the host), and on the CPU every padded row would cost a row.
+* :class:`FixedLayers` (the choice where CUDA graphs replay steps): every
+  layer is ``B x F`` rows whatever was fed. Unfed rows are padding: they
+  write no KV (slot ``-1``), see no tree node, and their outputs are
+  discarded. The trees' scratch, the layout and the distributions stay on
+  the device, and the attention metadata's host values are bounds known
+  before the loop (``F`` rows a request; the committed context plus the
+  scratch), so the draft loop reads nothing back and its shapes depend on
+  the batch, the width and the depth only: what a graph per layer replays.
+  ``growth.grow`` then grows at fixed capacity (``growth.grow_fixed``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from kernels.draft_distribution import DraftDistribution
+from vllm_adaptive_spec.adapter import step as tree_step
+from vllm_adaptive_spec.draft_layer import LayerRows, lay_out_layer
+
+
+class PassLayout(NamedTuple):
+    """What vLLM's attention metadata of one draft forward needs:
+    ``query_start_loc`` (host, int32), the ``seq_lens`` the kernels read
+    (beside the rows), their host upper bound ``seq_lens_bound``, the
+    requests' ``block_table`` rows, and the longest query and sequence as
+    host ints."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_bound: torch.Tensor
+    block_table: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+    @staticmethod
+    def on_host(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor) -> "PassLayout":
+        """A layout whose lengths are host tensors: the bounds are the lengths."""
+        return PassLayout(query_start_loc, seq_lens, seq_lens, block_table, int(query_start_loc.diff().max()),
+                          int(seq_lens.max()))
+
+
+def empty_distribution(shape: tuple[int, ...], top_k: int, device: torch.device | str = "cpu") -> DraftDistribution:
+    """Zero probabilities (no candidates) for ``shape`` nodes."""
+    return DraftDistribution(
+        torch.zeros(*shape, top_k, dtype=torch.long, device=device), torch.zeros(*shape, top_k, device=device),
+        torch.zeros(shape, device=device), torch.zeros(shape, device=device),
+    )
+
+
+def _laid_out(backend, scratch, live: torch.Tensor, parents: torch.Tensor) -> LayerRows:
+    """The layer's rows (``lay_out_layer``); the scratch's trees move on."""
+
+    def kv_slots(positions: torch.Tensor) -> torch.Tensor:
+        if scratch.block_table is None:  # no first pass this step: no room, nothing fed
+            return torch.full_like(positions, -1)
+        batch_rows = scratch.rows.unsqueeze(1).expand_as(positions)
+        return backend.slots(scratch.block_table, batch_rows, positions).to(positions.device)
+
+    scratch.state, rows = lay_out_layer(scratch.state, live, parents, scratch.root_position, scratch.context, kv_slots)
+    return rows
+
+
+class RaggedLayers:
+    """A layer's fed rows only, its scratch on the host."""
+
+    fixed = False
+    device = torch.device("cpu")
+
+    def feed(self, backend, scratch, live: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor):
+        """Run the draft model on the live frontier nodes; their node ids
+        (-1: not fed) and draft distributions, ``[B, F, top_k]``."""
+        rows = _laid_out(backend, scratch, live, parents)
+        out = empty_distribution(live.shape, backend.top_k)
+        b_idx, f_idx = rows.fed.nonzero(as_tuple=True)  # the layer's one read: the rows the forward takes
+        if b_idx.numel() == 0:
+            return rows.node, out
+        node = rows.node[b_idx, f_idx]
+        requests = rows.fed.any(1).nonzero(as_tuple=True)[0]
+        per_request = rows.fed.sum(1)[requests].to(torch.int32)
+        starts = torch.zeros(requests.shape[0] + 1, dtype=torch.int32)
+        starts[1:] = per_request.cumsum(0)
+        window = scratch.state.count[requests]
+        seq_lens = (scratch.context[requests] + window).to(torch.int32)
+        hidden = None
+        if scratch.hidden is not None:
+            on_device = rows.has_parent[b_idx, f_idx].unsqueeze(1).to(scratch.hidden.device)
+            parent_hidden = scratch.hidden[b_idx, rows.parent_slot[b_idx, f_idx]]
+            hidden = torch.where(on_device, parent_hidden, scratch.root_hidden[b_idx])
+        mask = rows.visible[b_idx, f_idx, : int(window.max())]
+        layout = PassLayout.on_host(starts, seq_lens, scratch.block_table[scratch.rows[requests]])
+        with tree_step.published(self._layer_step(backend, requests, per_request, node, starts, mask, window,
+                                                  scratch.keys)):
+            logits, out_hidden = backend.run(tokens[b_idx, f_idx], rows.position[b_idx, f_idx], hidden,
+                                             rows.slot[b_idx, f_idx], layout)
+        if scratch.hidden is not None:
+            scratch.hidden[b_idx, node] = out_hidden
+        for mine, theirs in zip(out, backend.distribution(logits)):
+            mine[b_idx, f_idx] = theirs.to(mine.device)
+        return rows.node, out
+
+    @staticmethod
+    def _layer_step(backend, requests, per_request, node, starts, mask, window, keys) -> tree_step.DraftStep | None:
+        """The layer's rows for the tree path, or None where the layer is a
+        chain's (one node per request that sees its whole tree): plain causal
+        decoding, which vLLM's own kernel serves."""
+        request_of_row = torch.repeat_interleave(torch.arange(requests.shape[0]), per_request.long())
+        if bool((per_request == 1).all()) and bool((mask.sum(1) == window[request_of_row]).all()):
+            return None
+        device = backend.runner.device
+        return tree_step.DraftStep(
+            batch_indices=torch.arange(requests.shape[0], device=device),
+            query_rows=torch.arange(node.shape[0], device=device),
+            query_start_loc=starts.to(device),
+            query_mask=mask.to(device),
+            window_lens=window.to(device, torch.int32),
+            max_query_len=int(per_request.max()),
+            step_keys=keys,
+            step_requests=requests,
+        )
+
+
+class FixedLayers:
+    """Every layer ``B x F`` rows on ``device``, nothing read back (see the module)."""
+
+    fixed = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def feed(self, backend, scratch, live: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor):
+        """As :meth:`RaggedLayers.feed`, over every frontier slot."""
+        rows = _laid_out(backend, scratch, live, parents)
+        batch, width = live.shape
+        if scratch.block_table is None:  # known before the loop: no first pass, no trees
+            return rows.node, empty_distribution(live.shape, backend.top_k, self.device)
+        starts = torch.arange(batch + 1, dtype=torch.int32) * width
+        bound = (scratch.host_context + backend.max_nodes).to(torch.int32)
+        layout = PassLayout(starts, (scratch.context + scratch.state.count).to(torch.int32), bound,
+                            scratch.block_table[scratch.rows], width, scratch.longest_context + backend.max_nodes)
+        hidden = None
+        if scratch.hidden is not None:
+            size = scratch.hidden.shape[-1]
+            parent = scratch.hidden.gather(1, rows.parent_slot.unsqueeze(-1).expand(-1, -1, size))
+            hidden = torch.where(rows.has_parent.unsqueeze(-1), parent, scratch.root_hidden.unsqueeze(1))
+        step = tree_step.DraftStep(
+            batch_indices=torch.arange(batch, device=self.device),
+            query_rows=torch.arange(batch * width, device=self.device),
+            query_start_loc=starts.to(self.device),
+            query_mask=rows.visible.flatten(0, 1),
+            window_lens=scratch.state.count.to(torch.int32),
+            max_query_len=width,
+            step_keys=scratch.keys,
+            step_requests=torch.arange(batch),
+        )
+        with tree_step.published(step):
+            logits, out_hidden = backend.run(tokens.flatten(), rows.position.flatten(),
+                                             None if hidden is None else hidden.flatten(0, 1), rows.slot.flatten(),
+                                             layout)
+        if scratch.hidden is not None:
+            at = torch.where(rows.fed, rows.node, scratch.hidden.shape[1] - 1)  # unfed: the spill column
+            scratch.hidden.scatter_(1, at.unsqueeze(-1).expand(-1, -1, size), out_hidden.view(batch, width, size))
+        return rows.node, _where_fed(rows.fed, backend.distribution(logits))
+
+
+def _where_fed(fed: torch.Tensor, dist: DraftDistribution) -> DraftDistribution:
+    """``[B * F]`` rows' distributions as ``[B, F]``, empty where not fed."""
+    shaped = [x.view(*fed.shape, *x.shape[1:]) for x in dist]
+    return DraftDistribution(*(torch.where(fed.view(*fed.shape, *([1] * (x.dim() - 2))), x, torch.zeros_like(x))
+                               for x in shaped))
