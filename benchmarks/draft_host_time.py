@@ -16,7 +16,8 @@ bounds; the ratio between batch sizes is what the issue asks for.
 
 Drafters: ``retrieval`` (the trie), ``retrieval-tensors`` (``matcher:
 tensors``), ``eagle3`` (the project's head, EAGLE-2 tree at depth 8, ``N =
---budget``, ``load_budget: fixed``).
+--budget``, ``load_budget: fixed``, ``draft_loop: ragged``), ``eagle3-fixed``
+(the same, ``draft_loop: fixed``: every layer ``B x F`` rows, nothing read back).
 
 Reproduce (about 4 minutes on 2 CPU cores)::
 
@@ -42,8 +43,9 @@ from benchmarks.report import write_report
 
 
 def spec_of(drafter: str, budget: int, head: str) -> dict:
-    if drafter == "eagle3":
-        tree = {"drafter": "eagle3", "policy": "eagle2", "depth": 8, "load_budget": "fixed"}
+    if drafter in ("eagle3", "eagle3-fixed"):
+        loop = "fixed" if drafter == "eagle3-fixed" else "ragged"
+        tree = {"drafter": "eagle3", "policy": "eagle2", "depth": 8, "load_budget": "fixed", "draft_loop": loop}
         return {"method": "adaptive_tree", "num_speculative_tokens": budget, "model": head, "tree": tree}
     matcher = {"retrieval": "trie", "retrieval-tensors": "tensors"}[drafter]
     tree = {"drafter": "retrieval", "matcher": matcher, "load_budget": "fixed"}

@@ -74,7 +74,7 @@ def pause_drafting(worker, drafting: int, paused: int, probe_requests: int | Non
     _count_calls(worker, "draft_free_verifies", runner.rejection_sampler, "forward",
                  lambda metadata, *args: not any(metadata.num_draft_tokens))
     if runner._draft_backend is not None:
-        _count_calls(worker, "paused_passes", runner._draft_backend, "_run", lambda *args, **kwargs: phase[0] >= drafting)
+        _count_calls(worker, "paused_passes", runner._draft_backend, "run", lambda *args, **kwargs: phase[0] >= drafting)
     if probe_requests is not None:
         _count_calls(worker, "probes", runner._draft_backend, "least_behind",
                      lambda count: count < runner.input_batch.num_reqs)

@@ -41,6 +41,11 @@ def build_config(demo_model, speculative_config):
         ({"num_speculative_tokens": 0, "tree": GOOD_TREE}, r"\['num_speculative_tokens'\] must be an integer from 1 to 128"),
         ({"num_speculative_tokens": 8}, r"\['tree'\] must be a dict"),
         ({"num_speculative_tokens": 8, "model": "x", "tree": GOOD_TREE}, r"\['model'\] is not used by tree drafter 'retrieval'"),
+        (
+            {"num_speculative_tokens": 8, "tree": {**GOOD_TREE, "draft_loop": "fixed"}},
+            r"\['tree'\]\['draft_loop'\] 'fixed' runs a draft model's layers; drafter 'retrieval' has none",
+        ),
+        ({"num_speculative_tokens": 8, "tree": {**GOOD_TREE, "draft_loop": "padded"}}, r"\['tree'\]\['draft_loop'\] must be one of 'auto', 'ragged', 'fixed', got 'padded'"),
     ],
 )
 def test_bad_config_is_refused_before_the_engine_starts(demo_model, spec, message):
