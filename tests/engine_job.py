@@ -5,7 +5,7 @@ Usage: python tests/engine_job.py JOB.json OUT.json
 
 JOB keys: model, prompt_token_ids (list of lists), max_tokens; optional:
 dtype, speculative_config, temperature, top_p, top_k, seeds (one per prompt),
-stop, ignore_eos, penalties (presence_penalty, frequency_penalty and repetition_penalty, for every request or, with penalized, for those prompt indices only), extras ({prompt index: sampling parameters}, e.g. logit_bias, min_p), max_model_len, max_num_seqs, max_num_batched_tokens, attention_backend,
+stop, ignore_eos, penalties (presence_penalty, frequency_penalty and repetition_penalty, for every request or, with penalized, for those prompt indices only), extras ({prompt index: sampling parameters}, e.g. logit_bias, min_p, structured_outputs), max_model_len, max_num_seqs, max_num_batched_tokens, attention_backend,
 num_gpu_blocks_override, tensor_parallel_size, block_size, abort_after_steps ({prompt index: engine steps}),
 pause_pattern ([d, p] or [d, p, k]: the plugin drafts d steps, then pauses p steps, as
 the load budget does when drafting does not pay; repeated; with k, the first drafting
@@ -92,10 +92,15 @@ def pause_drafting(worker, drafting: int, paused: int, probe_requests: int | Non
 
 def _extras(job: dict, index: int) -> dict:
     """The prompt's own sampling parameters (``extras``: prompt index -> parameters;
-    ``logit_bias`` keys arrive as JSON strings)."""
+    ``logit_bias`` keys arrive as JSON strings, ``structured_outputs`` as
+    ``StructuredOutputsParams``' keyword arguments, e.g. ``{"json": schema}``)."""
     extras = dict(job.get("extras", {}).get(str(index), {}))
     if "logit_bias" in extras:
         extras["logit_bias"] = {int(token): bias for token, bias in extras["logit_bias"].items()}
+    if "structured_outputs" in extras:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        extras["structured_outputs"] = StructuredOutputsParams(**extras["structured_outputs"])
     return extras
 
 

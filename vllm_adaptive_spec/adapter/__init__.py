@@ -42,6 +42,13 @@ ENGINE_HOOKS: tuple[str, ...] = (
     "vllm.v1.sample.logits_processor:BUILTIN_LOGITS_PROCESSORS",
     "vllm.v1.sample.logits_processor:LogitsProcessors",
     "vllm.utils.torch_utils:PIN_MEMORY",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.take_draft_token_ids",
+    "vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids",
+    "vllm.v1.core.sched.scheduler:Scheduler.get_grammar_bitmask",
+    "vllm.v1.structured_output:StructuredOutputManager._fill_bitmasks",
+    "vllm.v1.structured_output:StructuredOutputManager._get_constraint_bounds",
+    "vllm.v1.core.sched.output:GrammarOutput",
+    "vllm.v1.outputs:DraftTokenIds",
 )
 PLATFORM_HOOKS: dict[str, tuple[str, ...]] = {
     "cpu": (

@@ -33,6 +33,7 @@ from vllm_adaptive_spec.config import METHOD, TreeConfig, TreeConfigError, parse
 
 ADDITIONAL_CONFIG_KEY = "adaptive_tree"
 PROPOSER_CLASS = "vllm_adaptive_spec.adapter.proposer.TreeProposer"
+SCHEDULER = "vllm_adaptive_spec.adapter.tree_scheduler.TreeScheduler"
 WORKERS = {
     "cpu": "vllm_adaptive_spec.adapter.worker_cpu.TreeCPUWorker",
     "cuda": "vllm_adaptive_spec.adapter.worker_cuda.TreeGPUWorker",
@@ -92,6 +93,8 @@ def install() -> None:
         sampling_controls.mark_tree_speculation(result)
         self.additional_config = {**(self.additional_config or {}), ADDITIONAL_CONFIG_KEY: tree.to_dict()}
         target_parallel_config.worker_cls = WORKERS[platform]
+        # Grammar drafts and masks per tree node (``tree_scheduler``).
+        self.scheduler_cls = SCHEDULER
         # The runner drafts after each step's bookkeeping (vLLM's synchronous order).
         self.async_scheduling = False
         # The tree hooks live in the V1 model runner; every process must agree.
@@ -127,6 +130,8 @@ def _check_engine_args(args, spec: dict, platform: str) -> None:
         raise TreeConfigError(f"method={METHOD!r} does not support KV connectors (kv_transfer_config)")
     if args.worker_cls not in ("auto", *WORKERS.values()):
         raise TreeConfigError(f"method={METHOD!r} needs its own worker; remove worker_cls={args.worker_cls!r}")
+    if args.scheduler_cls not in (None, SCHEDULER):
+        raise TreeConfigError(f"method={METHOD!r} needs its own scheduler; remove scheduler_cls={args.scheduler_cls!r}")
     if args.async_scheduling:
         raise TreeConfigError(
             f"method={METHOD!r} does not support async_scheduling=True (it drafts after each step's bookkeeping); "

@@ -78,15 +78,10 @@ def can_draft(sampling_params) -> bool:
     """Whether a request may get a tree: its sampling must be exactly what the
     tree verifier reproduces (penalties and bad words along each row's path,
     logit bias, ``min_p`` and ``min_tokens`` included: ``tree_history``,
-    ``tree_logits_processors``). Requests with structured output or a
-    thinking budget are served without speculation instead."""
-    sp = sampling_params
-    if sp is None:
-        return False
-    return (
-        sp.structured_outputs is None
-        and sp.thinking_token_budget is None
-    )
+    ``tree_logits_processors``; structured output masked per node by the
+    scheduler, ``tree_scheduler``). Requests with a thinking budget are
+    served without speculation instead."""
+    return sampling_params is not None and sampling_params.thinking_token_budget is None
 
 
 class TreeProposer:

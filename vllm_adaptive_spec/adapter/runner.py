@@ -43,6 +43,7 @@ from vllm_adaptive_spec.adapter.proposer import TreeProposer, can_draft
 from vllm_adaptive_spec.adapter.pending import PendingAcceptance
 from vllm_adaptive_spec.adapter.sampling_controls import builtin_logits_processors
 from vllm_adaptive_spec.adapter.tree_impl import check_tree_backends
+from vllm_adaptive_spec.adapter.tree_scheduler import TreeDraftTokenIds
 from vllm_adaptive_spec.adapter.verifier import TreeVerifier
 from vllm_adaptive_spec.config import FIXED_LOOP_DRAFTERS
 from vllm_adaptive_spec.step_widths import drafted_nodes, step_widths
@@ -383,6 +384,16 @@ class TreeRunnerMixin:
             req_ids, sampled_token_ids, num_tokens, batch.token_ids_cpu, eligible, decision,
             batch.num_prompt_tokens, sampled_pending, first_pass_seconds,
         )
+
+    def take_draft_token_ids(self) -> TreeDraftTokenIds | None:
+        """vLLM's drafts with each request's tree parents, for the scheduler's
+        grammar (``tree_scheduler``)."""
+        drafts = super().take_draft_token_ids()
+        if drafts is None:
+            return None
+        trees = self.tree_proposer.trees
+        parents = [trees[req_id].parents if req_id in trees else None for req_id in drafts.req_ids]
+        return TreeDraftTokenIds(drafts.req_ids, drafts.draft_token_ids, parents)
 
     def adaptive_tree_stats(self) -> dict[str, float]:
         """The proposer's counters, the shared datastore's size, and

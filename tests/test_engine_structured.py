@@ -1,0 +1,79 @@
+"""Structured output with trees (issue 54, item 2) on the real engine: JSON
+schema, regex and choice requests get trees, the scheduler masking each
+node with the grammar's state after its path (``adapter/tree_scheduler``);
+greedy output equals no speculation token for token at batch 1 and 8, and
+every answer that ended parses against its schema or matches its regex."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from conftest import HEAD, chat_token_ids, run_engine_job
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 40
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "city": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "city", "age"],
+}
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+PEOPLE = ["Maria Lopez, 34, lives in Madrid", "Tom Baker, 58, lives in Leeds", "Aiko Sato, 27, lives in Osaka",
+          "Lena Fischer, 45, lives in Berlin"]
+QUESTIONS = [
+    *(f"Return a JSON object with the keys name, city and age for: {p}." for p in PEOPLE),
+    "Write the phone number (555) 010-4477 in the form (555) 010-4477.",
+    "Give a US phone number in the form (212) 555-0199.",
+    "Is the review 'great food, slow service' positive, negative or mixed?",
+    "Is the review 'the best pizza in town' positive, negative or mixed?",
+]
+OUTPUTS = [{"json": SCHEMA}] * 4 + [{"regex": PHONE}] * 2 + [{"choice": ["positive", "negative", "mixed"]}] * 2
+KINDS = OUTPUTS[:2] + OUTPUTS  # the first two alone (batch 1), then all of them (batch 8)
+
+
+@pytest.fixture(scope="module")
+def job(demo_model, demo_tokenizer):
+    prompts = [chat_token_ids(demo_tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    return {"model": demo_model, "prompt_token_ids": prompts[:2] + prompts, "max_tokens": MAX_TOKENS,
+            "max_num_seqs": 8, "serial_first": 2,
+            "extras": {str(i): {"structured_outputs": kind} for i, kind in enumerate(KINDS)}}
+
+
+@pytest.fixture(scope="module")
+def baseline(job, tmp_path_factory):
+    return run_engine_job(tmp_path_factory.mktemp("structured-none"), job)
+
+
+def answers_hold(run, demo_tokenizer) -> None:
+    for tokens, reason, kind in zip(run.token_ids, run.finish_reasons, KINDS):
+        text = demo_tokenizer.decode(tokens, skip_special_tokens=True)
+        if reason != "stop":
+            continue
+        if "json" in kind:
+            assert set(json.loads(text)) >= {"name", "city", "age"}, text
+        elif "regex" in kind:
+            assert re.fullmatch(PHONE, text), text
+        else:
+            assert text in kind["choice"], text
+
+
+@pytest.mark.parametrize("drafter", ["retrieval", "eagle3"])
+def test_structured_requests_get_trees_and_keep_greedy_output(drafter, job, baseline, demo_tokenizer, tmp_path):
+    tree = {"drafter": drafter, "load_budget": "fixed"}
+    spec = {"method": "adaptive_tree", "num_speculative_tokens": 12, "tree": tree}
+    if drafter == "retrieval":  # a JSON-mode server's answers share their form: earlier ones draft later ones
+        tree["datastore"] = "shared"
+    if drafter == "eagle3":
+        spec["model"] = HEAD
+        tree.update(policy="eagle2", top_k=3, depth=4)
+    run = run_engine_job(tmp_path, {**job, "speculative_config": spec})
+    assert run.token_ids == baseline.token_ids
+    answers_hold(baseline, demo_tokenizer)
+    assert sum(reason == "stop" for reason in run.finish_reasons) >= 6
+    steps = sum(len(t) for t in run.token_ids) - run.tree_stats["tokens_accepted"]
+    assert run.tree_stats["trees_verified"] >= steps / 2, (run.tree_stats, steps)
+    assert run.tau > 1.3, run.tree_stats
