@@ -199,6 +199,16 @@ def signal_done(job: dict, name: str) -> None:
         (Path(job["gate_dir"]) / f"{job['label']}.{name}.done").touch()
 
 
+def sampling_options(sampling: dict) -> dict:
+    """A job's extra sampling parameters (``--sampling``) as ``SamplingParams`` takes them."""
+    options = dict(sampling)
+    if "structured_outputs" in options:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        options["structured_outputs"] = StructuredOutputsParams(**options["structured_outputs"])
+    return options
+
+
 def worker(job_path: str, before_each: Callable | None = None) -> None:
     """Run a job: start its engine (when its turn comes), a warm-up pass over
     the last ``warmup_prompts`` conversations, then for every batch size
@@ -211,7 +221,8 @@ def worker(job_path: str, before_each: Callable | None = None) -> None:
     started = time.perf_counter()
     llm = open_engine(job)
     startup_s = time.perf_counter() - started
-    params = SamplingParams(temperature=job["temperature"], max_tokens=job["max_tokens"], ignore_eos=False)
+    params = SamplingParams(temperature=job["temperature"], max_tokens=job["max_tokens"], ignore_eos=False,
+                            **sampling_options(job.get("sampling", {})))
     conversations = job["conversations"]
     warm = conversations[-job["warmup_prompts"]:] if job["warmup_prompts"] else []
     started = time.perf_counter()

@@ -31,6 +31,14 @@ def add_workload(parser: argparse.ArgumentParser, max_tokens: int | None, prompt
                         help="prompt set JSONL (default: " + (str(prompts) if prompts else "the project's prompts") + ")")
 
 
+def add_sampling(parser: argparse.ArgumentParser) -> None:
+    """``--sampling JSON``: sampling parameters every request adds to greedy
+    decoding (e.g. ``{"repetition_penalty": 1.1}`` or ``{"structured_outputs":
+    {"json": SCHEMA}}``, ``StructuredOutputsParams``' keyword arguments)."""
+    parser.add_argument("--sampling", type=json.loads, default={},
+                        help="JSON of sampling parameters added to every request (default: none)")
+
+
 def add_batches(parser: argparse.ArgumentParser, batch_sizes: str | None, prompts_per_batch: str | None = None) -> None:
     """``--batch-sizes`` and, where a tool takes it, ``--prompts-per-batch``
     (one count per batch size; :func:`check_batches` checks the two agree)."""

@@ -39,7 +39,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from benchmarks import engine_worker, engines
-from benchmarks.options import REPO, add_batches, add_output, add_workload
+from benchmarks.options import REPO, add_batches, add_output, add_sampling, add_workload
 from benchmarks.report import compare, fmt, installed_vllm_version, machine, machine_line, pyplot, save_ratio_plot, write_report
 
 
@@ -228,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     add_batches(parser, None)
     parser.add_argument("--num-prompts", help="prompts per pass: N, or auto = min(70, max(8, 2 * batch size)) (default auto)")
     add_workload(parser, max_tokens=None, prompts=None)
+    add_sampling(parser)
     parser.add_argument("--quick", action="store_true", help="smoke run: batch sizes 1,4; 8 prompts; 32 tokens")
     parser.add_argument("--prompt-order", choices=("interleaved", "file"), default="interleaved",
                         help="take prompts round-robin over categories (default) or in file order")
@@ -307,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": model, "dtype": args.dtype, "max_model_len": args.max_model_len, "max_tokens": args.max_tokens,
         "warmup_prompts": args.warmup_prompts, "conversations": [p.messages for p in prompts],
         "categories": [p.category for p in prompts], "by_category": args.by_category,
-        "temperature": args.temperature, "engine_layout": args.engine_layout,
+        "temperature": args.temperature, "engine_layout": args.engine_layout, "sampling": args.sampling,
     }
 
     def job_for(method: str, sizes: list[int], max_num_seqs: int) -> dict:
@@ -384,6 +385,7 @@ def main(argv: list[str] | None = None) -> None:
             "prompts_per_batch_size": {str(b): n for b, n in sizes_by_batch.items()},
             "prompt_order": args.prompt_order, "prompt_ids": [p.id for p in prompts],
             "max_tokens": args.max_tokens, "temperature": args.temperature, "by_category": args.by_category,
+            "sampling": args.sampling,
             "chain_k": args.chain_k, "tree_budget": args.tree_budget, "ignore_eos": False, "dtype": args.dtype,
             "engine_layout": args.engine_layout, "max_model_len": args.max_model_len, "budget": args.budget,
             "ngram_k": args.ngram_k, "engine_per": args.engine_per,
