@@ -19,6 +19,7 @@ dispatched.
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections import Counter
 
@@ -29,24 +30,36 @@ PLUGIN = ("/vllm_adaptive_spec/", "/kernels/")
 # Code that runs only where there is no device, so reading a value there waits for nothing
 # (everything it calls included): the CPU's KV compaction finds its moving pairs on the host,
 # where they already are; the CPU's draft attention groups the step's contexts by length.
-HOST_ONLY = {"compact_kv_cpu", "draft_pass_attention"}
+# ``install`` wraps them; while one runs, nothing is recorded.
+HOST_ONLY = (("kernels.kv_compaction", "compact_kv_cpu"),
+             ("vllm_adaptive_spec.adapter.attention_cpu", "draft_pass_attention"))
+_host_only_depth = [0]
 # ``item`` is what a read dispatches under inference mode (the engine's), ``_local_scalar_dense`` outside it.
 READS = ("aten.item", "_local_scalar_dense", "nonzero", "is_nonzero")
 
 
 def plugin_caller() -> str | None:
     """``file:line`` of the innermost caller outside torch and this file, if it is the plugin's."""
-    frame, caller = sys._getframe(2), None
+    if _host_only_depth[0]:
+        return None
+    frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        if frame.f_code.co_name in HOST_ONLY:
-            return None
-        if caller is None and "/torch/" not in name and not name.endswith("step_guard.py"):
-            if not any(part in name for part in PLUGIN):
-                return None
-            caller = f"{name}:{frame.f_lineno}"
+        if "/torch/" not in name and not name.endswith("step_guard.py"):
+            return f"{name}:{frame.f_lineno}" if any(part in name for part in PLUGIN) else None
         frame = frame.f_back
-    return caller
+    return None
+
+
+def _host_only(function):
+    def run(*args, **kwargs):
+        _host_only_depth[0] += 1
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _host_only_depth[0] -= 1
+
+    return run
 
 
 class StepGuard(TorchDispatchMode):
@@ -97,6 +110,9 @@ def _guarded(function, record, steps: str | None):
 def install(worker) -> None:
     runner = worker.model_runner
     record = runner._step_guard = {"reads": [], "tree_steps": [], "draft_loops": []}
+    for module_name, name in HOST_ONLY:
+        module = importlib.import_module(module_name)
+        setattr(module, name, _host_only(getattr(module, name)))
     verifier = runner.rejection_sampler
     verifier.forward = _guarded(verifier.forward, record, "tree_steps")
     runner._set_depth_positions = _guarded(runner._set_depth_positions, record, None)

@@ -2,14 +2,17 @@
 schema, regex and choice requests get trees, the scheduler masking each
 node with the grammar's state after its path (``adapter/tree_scheduler``);
 greedy output equals no speculation token for token at batch 1 and 8, and
-every answer that ended parses against its schema or matches its regex."""
+every answer that ended parses against its schema or matches its regex;
+sampling under a grammar keeps the target's law."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 
 import pytest
+from test_engine_tree import SAMPLED_TREES, _homogeneity_pvalue
 
 from conftest import HEAD, chat_token_ids, run_engine_job
 
@@ -22,8 +25,7 @@ SCHEMA = {
     "required": ["name", "city", "age"],
 }
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
-PEOPLE = ["Maria Lopez, 34, lives in Madrid", "Tom Baker, 58, lives in Leeds", "Aiko Sato, 27, lives in Osaka",
-          "Lena Fischer, 45, lives in Berlin"]
+PEOPLE = ["Maria Lopez, 34, lives in Madrid", "Tom Baker, 58, lives in Leeds"]
 QUESTIONS = [
     *(f"Return a JSON object with the keys name, city and age for: {p}." for p in PEOPLE),
     "Write the phone number (555) 010-4477 in the form (555) 010-4477.",
@@ -31,7 +33,7 @@ QUESTIONS = [
     "Is the review 'great food, slow service' positive, negative or mixed?",
     "Is the review 'the best pizza in town' positive, negative or mixed?",
 ]
-OUTPUTS = [{"json": SCHEMA}] * 4 + [{"regex": PHONE}] * 2 + [{"choice": ["positive", "negative", "mixed"]}] * 2
+OUTPUTS = [{"json": SCHEMA}] * 2 + [{"regex": PHONE}] * 2 + [{"choice": ["positive", "negative", "mixed"]}] * 2
 KINDS = OUTPUTS[:2] + OUTPUTS  # the first two alone (batch 1), then all of them (batch 8)
 
 
@@ -73,7 +75,36 @@ def test_structured_requests_get_trees_and_keep_greedy_output(drafter, job, base
     run = run_engine_job(tmp_path, {**job, "speculative_config": spec})
     assert run.token_ids == baseline.token_ids
     answers_hold(baseline, demo_tokenizer)
-    assert sum(reason == "stop" for reason in run.finish_reasons) >= 6
+    assert sum(reason == "stop" for reason in run.finish_reasons) >= 8
     steps = sum(len(t) for t in run.token_ids) - run.tree_stats["tokens_accepted"]
     assert run.tree_stats["trees_verified"] >= steps / 2, (run.tree_stats, steps)
     assert run.tau > 1.3, run.tree_stats
+
+
+def test_sampling_with_a_grammar_is_unchanged_by_a_tree(demo_model, demo_tokenizer, tmp_path):
+    """Temperature 1 under a JSON schema, TALON's hybrid tree (the EAGLE-3
+    head and the retrieval trie) drafting every step: each node is verified
+    against its parent's grammar row, so the first tokens where the grammar
+    leaves a choice keep the law of the masked target without speculation
+    (200 seeds without, 140 with; chi-square, alpha = 1e-3 per position; at
+    least two positions with a choice)."""
+    prompt = chat_token_ids(demo_tokenizer, [{"role": "user", "content": QUESTIONS[0]}])
+    grammar = {"structured_outputs": {"json": SCHEMA}}
+    job = {"model": demo_model, "prompt_token_ids": [prompt] * 200, "seeds": list(range(200)), "temperature": 1.0,
+           "max_tokens": 4, "max_num_seqs": 64, "max_num_batched_tokens": 16384,
+           "extras": {str(i): grammar for i in range(200)}}
+    plain = run_engine_job(tmp_path / "plain", job)
+    spec = SAMPLED_TREES["hybrid-talon-6"][0]
+    run = run_engine_job(tmp_path / "tree", {**job, "prompt_token_ids": [prompt] * 140,
+                                             "seeds": list(range(2000, 2140)), "speculative_config": spec})
+    assert run.metrics["vllm:spec_decode_num_accepted_tokens"] > 30, run.metrics
+    tested = 0
+    for position in range(1, 4):
+        a = [t[position] for t in plain.token_ids if len(t) > position]
+        b = [t[position] for t in run.token_ids if len(t) > position]
+        if sum(count >= 10 for count in Counter(a + b).values()) < 2:
+            continue  # the grammar (or the model) leaves no choice here
+        pvalue = _homogeneity_pvalue(a, b)
+        assert pvalue > 1e-3, f"token {position}: p = {pvalue:.2g}"
+        tested += 1
+    assert tested >= 2, tested

@@ -23,7 +23,8 @@ def prompt_ids(demo_tokenizer):
 def guarded_run(tmp_path, demo_model, prompt_ids, batch: int, nodes: int) -> dict:
     tree = {"drafter": "retrieval", "policy": "retrieval", "load_budget": "fixed"}
     run = run_engine_job(tmp_path, {
-        "model": demo_model, "prompt_token_ids": [prompt_ids[k % len(prompt_ids)] for k in range(batch)],
+        # Prompts cut to their last 160 tokens: the prefill of 64 is not what is measured.
+        "model": demo_model, "prompt_token_ids": [prompt_ids[k % len(prompt_ids)][-160:] for k in range(batch)],
         "max_tokens": MAX_TOKENS, "max_num_seqs": batch, "step_guard": True,
         "speculative_config": {"method": "adaptive_tree", "num_speculative_tokens": nodes, "tree": tree},
     })
@@ -48,28 +49,37 @@ def test_a_tree_step_reads_nothing_back_and_its_operations_do_not_grow(tmp_path,
                                if first.get(op) != other.get(op)} for other in others])
 
 
-def draft_guarded_run(tmp_path, demo_model, prompt_ids, batch: int) -> dict:
+def draft_run(tmp_path, demo_model, prompt_ids, batch: int, loop: str, max_tokens: int) -> dict:
     tree = {"drafter": "eagle3", "policy": "eagle2", "top_k": 4, "depth": 5, "load_budget": "fixed",
-            "draft_loop": "fixed"}
-    run = run_engine_job(tmp_path, {
-        "model": demo_model, "prompt_token_ids": [prompt_ids[k % len(prompt_ids)] for k in range(batch)],
-        "max_tokens": 6, "max_num_seqs": batch, "step_guard": True,
+            "draft_loop": loop}
+    return run_engine_job(tmp_path, {
+        # Prompts cut to their last 96 tokens: the prefill of 64 is not what is measured.
+        "model": demo_model, "prompt_token_ids": [prompt_ids[k % len(prompt_ids)][-96:] for k in range(batch)],
+        "max_tokens": max_tokens, "max_num_seqs": batch, "step_guard": loop == "fixed",
         "speculative_config": {"method": "adaptive_tree", "num_speculative_tokens": 16, "model": HEAD,
                                "tree": tree},
     })
-    return run.step_guard
 
 
 def test_a_fixed_draft_loop_reads_nothing_back_and_its_operations_do_not_grow(tmp_path, demo_model, prompt_ids):
-    """Issue 53: an EAGLE-3 head's draft loop at fixed capacity (every layer's
-    layout, forward and policy) reads no value back, and dispatches the same
-    operations at batch 8 and 64 (the CPU's own draft attention left out:
-    on a GPU the kernel reads the pages)."""
-    small = draft_guarded_run(tmp_path / "b8", demo_model, prompt_ids, batch=8)
-    large = draft_guarded_run(tmp_path / "b64", demo_model, prompt_ids, batch=64)
-    for run in (small, large):
+    """Issue 53: an EAGLE-3 head's draft loop at fixed capacity
+    (``draft_loop: fixed``: every layer ``B x F`` rows on the model's device)
+    reads no value back in its layouts, forwards and policy, and dispatches
+    the same operations at batch 8 and 64 (the CPU's own draft attention left
+    out: on a GPU the kernel reads the pages). EAGLE-2 chooses at most
+    ``top_k`` nodes a layer, which the fixed width holds, so it grows the
+    ragged loop's trees: the same output, nodes verified and accepted."""
+    small = draft_run(tmp_path / "b8", demo_model, prompt_ids, 8, "fixed", 16)
+    ragged = draft_run(tmp_path / "b8-ragged", demo_model, prompt_ids, 8, "ragged", 16)
+    large = draft_run(tmp_path / "b64", demo_model, prompt_ids, 64, "fixed", 6)
+    for run in (small.step_guard, large.step_guard):
         assert run["reads"] == []
         assert len(run["draft_loops"]) >= 3
-    loops = Counter(signature(loop) for run in (small, large) for loop in run["draft_loops"])
+    loops = Counter(signature(loop) for run in (small, large) for loop in run.step_guard["draft_loops"])
     assert len(loops) == 1, [sorted(dict(loop).items())[:40] for loop in loops]
     assert sum(count for _, count in next(iter(loops))) > 100  # the loop's operations are seen
+    keys = ("trees_verified", "nodes_verified", "tokens_accepted")
+    assert small.token_ids == ragged.token_ids
+    assert [small.tree_stats[k] for k in keys] == [ragged.tree_stats[k] for k in keys], (small.tree_stats,
+                                                                                        ragged.tree_stats)
+    assert small.tau > 1.3, small.tree_stats
