@@ -12,7 +12,7 @@ import pytest
 from conftest import HEAD, chat_token_ids, run_engine_job
 from vllm_adaptive_spec.prompts import load_prompts
 
-MAX_TOKENS = 24
+MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +69,9 @@ def test_a_fixed_draft_loop_reads_nothing_back_and_its_operations_do_not_grow(tm
     out: on a GPU the kernel reads the pages). EAGLE-2 chooses at most
     ``top_k`` nodes a layer, which the fixed width holds, so it grows the
     ragged loop's trees: the same output, nodes verified and accepted."""
-    small = draft_run(tmp_path / "b8", demo_model, prompt_ids, 8, "fixed", 16)
-    ragged = draft_run(tmp_path / "b8-ragged", demo_model, prompt_ids, 8, "ragged", 16)
-    large = draft_run(tmp_path / "b64", demo_model, prompt_ids, 64, "fixed", 6)
+    small = draft_run(tmp_path / "b8", demo_model, prompt_ids, 8, "fixed", 10)
+    ragged = draft_run(tmp_path / "b8-ragged", demo_model, prompt_ids, 8, "ragged", 10)
+    large = draft_run(tmp_path / "b64", demo_model, prompt_ids, 64, "fixed", 5)
     for run in (small.step_guard, large.step_guard):
         assert run["reads"] == []
         assert len(run["draft_loops"]) >= 3
