@@ -180,12 +180,12 @@ def test_dynatree_history_is_kept_used_and_forgotten():
         policy.observe("bad", deep_chain, 0)
     policy.observe("fresh", deep_chain, 4)  # one observation: the window is not full
     policy.begin(["good", "bad", "fresh", "new"])
-    d0, tau_h = policy._rows(4)
+    d0, tau_h = policy._rows(4, torch.device("cpu"))
     assert d0.tolist() == [6, 4, 5, 5]
     assert tau_h.tolist() == pytest.approx([0.85, 0.95, 0.9, 0.9])
     policy.forget("good")
     policy.begin(["good"])
-    assert policy._rows(1)[0].tolist() == [5]
+    assert policy._rows(1, torch.device("cpu"))[0].tolist() == [5]
     # Tuned settings change the tree: a lower D_0 stops weak deep branches.
     roots, table = table_model(3, sharpness=1.0)
     strict = dyna_policy(d0=1)

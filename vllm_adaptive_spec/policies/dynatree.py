@@ -100,15 +100,17 @@ class DynaTreePolicy(TreePolicy):
         self._row_d0 = torch.tensor([h.d0 if h else self.d0 for h in rows], dtype=torch.long)
         self._row_tau_h = torch.tensor([h.tau_h if h else self.tau_h for h in rows])
 
-    def _rows(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B] ``D_0`` and ``tau_h`` of this step's requests (the defaults when
-        growth was not started by :meth:`begin`, as in offline use)."""
+    def _rows(self, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B] ``D_0`` and ``tau_h`` of this step's requests on ``device`` (the
+        defaults when growth was not started by :meth:`begin`, as in offline use)."""
         if self._row_d0 is not None and self._row_d0.shape[0] == batch:
+            if self._row_d0.device != device:  # once a step: a fixed draft loop grows on the model's device
+                self._row_d0, self._row_tau_h = self._row_d0.to(device), self._row_tau_h.to(device)
             return self._row_d0, self._row_tau_h
-        return torch.full((batch,), self.d0), torch.full((batch,), self.tau_h)
+        return torch.full((batch,), self.d0, device=device), torch.full((batch,), self.tau_h, device=device)
 
     def select(self, layer: Layer) -> torch.Tensor:
-        d0, tau_h = self._rows(layer.budget.shape[0])
+        d0, tau_h = self._rows(layer.budget.shape[0], layer.budget.device)
         exists = layer.candidates.q > 0
         return dynatree_gate(
             layer.p, exists, layer.parent_p, layer.candidates.confidence, remaining(layer), d0, tau_h,
