@@ -86,18 +86,18 @@ def test_sampling_with_a_grammar_is_unchanged_by_a_tree(demo_model, demo_tokeniz
     head and the retrieval trie) drafting every step: each node is verified
     against its parent's grammar row, so the first tokens where the grammar
     leaves a choice keep the law of the masked target without speculation
-    (160 seeds without, 120 with; chi-square, alpha = 1e-3 per position; at
+    (120 seeds without, 90 with; chi-square, alpha = 1e-3 per position; at
     least two positions with a choice)."""
     prompt = chat_token_ids(demo_tokenizer, [{"role": "user", "content": QUESTIONS[0]}])
     grammar = {"structured_outputs": {"json": SCHEMA}}
-    job = {"model": demo_model, "prompt_token_ids": [prompt] * 160, "seeds": list(range(160)), "temperature": 1.0,
+    job = {"model": demo_model, "prompt_token_ids": [prompt] * 120, "seeds": list(range(120)), "temperature": 1.0,
            "max_tokens": 4, "max_num_seqs": 64, "max_num_batched_tokens": 16384,
-           "extras": {str(i): grammar for i in range(160)}}
+           "extras": {str(i): grammar for i in range(120)}}
     plain = run_engine_job(tmp_path / "plain", job)
-    spec = SAMPLED_TREES["hybrid-talon-6"][0]
-    run = run_engine_job(tmp_path / "tree", {**job, "prompt_token_ids": [prompt] * 120,
-                                             "seeds": list(range(2000, 2120)), "speculative_config": spec})
-    assert run.metrics["vllm:spec_decode_num_accepted_tokens"] > 30, run.metrics
+    spec = {**SAMPLED_TREES["hybrid-talon-6"][0], "num_speculative_tokens": 4}  # a grammar row a node: fewer nodes
+    run = run_engine_job(tmp_path / "tree", {**job, "prompt_token_ids": [prompt] * 90,
+                                             "seeds": list(range(2000, 2090)), "speculative_config": spec})
+    assert run.metrics["vllm:spec_decode_num_accepted_tokens"] > 20, run.metrics
     tested = 0
     for position in range(1, 4):
         a = [t[position] for t in plain.token_ids if len(t) > position]

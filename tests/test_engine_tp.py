@@ -20,7 +20,7 @@ from conftest import REGISTERED, run_engine_job
 
 pytestmark = pytest.mark.engine
 
-MAX_TOKENS = 32
+MAX_TOKENS = 20
 # vLLM binds each CPU rank's threads to a NUMA node of its own by default;
 # these machines have one node, so the ranks share the cores, a thread each.
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}

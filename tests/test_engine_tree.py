@@ -29,6 +29,7 @@ TREE = {
     "num_speculative_tokens": 16,
     "tree": {"drafter": "retrieval", "policy": "retrieval", "load_budget": "fixed"},
 }
+PENALISED_TOKENS = 32
 HEAD_TREE = {
     "method": "adaptive_tree", "num_speculative_tokens": 12, "model": HEAD,
     "tree": {"drafter": "eagle3", "policy": "eagle2", "top_k": 3, "depth": 4, "load_budget": "fixed"},
@@ -314,17 +315,16 @@ def test_penalised_and_biased_requests_get_trees_and_keep_greedy_output(demo_mod
     output equals no speculation token for token, at batch 1 (the first two
     prompts) and 8, and these requests are drafted for: the options alone
     and mixed by the EAGLE-3 head's trees (on at least half of the steps),
-    the penalties on every request by the retrieval tree. Measured on these
-    prompts: trees on 29% of the penalised requests' steps (tau 1.79),
-    against 67% (tau 3.12) for the same prompts without penalties, whose
-    answers repeat their input more."""
+    the penalties on every request by the retrieval tree, which drafts
+    less for them than without penalties (their answers repeat their input
+    less): at least a quarter of the steps is asserted."""
     ids = prompt_ids[:10]
     the, dot = (demo_tokenizer.encode(text, add_special_tokens=False)[0] for text in (" the", "."))
     bias = {"logit_bias": {str(the): -100.0, str(dot): 1.5}}
     extras = {"1": bias, "3": {"min_p": 0.2}, "5": {**bias, "min_p": 0.1}, "6": bias, "8": {"min_p": 0.3},
               "7": {"bad_words": [" the", " of the", "."]}, "9": {"bad_words": [" is a"], "min_p": 0.2},
-              "4": {"min_tokens": MAX_TOKENS}, "0": {"min_tokens": 24}}
-    job = {"model": demo_model, "prompt_token_ids": ids, "max_tokens": MAX_TOKENS, "max_num_seqs": 8,
+              "4": {"min_tokens": PENALISED_TOKENS}, "0": {"min_tokens": 24}}
+    job = {"model": demo_model, "prompt_token_ids": ids, "max_tokens": PENALISED_TOKENS, "max_num_seqs": 8,
            "serial_first": 2, "penalties": {"repetition_penalty": 1.1, "frequency_penalty": 0.4,
                                             "presence_penalty": 0.3},
            "penalized": list(range(0, 10, 2)), "extras": extras}
@@ -332,7 +332,7 @@ def test_penalised_and_biased_requests_get_trees_and_keep_greedy_output(demo_mod
     plain, everyone = run_engine_job(tmp_path / "plain", job), run_engine_job(tmp_path / "plain-all", every)
     run = run_engine_job(tmp_path / "tree", {**job, "speculative_config": HEAD_TREE})
     run_all = run_engine_job(tmp_path / "tree-all", {**every, "speculative_config": TREE})
-    assert len(plain.token_ids[4]) == MAX_TOKENS and len(plain.token_ids[0]) >= 24
+    assert len(plain.token_ids[4]) == PENALISED_TOKENS and len(plain.token_ids[0]) >= 24
     # The bias changes the answers: " the", common elsewhere, is gone from the biased ones.
     assert all(the not in plain.token_ids[i] for i in (1, 5, 6, 7))
     assert any(the in everyone.token_ids[i] for i in (1, 5, 6))

@@ -1,5 +1,5 @@
 """``vllm serve`` with trees under load and faults (a CI-sized run of
-``benchmarks/serve_load.py``): 48 requests, 16 at a time, mixing every
+``benchmarks/serve_load.py``): 32 requests, 16 at a time, mixing every
 sampling option the benchmark sends, streamed and not, with clients that
 disconnect mid-stream, deliberately bad requests and a KV cache so small
 that vLLM preempts; the same requests without speculation are the
@@ -31,15 +31,15 @@ def test_server_loses_nothing_and_changes_no_greedy_answer(demo_model, tmp_path)
     # KV for one full-length sequence, the smallest vLLM starts with, in blocks of 32 tokens (a request
     # needs a new block 4x as often as with the CPU's default 128): the speculative server preempts.
     report = serve_load.compare(serve_load.ServeLoadConfig(
-        demo_model, {"retrieval": spec}, tmp_path, requests=48, concurrency=16, seed=62, max_model_len=512,
+        demo_model, {"retrieval": spec}, tmp_path, requests=32, concurrency=16, seed=62, max_model_len=512,
         kv_sequences=1, dtype="float32", max_tokens_cap=48, blocks=2, chunked_spec=True, warmup=2,
         reference_kv_sequences=16, block_size=32, extra_args=["--distributed-executor-backend", "uni"]))
-    jobs = workload.workload(48, 62, 512, demo_model, 48)
+    jobs = workload.workload(32, 62, 512, demo_model, 48)
     kinds = {job.kind for job in jobs}
     assert kinds == {*workload.MIX, "greedy"}, kinds
     assert any(job.disconnect_after for job in jobs) and any(job.stream for job in jobs)
     for label, summary in report["servers"].items():
-        assert summary["requests"] == 48 and summary["alive"], label
+        assert summary["requests"] == 32 and summary["alive"], label
         assert summary["lost"] == [] and summary["server_errors"] == [] and summary["incomplete"] == [], summary
         assert summary["bad_requests_accepted"] == [], summary
         assert summary["warmup_requests"] == 2 and summary["memory_gib_warm"] > 0, summary
