@@ -45,11 +45,11 @@ def test_server_loses_nothing_and_changes_no_greedy_answer(demo_model, tmp_path)
         assert summary["warmup_requests"] == 2 and summary["memory_gib_warm"] > 0, summary
     spec_side = report["servers"]["retrieval"]
     assert spec_side["counters"].get("vllm:num_preemptions_total", 0) > 0, "the KV cache was never short"
-    # Trees were verified all along (about 200 drafting steps; this seed preempted 5 times in each of 2 runs).
-    assert spec_side["counters"].get("vllm:spec_decode_num_drafts_total", 0) >= 100, spec_side["counters"]
+    # Trees were verified all along (64 drafting steps; this seed preempted twice).
+    assert spec_side["counters"].get("vllm:spec_decode_num_drafts_total", 0) >= 40, spec_side["counters"]
     assert spec_side["counters"].get("vllm:spec_decode_num_accepted_tokens_total", 0) > 0
     greedy = report["greedy"]["retrieval"]
-    assert greedy["compared"] >= 25 and greedy["differ"] == [] and greedy["status_differs"] == [], greedy
+    assert greedy["compared"] >= 15 and greedy["differ"] == [] and greedy["status_differs"] == [], greedy
     for rank in spec_side["tree_stats"]:
         assert set(rank["requests_held"].values()) == {0}, rank["requests_held"]
     assert len(report["ratios"]["retrieval"]["blocks"]) == 2
