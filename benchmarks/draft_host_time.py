@@ -17,7 +17,9 @@ bounds; the ratio between batch sizes is what the issue asks for.
 Drafters: ``retrieval`` (the trie), ``retrieval-tensors`` (``matcher:
 tensors``), ``eagle3`` (the project's head, EAGLE-2 tree at depth 8, ``N =
 --budget``, ``load_budget: fixed``, ``draft_loop: ragged``), ``eagle3-fixed``
-(the same, ``draft_loop: fixed``: every layer ``B x F`` rows, nothing read back).
+(the same, ``draft_loop: fixed``: every layer ``B x F`` rows, nothing read back),
+``hybrid`` (the head's EAGLE-2 tree merged with the trie matcher's, ragged) and
+``hybrid-fixed`` (merged with the tensor matcher's children, ``draft_loop: fixed``).
 
 Reproduce (about 4 minutes on 2 CPU cores)::
 
@@ -42,10 +44,18 @@ from benchmarks.options import add_batches, add_output, add_workload
 from benchmarks.report import write_report
 
 
+MODEL_DRAFTERS = {  # name -> the tree config's drafter, its draft loop and the hybrid's matcher
+    "eagle3": ("eagle3", "ragged", {}),
+    "eagle3-fixed": ("eagle3", "fixed", {}),
+    "hybrid": ("hybrid", "ragged", {"matcher": "trie"}),
+    "hybrid-fixed": ("hybrid", "fixed", {"matcher": "tensors"}),
+}
+
+
 def spec_of(drafter: str, budget: int, head: str) -> dict:
-    if drafter in ("eagle3", "eagle3-fixed"):
-        loop = "fixed" if drafter == "eagle3-fixed" else "ragged"
-        tree = {"drafter": "eagle3", "policy": "eagle2", "depth": 8, "load_budget": "fixed", "draft_loop": loop}
+    if drafter in MODEL_DRAFTERS:
+        kind, loop, matcher = MODEL_DRAFTERS[drafter]
+        tree = {"drafter": kind, "policy": "eagle2", "depth": 8, "load_budget": "fixed", "draft_loop": loop, **matcher}
         return {"method": "adaptive_tree", "num_speculative_tokens": budget, "model": head, "tree": tree}
     matcher = {"retrieval": "trie", "retrieval-tensors": "tensors"}[drafter]
     tree = {"drafter": "retrieval", "matcher": matcher, "load_budget": "fixed"}

@@ -61,7 +61,7 @@ part sync "$WAVE1" bash -c "python3 benchmarks/sync_check.py --batch-size 8 --me
     --out $WORK/sync && python3 benchmarks/sync_check.py --batch-size 64 --methods none-v1-sync,tree-0,tree-16 \
     --out $WORK/sync" &
 PARTS="$PARTS $!"
-part drafthost "$WAVE1" python3 benchmarks/draft_host_time.py --drafters retrieval-tensors,eagle3 --batch-sizes 8,64 \
+part drafthost "$WAVE1" python3 benchmarks/draft_host_time.py --drafters retrieval-tensors,eagle3,eagle3-fixed,hybrid-fixed --batch-sizes 8,64 \
     --dtype bfloat16 --out "$WORK/drafthost" &
 PARTS="$PARTS $!"
 part profile "$WAVE1" python3 benchmarks/step_profile.py --dtype bfloat16 --engine-layout lockstep --passes 1 \
@@ -71,7 +71,7 @@ wait $PARTS  # not the packer, which runs until the end
 
 WAVE2=$(( $(left) - 15 ))
 part throughput "$WAVE2" bash scripts/gpu_throughput.sh "$WORK/throughput" $(( WAVE2 - 10 )) \
-    --batch-sizes 1,8,32,64 --rounds 1 --methods none,none-v1-sync,ngram,eagle3,tree-retrieval,tree-retrieval-tensors &
+    --batch-sizes 1,8,32,64 --rounds 1 --methods none,none-v1-sync,ngram,eagle3,tree-retrieval,tree-retrieval-tensors,tree-eagle3,tree-hybrid-tensors &
 PARTS=$!
 part greedy "$WAVE2" python3 -m pytest -q -p no:cacheprovider -rfE \
     "tests/test_gpu_engine.py::test_greedy_equals_no_speculation_on_gpu[TRITON_ATTN-retrieval]" \

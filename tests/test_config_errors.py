@@ -43,7 +43,11 @@ def build_config(demo_model, speculative_config):
         ({"num_speculative_tokens": 8, "model": "x", "tree": GOOD_TREE}, r"\['model'\] is not used by tree drafter 'retrieval'"),
         (
             {"num_speculative_tokens": 8, "tree": {**GOOD_TREE, "draft_loop": "fixed"}},
-            r"\['tree'\]\['draft_loop'\] 'fixed' runs a draft model's layers; drafter 'retrieval' has none",
+            r"\['tree'\]\['draft_loop'\] 'fixed' runs a draft model's layers at fixed capacity; drafter 'retrieval' cannot",
+        ),
+        (
+            {"num_speculative_tokens": 8, "model": "x", "tree": {"drafter": "hybrid", "draft_loop": "fixed"}},
+            r"drafter 'hybrid' cannot \(use one of 'draft_model', 'eagle3', or 'hybrid' with 'matcher': 'tensors'",
         ),
         ({"num_speculative_tokens": 8, "tree": {**GOOD_TREE, "draft_loop": "padded"}}, r"\['tree'\]\['draft_loop'\] must be one of 'auto', 'ragged', 'fixed', got 'padded'"),
     ],

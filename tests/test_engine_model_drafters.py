@@ -142,11 +142,15 @@ def test_adaptive_policies_greedy_equal_no_speculation(policy, settings, demo_mo
 
 @pytest.mark.parametrize("datastore", ["off", "shared"])
 def test_hybrid_greedy_equals_no_speculation(datastore, demo_model, prompt_ids, baseline, tmp_path):
-    """The head's eagle2 tree merged with the retrieval trie (Talon's hybrid),
-    with the shared datastore of finished outputs off and on."""
-    spec = adaptive("hybrid", HEAD, 24, policy="eagle2", top_k=4, depth=6, datastore=datastore)
-    # With the datastore on, the model also pauses (2 steps of 5, as the load budget
-    # pauses it when its passes do not pay): the retrieval trie alone drafts then.
+    """The head's eagle2 tree merged with the retrieval trie (Talon's hybrid).
+    Without the shared datastore it runs on the device's path: the tensor
+    matcher's children, the layers at fixed capacity (``draft_loop: fixed``),
+    nothing read back until the trees. With the datastore of finished
+    outputs (the trie matcher's), the model also pauses (2 steps of 5, as
+    the load budget pauses it when its passes do not pay): the retrieval
+    trie alone drafts then."""
+    device_path = {"matcher": "tensors", "draft_loop": "fixed"} if datastore == "off" else {}
+    spec = adaptive("hybrid", HEAD, 24, policy="eagle2", top_k=4, depth=6, datastore=datastore, **device_path)
     pause_pattern = [3, 2] if datastore == "shared" else None
     run = _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec, pause_pattern)
     assert (run.tree_stats["datastore_tokens"] > 0) == (datastore == "shared")

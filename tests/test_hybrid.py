@@ -7,11 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dispatched_ops import dispatched, reads
 from test_model_drafter import TableBackend, make, paths
-from vllm_adaptive_spec.drafters.hybrid import HybridDrafter
+
+from vllm_adaptive_spec.drafters.hybrid import NO_TRIE_NODE, HybridDrafter, merged
 from vllm_adaptive_spec.drafters.model import Eagle3Drafter
-from vllm_adaptive_spec.growth import grow
-from vllm_adaptive_spec.policies import ChainPolicy, Eagle2Policy
+from vllm_adaptive_spec.growth import Candidates, grow, grow_fixed
+from vllm_adaptive_spec.policies import ChainPolicy, DynaTreePolicy, Eagle2Policy, TalonPolicy
 
 
 def grow_hybrid(backend, policy, budget, contexts, **retrieval):
@@ -143,3 +145,131 @@ def test_uniform_steps_give_both_budgets_the_width_choice_over_one_cost_table():
     proposer.observe_step(3 * 5, 0.02, 0, uniform_rows=5)  # 3 requests of 5 rows: the graph of 4
     proposer.observe_step(20, 0.03, 12)  # prompt chunks: not a step shape of the table
     assert proposer.cost_table.measured(4, 5) == 0.02 and model.fit.steps_seen == 2
+
+
+class FixedTableBackend(TableBackend):
+    """The table backend as a fixed draft loop runs (``draft_layers.FixedLayers``): nothing read back."""
+
+    fixed_layers, device = True, torch.device("cpu")
+
+    def feed(self, scratch, live, tokens, parents):
+        ids = scratch.count.unsqueeze(1) + live.long().cumsum(1) - 1
+        fed = live & (ids < self.capacity)
+        scratch.count += fed.sum(1)
+        dist = self.summary(self.table[tokens.clamp(min=0)])
+        return torch.where(fed, ids, -1), dist._replace(probs=torch.where(fed.unsqueeze(-1), dist.probs, 0.0))
+
+
+HYBRID_POLICIES = {
+    "eagle2": lambda: Eagle2Policy(top_k=3, depth=4),
+    "talon": lambda: TalonPolicy(top_k=3, k_c=3, max_depth=6),
+    "dynatree": lambda: DynaTreePolicy(),
+}
+
+
+def hybrid_trees(backend, policy, budget: int, contexts, width: int | None = None, **retrieval):
+    """The hybrid's trees: grown by ``grow`` (``width`` None), or at fixed capacity."""
+    drafter = HybridDrafter(evidence_prior=2.0, l_max=3, max_matches=6, **retrieval)
+    drafter.bind(backend, policy.fanout, policy.entropy_top_m)
+    ids = [f"r{b}" for b in range(len(contexts))]
+    drafter.prepare(ids, contexts, list(range(len(contexts))))
+    policy.begin(ids)
+    budgets = torch.full((len(contexts),), budget)
+    if width is None:
+        return grow(drafter, policy, budgets, drafter.max_depth)[0]
+    return grow_fixed(drafter, policy, budgets, policy.depth_limit(budget), width).to_trees()
+
+
+def repetitive_contexts(seed: int, batch: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 4, (int(n),), generator=gen).tolist() for n in torch.randint(2, 40, (batch,), generator=gen)]
+
+
+@pytest.mark.parametrize("name", list(HYBRID_POLICIES))
+def test_the_tensor_matcher_and_the_fixed_loop_give_the_trie_matchers_trees(name):
+    """The merge by token is tensor operations over either matcher's
+    children: the tensor matcher's hybrid trees equal the trie's, ragged and
+    at fixed capacity (the policy's layer width), on repetitive contexts."""
+    merged_any = 0
+    for seed in range(3):
+        roots, table = make(seed=seed, batch=5)
+        contexts = repetitive_contexts(seed, 5)
+        trie = hybrid_trees(TableBackend(roots, table), HYBRID_POLICIES[name](), 10, contexts)
+        tensors = hybrid_trees(TableBackend(roots, table), HYBRID_POLICIES[name](), 10, contexts, matcher="tensors")
+        assert tensors == trie
+        policy = HYBRID_POLICIES[name]()
+        fixed = hybrid_trees(FixedTableBackend(roots, table), policy, 10, contexts, policy.layer_width(10),
+                             matcher="tensors")
+        assert fixed == trie
+        model = grow_model(TableBackend(roots, table), HYBRID_POLICIES[name](), 10, batch=5)
+        merged_any += sum(a != b for a, b in zip(trie, model))
+    assert merged_any > 3  # the trie changed the model's trees
+
+
+def test_at_fixed_capacity_nothing_is_read_back_and_the_operations_do_not_grow():
+    """The hybrid over the tensor matcher and a fixed draft loop: the same
+    operations at batch 8 and 64 and at budgets 6 and 12, none a read."""
+    counts = []
+    for batch, budget in ((8, 6), (64, 6), (8, 12), (64, 12)):
+        roots, table = make(seed=batch, batch=batch)
+        contexts = repetitive_contexts(budget, batch)
+
+        def trees():
+            policy = Eagle2Policy(top_k=3, depth=4)
+            drafter = HybridDrafter(l_max=3, max_matches=6, matcher="tensors")
+            drafter.bind(FixedTableBackend(roots, table), policy.fanout, policy.entropy_top_m)
+            drafter.prepare([f"r{b}" for b in range(batch)], contexts, list(range(batch)))
+            return grow_fixed(drafter, policy, torch.full((batch,), budget), 4, policy.layer_width(budget))
+
+        counts.append(dispatched(trees))
+    assert all(count == counts[0] for count in counts)
+    assert not reads(counts[0])
+
+
+def merged_reference(tokens, q, kids):
+    """The merge one element at a time: each trie child (in order) joins the
+    model's slot with its token (if that slot exists) taking the larger
+    ``q``, or takes the next free slot after the model's."""
+    batch, width, fanout = tokens.shape
+    extra = kids.q.shape[-1]
+    out_tokens = torch.cat([tokens, torch.zeros(batch, width, extra, dtype=torch.long)], -1)
+    out_q = torch.cat([q, torch.zeros(batch, width, extra)], -1)
+    children = torch.full((batch, width, fanout + extra), NO_TRIE_NODE, dtype=torch.long)
+    for b in range(batch):
+        for f in range(width):
+            offered, free = tokens[b, f].tolist(), fanout
+            for token, chance, child in zip(*(x[b, f].tolist() for x in (kids.tokens, kids.q, kids.handles))):
+                if chance == 0:
+                    continue
+                where = offered.index(token) if token in offered else -1
+                if where < 0 or q[b, f, where] == 0:
+                    where, free = free, free + 1
+                    out_tokens[b, f, where] = token
+                out_q[b, f, where] = max(float(out_q[b, f, where]), chance)
+                children[b, f, where] = child
+    return out_tokens, out_q, children
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_merge_by_token_equals_its_reference(seed):
+    """Tokens both sides offer (a small vocabulary), model slots with ``q``
+    0, trie children of every count: once sorted by ``q`` as the drafter
+    sorts them, the same candidates (token, ``q``, trie child)."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, width, fanout, extra = 3, 4, 3, 5
+    tokens = torch.stack([torch.randperm(8, generator=gen)[:fanout] for _ in range(batch * width)]).view(batch, width, -1)
+    q = torch.rand(batch, width, fanout, generator=gen) * (torch.rand(batch, width, fanout, generator=gen) > 0.2)
+    kid_tokens = torch.stack([torch.randperm(8, generator=gen)[:extra] for _ in range(batch * width)])
+    kid_q = torch.rand(batch * width, extra, generator=gen) * (torch.arange(extra) < torch.randint(0, extra + 1, (batch * width, 1), generator=gen))
+    kids = Candidates(kid_tokens.view(batch, width, -1), kid_q.view(batch, width, -1),
+                      torch.randint(0, 50, (batch, width, extra), generator=gen))
+    want = merged_reference(tokens, q, kids)
+    (g_tokens, g_q, g_child), (w_tokens, w_q, w_child) = sorted_by_q(*merged(tokens, q, kids)), sorted_by_q(*want)
+    assert torch.equal(g_q, w_q) and torch.equal(g_child, w_child)
+    assert torch.equal(torch.where(g_q > 0, g_tokens, -1), torch.where(w_q > 0, w_tokens, -1))
+    assert (want[2][..., :fanout] >= 0).any() and (want[2][..., fanout:] >= 0).any()  # both kinds of join happened
+
+
+def sorted_by_q(tokens, q, children):
+    q, order = q.sort(dim=-1, descending=True, stable=True)
+    return tokens.gather(-1, order), q, children.gather(-1, order)

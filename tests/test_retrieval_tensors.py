@@ -69,13 +69,21 @@ def test_the_same_trees_as_the_trie_on_the_projects_prompts(demo_tokenizer):
 
 
 def test_the_layer_loop_grows_the_same_trees():
-    """The chain policy grows layer by layer through ``children`` (and so does
-    the hybrid): the tensor matcher answers them from its whole trees."""
+    """The chain policy grows layer by layer through ``expand`` (and so does
+    the hybrid): the tensor matcher answers from its whole trees on the
+    device, ``max_matches`` children wide, where the trie is as wide as its
+    widest node; a node beyond the trees has no children."""
     rng = random.Random(7)
-    trie, tensors = both({"max_depth": 6}, random_contexts(rng, 8, 3))
+    trie, tensors = both({"max_depth": 6, "max_matches": 5}, random_contexts(rng, 8, 3))
     budget = torch.full((8,), 6)
     assert grow(tensors, ChainPolicy(), budget, 6)[0] == grow(trie, ChainPolicy(), budget, 6)[0]
-    assert tensors.children(0, 10_000) == []
+    roots = torch.full((8, 2), -1)
+    live = torch.tensor([[True, False]] * 8)
+    got, want = tensors.expand(roots, live), trie.expand(roots, live)
+    width = want.q.shape[-1]
+    assert got.q.shape[-1] == 5 and torch.equal(got.tokens[..., :width], want.tokens)
+    assert torch.equal(got.q[..., :width], want.q) and not got.q[..., width:].any()
+    assert not tensors.expand(torch.full((8, 1), 10_000), torch.ones(8, 1, dtype=torch.bool)).q.any()
 
 
 def device_trees(tokens, lengths, kappa, floor: float):

@@ -19,7 +19,7 @@ from typing import Any
 from vllm_adaptive_spec.classifier import FILE_NAME
 from vllm_adaptive_spec.drafters import DRAFTER_POLICIES, DRAFTERS
 from vllm_adaptive_spec.drafters.retrieval import resolve_matcher
-from vllm_adaptive_spec.drafters.retrieval_tensors import TensorRetrievalDrafter
+from vllm_adaptive_spec.drafters.retrieval_tensors import make_retrieval
 from vllm_adaptive_spec.policies import POLICIES, Param
 
 METHOD = "adaptive_tree"
@@ -81,12 +81,19 @@ class TreeConfig:
     def make_drafter(self, device_type: str = "cpu"):
         """The drafter, for an engine on ``device_type`` (which picks the
         retrieval drafter's matcher, ``retrieval.resolve_matcher``)."""
+        if self.drafter == "retrieval":
+            return make_retrieval(device_type, **self.drafter_params)
+        if self.drafter == "hybrid":
+            return DRAFTERS["hybrid"](device_type=device_type, **self.drafter_params)
+        return DRAFTERS[self.drafter](**self.drafter_params)
+
+    @property
+    def fixed_loop_capable(self) -> bool:
+        """Whether the drafter can grow at fixed capacity (``draft_loop``
+        ``fixed``): a model drafter, or the hybrid over the tensor matcher."""
         params = self.drafter_params
-        if self.drafter == "retrieval" and resolve_matcher(
-                params.get("matcher", "auto"), device_type, params.get("datastore", "off"), params.get("corpus", "")
-        ) == "tensors":
-            return TensorRetrievalDrafter(device_type, **params)
-        return DRAFTERS[self.drafter](**params)
+        return self.drafter in FIXED_LOOP_DRAFTERS or (self.drafter == "hybrid" and resolve_matcher(
+            params.get("matcher", "auto"), "cuda", params.get("datastore", "off"), params.get("corpus", "")) == "tensors")
 
     @property
     def model_kind(self) -> str | None:
@@ -171,13 +178,14 @@ def parse_tree_config(spec: dict[str, Any]) -> TreeConfig:
                 f"({default!r} not found); train one with `vllm-adaptive-spec c2t-train`"
             )
         params[1]["classifier"] = default
-    if params[2]["draft_loop"] == "fixed" and drafter not in FIXED_LOOP_DRAFTERS:
-        raise TreeConfigError(
-            f"speculative_config['tree']['draft_loop'] 'fixed' runs a draft model's layers; drafter {drafter!r} "
-            f"has none that runs alone (use one of {_choices(FIXED_LOOP_DRAFTERS)}, or 'auto')"
-        )
     config = TreeConfig(drafter, policy, budget, params[0], params[1], params[2]["load_budget"],
                         params[2]["uniform_steps"], params[2]["draft_loop"])
+    if config.draft_loop == "fixed" and not config.fixed_loop_capable:
+        raise TreeConfigError(
+            f"speculative_config['tree']['draft_loop'] 'fixed' runs a draft model's layers at fixed capacity; "
+            f"drafter {drafter!r} cannot (use one of {_choices(FIXED_LOOP_DRAFTERS)}, or 'hybrid' with "
+            "'matcher': 'tensors', or 'auto')"
+        )
     try:
         config.make_drafter()
         config.make_policy()

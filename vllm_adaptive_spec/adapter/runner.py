@@ -45,7 +45,6 @@ from vllm_adaptive_spec.adapter.sampling_controls import builtin_logits_processo
 from vllm_adaptive_spec.adapter.tree_impl import check_tree_backends
 from vllm_adaptive_spec.adapter.tree_scheduler import TreeDraftTokenIds
 from vllm_adaptive_spec.adapter.verifier import TreeVerifier
-from vllm_adaptive_spec.config import FIXED_LOOP_DRAFTERS
 from vllm_adaptive_spec.step_widths import drafted_nodes, step_widths
 from vllm_adaptive_spec.tree import DraftTree
 from vllm_adaptive_spec.verify import Acceptance, path_moves
@@ -80,9 +79,10 @@ def uniform_steps(setting: str, vllm_config, device) -> bool:
 def draft_layers(config, vllm_config, device):
     """How a model drafter's tree layers run (``draft_loop``): ``auto`` runs
     them at fixed capacity, on the device, where uniform steps are on (the
-    step a graph replays), and ragged on the host elsewhere. The hybrid's
-    trie merges on the host: its layers stay ragged."""
-    fixed = config.draft_loop == "fixed" or (config.draft_loop == "auto" and config.drafter in FIXED_LOOP_DRAFTERS
+    step a graph replays), and ragged on the host elsewhere. The hybrid
+    grows at fixed capacity over the tensor matcher only (the trie's
+    children are found on the host)."""
+    fixed = config.draft_loop == "fixed" or (config.draft_loop == "auto" and config.fixed_loop_capable
                                               and uniform_steps(config.uniform_steps, vllm_config, device))
     return FixedLayers(torch.device(device)) if fixed else RaggedLayers()
 

@@ -35,6 +35,7 @@ import torch
 
 from vllm_adaptive_spec.drafters.model import ROOT_HANDLE, DraftBackend, DraftModelDrafter, Eagle3Drafter
 from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
+from vllm_adaptive_spec.drafters.retrieval_tensors import TensorRetrievalDrafter, make_retrieval
 from vllm_adaptive_spec.growth import Candidates
 from vllm_adaptive_spec.policies import Param
 from vllm_adaptive_spec.policies.retrieval import RetrievalPolicy
@@ -43,7 +44,8 @@ NO_TRIE_NODE = -2  # the trie's root is node -1, as the retrieval drafter's hand
 BASES = {"eagle3": Eagle3Drafter, "draft_model": DraftModelDrafter}
 # The retrieval settings a hybrid tree takes; ``max_depth`` is renamed so it cannot
 # collide with a policy's ``max_depth`` (TALON's) under ``tree``.
-RETRIEVAL_PARAMS = ("l_max", "l_min", "max_matches", "evidence_prior", "datastore", "datastore_tokens", "corpus")
+RETRIEVAL_PARAMS = ("l_max", "l_min", "max_matches", "evidence_prior", "datastore", "datastore_tokens", "corpus",
+                    "matcher")
 
 
 class HybridDrafter:
@@ -56,9 +58,9 @@ class HybridDrafter:
         **{name: RetrievalDrafter.PARAMS[name] for name in RETRIEVAL_PARAMS},
     }
 
-    def __init__(self, base: str = "eagle3", retrieval_depth: int = 16, **retrieval) -> None:
+    def __init__(self, base: str = "eagle3", retrieval_depth: int = 16, device_type: str = "cpu", **retrieval) -> None:
         self.model = BASES[base]()
-        self.retrieval = RetrievalDrafter(max_depth=retrieval_depth, **retrieval)
+        self.retrieval = make_retrieval(device_type, max_depth=retrieval_depth, **retrieval)
         self.base = base
         self.corpus_path = self.retrieval.corpus_path
         self._tokens: torch.Tensor | None = None  # [B, F * C] the last candidates' tokens
@@ -68,6 +70,17 @@ class HybridDrafter:
     @property
     def fanout(self) -> int:
         return self.model.fanout
+
+    @property
+    def fixed_layers(self) -> bool:
+        """Whether growth runs at fixed capacity (``growth.grow``): the model's
+        layers run so, and the trie's children come from the tensor matcher
+        (the trie matcher reads each frontier back)."""
+        return self.model.fixed_layers and isinstance(self.retrieval, TensorRetrievalDrafter)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
 
     @property
     def shared(self):
@@ -89,6 +102,7 @@ class HybridDrafter:
     def prepare(self, request_ids: list[str], contexts, rows: list[int], prompt_lens=None) -> None:
         self.model.prepare(request_ids, contexts, rows, prompt_lens)
         self.retrieval.prepare(request_ids, contexts, rows, prompt_lens)
+        self._tokens = self._model_parents = self._trie_nodes = None
 
     def forget(self, request_id: str, finished: bool = False) -> None:
         self.model.forget(request_id, finished)
@@ -100,42 +114,36 @@ class HybridDrafter:
     def expand(self, handles: torch.Tensor, live: torch.Tensor) -> Candidates:
         batch, width = handles.shape
         model_nodes, dist, live = self.model.frontier(handles, live, self._tokens, self._model_parents)
-        at_root = bool((handles == ROOT_HANDLE).all())
-        trie_nodes = handles.new_full((batch, width), -1) if at_root else self._trie_nodes.gather(1, handles.clamp(min=0))
+        if self._trie_nodes is None:  # the first expansion since ``prepare``: the roots (known on the host)
+            trie_nodes = torch.full((batch, width), ROOT_HANDLE, dtype=torch.long, device=live.device)
+        else:
+            trie_nodes = self._trie_nodes.gather(1, handles.clamp(min=0))
+        kids = self.retrieval.expand(trie_nodes, live & (trie_nodes >= ROOT_HANDLE))
         tokens, q = dist.tokens[..., : self.fanout].long(), dist.probs[..., : self.fanout].float()
-        tokens, q, trie_children = self._merge(tokens, torch.where(live.unsqueeze(-1), q, 0.0), trie_nodes, live)
+        tokens, q, trie_children = merged(tokens, torch.where(live.unsqueeze(-1), q, 0.0), kids)
         q, order = q.sort(dim=-1, descending=True, stable=True)
         tokens, trie_children = tokens.gather(-1, order), trie_children.gather(-1, order)
         fanout = q.shape[-1]
         self._tokens = tokens.flatten(1)
         self._model_parents = model_nodes.unsqueeze(-1).expand(-1, -1, fanout).flatten(1)
         self._trie_nodes = trie_children.flatten(1)
-        out_handles = torch.arange(width * fanout).view(1, width, fanout).expand(batch, -1, -1).clone()
+        out_handles = torch.arange(width * fanout, device=live.device).view(1, width, fanout).expand(batch, -1, -1)
         entropy = dist.entropy if self.model.backend.top_m else None
-        return Candidates(tokens=tokens, q=q, handles=out_handles, entropy=entropy)
+        return Candidates(tokens=tokens, q=q, handles=out_handles.clone(), entropy=entropy)
 
-    def _merge(self, tokens, q, trie_nodes, live):
-        """The model's candidates [B, F, C] and the live trie nodes' children:
-        a shared token takes the larger ``q`` and the trie child; the others
-        are appended. Returns tokens, q and trie children [B, F, C + R]."""
-        batch, width, fanout = tokens.shape
-        kids = {}
-        for b, f in (trie_nodes >= -1).logical_and(live).nonzero().tolist():
-            children = self.retrieval.children(b, int(trie_nodes[b, f]))
-            if children:
-                kids[b, f] = children
-        extra = max((len(c) for c in kids.values()), default=0)
-        tokens = torch.cat([tokens, torch.zeros(batch, width, extra, dtype=torch.long)], -1)
-        q = torch.cat([q, torch.zeros(batch, width, extra)], -1)
-        trie_children = torch.full((batch, width, fanout + extra), NO_TRIE_NODE, dtype=torch.long)
-        for (b, f), children in kids.items():
-            offered = tokens[b, f, :fanout].tolist()
-            free = fanout
-            for token, chance, child in children:
-                where = offered.index(token) if token in offered else -1
-                if where < 0 or q[b, f, where] == 0:
-                    where, free = free, free + 1
-                    tokens[b, f, where] = token
-                q[b, f, where] = max(float(q[b, f, where]), chance)
-                trie_children[b, f, where] = child
-        return tokens, q, trie_children
+
+def merged(tokens: torch.Tensor, q: torch.Tensor, kids: Candidates) -> tuple[torch.Tensor, ...]:
+    """The model's candidates ``tokens``/``q`` [B, F, C] (``q`` 0: none)
+    merged with the trie's children ``kids`` [B, F, R] by token, as tensor
+    operations: a token both offer is the model's slot with the larger ``q``
+    and the trie child; the trie's other children follow in slots ``C + r``
+    (``q`` 0 where a child was merged or is none). Returns tokens, ``q`` and
+    each slot's trie child (``NO_TRIE_NODE``: none), [B, F, C + R]."""
+    exists = kids.q > 0
+    same = (tokens.unsqueeze(-1) == kids.tokens.unsqueeze(-2)) & (q > 0).unsqueeze(-1) & exists.unsqueeze(-2)
+    shared_q = torch.where(same, kids.q.unsqueeze(-2), 0.0).amax(-1)
+    shared_child = torch.where(same, kids.handles.unsqueeze(-2), NO_TRIE_NODE).amax(-1)
+    new = exists & ~same.any(-2)
+    return (torch.cat([tokens, torch.where(new, kids.tokens, 0)], -1),
+            torch.cat([torch.maximum(q, shared_q), torch.where(new, kids.q, 0.0)], -1),
+            torch.cat([shared_child, torch.where(new, kids.handles, NO_TRIE_NODE)], -1))

@@ -40,7 +40,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from vllm_adaptive_spec.drafters.retrieval import EVIDENCE_EXPONENT, RetrievalDrafter
+from vllm_adaptive_spec.drafters.retrieval import EVIDENCE_EXPONENT, RetrievalDrafter, resolve_matcher
+from vllm_adaptive_spec.growth import Candidates
 from vllm_adaptive_spec.tree import ROOT, DraftTree
 
 PAD = -1
@@ -167,6 +168,14 @@ def _breadth_first(cont, first, q, kept) -> CandidateTrees:
                           laid_out(q, 0.0, torch.float64), placed)
 
 
+def make_retrieval(device_type: str = "cpu", **params) -> RetrievalDrafter:
+    """The retrieval drafter of ``params`` for an engine on ``device_type``:
+    the trie or the tensors, as its ``matcher`` resolves there."""
+    matcher = resolve_matcher(params.get("matcher", "auto"), device_type, params.get("datastore", "off"),
+                              params.get("corpus", ""))
+    return TensorRetrievalDrafter(device_type, **params) if matcher == "tensors" else RetrievalDrafter(**params)
+
+
 class TensorRetrievalDrafter(RetrievalDrafter):
     """The retrieval drafter with ``matcher: tensors``: each step's trees from
     the requests' whole contexts on ``device`` (no index kept between steps),
@@ -180,7 +189,7 @@ class TensorRetrievalDrafter(RetrievalDrafter):
                                    dtype=torch.float64, device=self.device)
         self._tokens = self._lengths = None
         self._cached: dict[float, list[DraftTree]] = {}
-        self._kids: dict[int, dict[int, list[tuple[int, float, int]]]] = {}
+        self._whole: CandidateTrees | None = None  # this step's whole trees, on the device (``expand``)
 
     def prepare(self, request_ids: list[str], contexts, rows=None, prompt_lens=None) -> None:
         lengths = [len(context) for context in contexts]
@@ -189,22 +198,44 @@ class TensorRetrievalDrafter(RetrievalDrafter):
             padded[b, : lengths[b]] = context
         self._tokens = torch.from_numpy(padded).to(self.device, non_blocking=True)
         self._lengths = torch.tensor(lengths, dtype=torch.long).to(self.device, non_blocking=True)
-        self._cached, self._kids = {}, {}
+        self._cached, self._whole = {}, None
+
+    def _trees(self, floor: float) -> CandidateTrees:
+        matches = longest_matches(self._tokens, self._lengths, self.l_min, self.l_max, self.max_matches)
+        cont = continuations(self._tokens, self._lengths, matches.ends, self.max_depth)
+        return candidate_trees(cont, matches.length, self._kappa, floor)
 
     def candidate_trees(self, floor: float = 0.0) -> list[DraftTree]:
         if floor not in self._cached:
-            matches = longest_matches(self._tokens, self._lengths, self.l_min, self.l_max, self.max_matches)
-            cont = continuations(self._tokens, self._lengths, matches.ends, self.max_depth)
-            self._cached[floor] = candidate_trees(cont, matches.length, self._kappa, floor).to_trees()
+            self._cached[floor] = self._trees(floor).to_trees()
         return self._cached[floor]
 
-    def children(self, b: int, handle: int) -> list[tuple[int, float, int]]:
-        """From the whole candidate tree: its nodes are breadth-first, each
-        node's children together and by descending ``q``, as the trie's."""
-        if b not in self._kids:
-            kids: dict[int, list[tuple[int, float, int]]] = {}
-            tree = self.candidate_trees()[b]
-            for node, (token, parent, q) in enumerate(zip(tree.tokens, tree.parents, tree.q)):
-                kids.setdefault(parent, []).append((token, q, node))
-            self._kids[b] = kids
-        return self._kids[b].get(handle, [])
+    def expand(self, handles: torch.Tensor, live: torch.Tensor) -> Candidates:
+        """The children of the frontier ``handles`` (nodes of this step's
+        whole trees, -1: the root) on the device, ``max_matches`` wide (no
+        node has more children than continuations): no value is read, so a
+        layer loop over them (the hybrid's) runs at fixed shapes."""
+        if self._whole is None:
+            self._whole = self._trees(0.0)
+        return children(self._whole, handles, live, self.max_matches)
+
+
+def children(trees: CandidateTrees, handles: torch.Tensor, live: torch.Tensor, width: int) -> Candidates:
+    """Each live frontier node's children in ``trees`` (``handles`` [B, F]:
+    node indices, -1 the root) as candidates ``[B, F, width]``: a node's
+    children are consecutive in breadth-first order and by descending
+    ``q``, so the first ``width`` of them in slot order are its first
+    ``width`` children; empty slots hold token -1, ``q`` 0, handle -1."""
+    batch, nodes = trees.tokens.shape
+    slots = torch.arange(nodes, device=handles.device)
+    real = slots.unsqueeze(0) < trees.num_nodes.unsqueeze(1)  # [B, N]
+    kid = (trees.parents.unsqueeze(1) == handles.unsqueeze(2)) & real.unsqueeze(1) & live.unsqueeze(2)  # [B, F, N]
+    rank = kid.long().cumsum(2) - 1
+    place = torch.where(kid & (rank < width), rank, width)  # the rest into a spill column, cut off
+
+    def laid_out(values: torch.Tensor, fill) -> torch.Tensor:
+        out = torch.full((*handles.shape, width + 1), fill, dtype=values.dtype, device=values.device)
+        return out.scatter_(2, place, values.unsqueeze(1).expand(-1, handles.shape[1], -1))[..., :width]
+
+    return Candidates(laid_out(trees.tokens, PAD), laid_out(trees.q.float(), 0.0),
+                      laid_out(slots.expand(batch, -1), ROOT))
