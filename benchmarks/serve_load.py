@@ -47,7 +47,9 @@ spec-decode, preemption and prefix-cache counters from ``/metrics``, every serve
 over the run, and, with speculation, the plugin's per-request state once the
 server is idle
 (``adaptive_tree_stats`` through vLLM's development RPC endpoint): every
-count must be zero. A plot shows latency, throughput and memory over the run
+count must be zero; and the share of requests that received trees, by the
+kind of sampling they asked for (structured output, penalties, the other
+logits processors, plain). A plot shows latency, throughput and memory over the run
 (``--out``/``serve_load.png``).
 
 Decision: vLLM's ``vllm bench serve`` measures throughput and latency of one

@@ -1,6 +1,7 @@
 """Structured output with trees (issue 54, item 2) on the real engine: JSON
-schema, regex and choice requests get trees, the scheduler masking each
-node with the grammar's state after its path (``adapter/tree_scheduler``);
+schema, regex and choice requests get trees, the scheduler removing the
+nodes their grammar forbids and masking each other node with the grammar's
+state after its path (``adapter/tree_scheduler``);
 greedy output equals no speculation token for token at batch 1 and 8, and
 every answer that ended parses against its schema or matches its regex;
 sampling under a grammar keeps the target's law."""
@@ -79,6 +80,8 @@ def test_structured_requests_get_trees_and_keep_greedy_output(drafter, job, base
     steps = sum(len(t) for t in run.token_ids) - run.tree_stats["tokens_accepted"]
     assert run.tree_stats["trees_verified"] >= steps / 2, (run.tree_stats, steps)
     assert run.tau > 1.3, run.tree_stats
+    # Nodes the grammar forbids were removed before verification (the scheduler's cut, the worker's subtree).
+    assert run.tree_stats["grammar_cut_nodes"] > 0, run.tree_stats
 
 
 def test_sampling_with_a_grammar_is_unchanged_by_a_tree(demo_model, demo_tokenizer, tmp_path):

@@ -52,6 +52,10 @@ def test_server_loses_nothing_and_changes_no_greedy_answer(demo_model, tmp_path)
     assert greedy["compared"] >= 15 and greedy["differ"] == [] and greedy["status_differs"] == [], greedy
     for rank in spec_side["tree_stats"]:
         assert set(rank["requests_held"].values()) == {0}, rank["requests_held"]
+    # Structured and penalised requests are speculated too (issue 54), and counted by kind.
+    kinds = spec_side["tree_stats"][0]["drafted_by_kind"]
+    assert kinds["plain"]["drafted"] > 0 and sum(c["requests"] for c in kinds.values()) >= 20, kinds
+    assert "requests that received trees: " in (tmp_path / "serve_load.md").read_text()
     assert len(report["ratios"]["retrieval"]["blocks"]) == 2
     assert 0 < spec_side["api_server_gib_end"] < spec_side["memory_gib_end"], spec_side
     # vLLM loads the plugin in the engine core process it spawns.

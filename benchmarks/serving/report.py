@@ -61,6 +61,14 @@ def summarize(run: dict, jobs: list[Job]) -> dict:
     }
 
 
+def drafted_share(tree_stats: list[dict] | None) -> str:
+    """Per kind of sampling (``adapter/drafted_share``), the finished
+    requests of two tokens or more that had a tree verified, of all of
+    them (rank 0's count: every rank verifies the same trees)."""
+    kinds = (tree_stats or [{}])[0].get("drafted_by_kind") or {}
+    return ", ".join(f"{kind} {c['drafted']}/{c['requests']}" for kind, c in kinds.items() if c["requests"]) or "none"
+
+
 def greedy_comparison(plain: dict, spec: dict, jobs: list[Job]) -> dict:
     """Greedy requests answered completely by both servers: token ids equal?
     And every request neither client left: the same status from both?"""
@@ -120,7 +128,8 @@ def markdown(report: dict) -> str:
                      f"{ratio['median']:.2f}x, range {min(ratio['blocks']):.2f}-{max(ratio['blocks']):.2f}); greedy "
                      f"requests compared: {greedy['compared']}, differing: {len(greedy['differ'])}; requests with "
                      f"another status than without speculation: {len(greedy['status_differs'])}; plugin state once "
-                     f"idle (per rank): {[r.get('requests_held') for r in servers[label].get('tree_stats') or []]}")
+                     f"idle (per rank): {[r.get('requests_held') for r in servers[label].get('tree_stats') or []]}; "
+                     f"requests that received trees: {drafted_share(servers[label].get('tree_stats'))}")
     return "\n".join(lines) + "\n"
 
 

@@ -43,6 +43,7 @@ class TreeStats:
     leaf_paths: int = 0  # verified trees whose accepted path reached a leaf
     paused_trees: int = 0  # trees drafted while paused (by a drafter's paused part)
     trust_cuts: int = 0  # steps whose nodes the load budget's trust region cut
+    grammar_cut_nodes: int = 0  # drafted nodes a structured request's grammar removed before verification
     last_step: dict[str, int] = field(default_factory=dict)
 
     def record_step(self, trees: int, nodes: int, accepted: int) -> None:
@@ -67,6 +68,7 @@ class TreeStats:
             "leaf_paths": self.leaf_paths,
             "paused_trees": self.paused_trees,
             "trust_cuts": self.trust_cuts,
+            "grammar_cut_nodes": self.grammar_cut_nodes,
             "drafting_share": 1.0 - self.paused / max(self.proposals, 1),
             "tau": 1.0 + self.tokens_accepted / trees,
             "nodes_per_tree": self.nodes_verified / trees,

@@ -39,6 +39,7 @@ from vllm_adaptive_spec.adapter.cudagraphs import TreeCudagraphDispatcher, graph
 from vllm_adaptive_spec.adapter.draft_head import HeadDraftBackend
 from vllm_adaptive_spec.adapter.draft_layers import FixedLayers, RaggedLayers
 from vllm_adaptive_spec.adapter.draft_lm import LMDraftBackend
+from vllm_adaptive_spec.adapter.drafted_share import DraftedShare
 from vllm_adaptive_spec.adapter.proposer import TreeProposer, can_draft
 from vllm_adaptive_spec.adapter.pending import PendingAcceptance
 from vllm_adaptive_spec.adapter.sampling_controls import builtin_logits_processors
@@ -125,6 +126,7 @@ class TreeRunnerMixin:
         self._tree_step: tree_step.TreeStep | None = None  # the step in flight, from layout to verification
         self._accepted_rows: dict[int, list[int]] = {}
         self._pending_acceptance: PendingAcceptance | None = None
+        self._drafted_share = DraftedShare()
         self._draft_backend = None
         if isinstance(self.drafter, TreeProposer):
             self._tree_proposer = self.drafter
@@ -151,6 +153,9 @@ class TreeRunnerMixin:
 
     def _update_states(self, scheduler_output):
         self._settle_acceptance()  # a step whose drafting vLLM skipped
+        for req_id in scheduler_output.finished_req_ids:
+            if (state := self.requests.get(req_id)) is not None:
+                self._drafted_share.finished(req_id, state.sampling_params, len(state.output_token_ids))
         result = super()._update_states(scheduler_output)
         gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
         self.tree_proposer.forget(gone, set(scheduler_output.finished_req_ids))
@@ -251,6 +256,7 @@ class TreeRunnerMixin:
             return None
         batch_indices, trees, starts, lengths, paddings = [], [], [], [], []
         query_start = self.query_start_loc.np
+        grammar_kept = getattr(scheduler_output, "tree_kept", {})  # ``tree_scheduler``: trees a grammar cut
         for req_id, drafts in scheduled.items():
             if not drafts:
                 continue
@@ -260,8 +266,7 @@ class TreeRunnerMixin:
                 self._accepted_rows[index] = list(range(first, first + int(num_scheduled_tokens[index]) - len(drafts)))
                 continue
             nodes = drafted_nodes(drafts)  # the rest: a uniform step's padding (``step_widths``)
-            stored = self.tree_proposer.trees.get(req_id)
-            tree = stored.prefix(nodes) if stored is not None else None
+            tree = self._scheduled_tree(req_id, nodes, grammar_kept.get(req_id))
             if tree is None or tree.tokens != list(drafts[:nodes]):
                 tree = DraftTree.chain(list(drafts[:nodes]))
             batch_indices.append(index)
@@ -280,6 +285,17 @@ class TreeRunnerMixin:
             [paddings[k] for k in order],
             num_scheduled_tokens,
         )
+
+    def _scheduled_tree(self, req_id: str, nodes: int, kept: list[int] | None) -> DraftTree | None:
+        """The request's tree as scheduled: its first ``nodes`` nodes, or of
+        the nodes its grammar ``kept`` (the scheduler's), the first ``nodes``."""
+        stored = self.tree_proposer.trees.get(req_id)
+        if stored is None:
+            return None
+        if kept is None:
+            return stored.prefix(nodes)
+        self.tree_proposer.stats.grammar_cut_nodes += len(stored) - len(kept)
+        return stored.subset(kept[:nodes])
 
     def _lay_out(self, batch_indices, trees, starts, lengths, paddings, num_scheduled_tokens) -> tree_step.TreeStep:
         """The step's trees laid out over its rows (:func:`~vllm_adaptive_spec.adapter.step.build_step`,
@@ -318,6 +334,7 @@ class TreeRunnerMixin:
         proposer = self.tree_proposer
         proposer.stats.record_step(len(step.trees), sum(len(tree) for tree in step.trees), sum(counts))
         proposer.observe(pending.request_ids, step.trees, [row[:count] for row, count in zip(paths, counts)])
+        self._drafted_share.verified(pending.request_ids)
         if self._draft_backend is not None:
             self._record_chains(step, paths, counts)
 
@@ -396,15 +413,19 @@ class TreeRunnerMixin:
         return TreeDraftTokenIds(drafts.req_ids, drafts.draft_token_ids, parents)
 
     def adaptive_tree_stats(self) -> dict[str, float]:
-        """The proposer's counters, the shared datastore's size, and
+        """The proposer's counters, the shared datastore's size,
         ``requests_held``: per part, the requests it keeps state for (all
-        zero when the engine is idle; anything else is a leak)."""
+        zero when the engine is idle; anything else is a leak), and
+        ``drafted_by_kind``: per kind of sampling, finished requests and
+        those that had a tree verified (``drafted_share``)."""
         shared = getattr(self.tree_proposer.drafter, "shared", None)
         held = self.tree_proposer.requests_held()
         held["draft_kv"] = 0 if self._draft_backend is None else self._draft_backend.requests_held()
+        held["drafted_share"] = self._drafted_share.requests_held()
         return self.tree_proposer.stats.as_dict() | {
             "datastore_tokens": 0 if shared is None else shared.num_tokens,
             "requests_held": held,
+            "drafted_by_kind": self._drafted_share.as_dict(),
         }
 
     def adaptive_tree_clear_datastore(self) -> int:

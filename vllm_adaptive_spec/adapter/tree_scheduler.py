@@ -7,10 +7,14 @@ branch) and fills one grammar bitmask row per draft, the state after the
 drafts before it. With trees, the worker's drafts come with their parents
 (:class:`TreeDraftTokenIds`, built by the tree runner), and :class:`TreeScheduler`
 
-* keeps a structured request's whole tree (``update_draft_token_ids``):
-  a node its grammar forbids is verified but can never be accepted, since
-  its parent's row masks its token out (greedy and sampled verification
-  alike, so output stays lossless);
+* validates a structured request's drafts as a tree (``update_draft_token_ids``):
+  a node its grammar forbids, and every node below it, is removed before
+  verification (:func:`grammar_kept`, a depth-first walk with the matcher,
+  as vLLM validates a chain), the rest keep their tree. The worker learns
+  which nodes stayed from the step's scheduler output (``tree_kept``: per
+  request whose tree lost nodes, the kept node indices), so it verifies
+  exactly that subtree. With uniform steps (``step_widths``) the removed
+  nodes' places become padding (``-1``), so a step keeps its width;
 * fills the bitmask per node (``get_grammar_bitmask``): row 0 the request's
   state, row ``1 + j`` the state after node ``j``'s path, walking the tree
   depth first with the matcher and rolling it back (:func:`tree_rows`). A
@@ -34,6 +38,8 @@ from vllm.v1.core.sched.output import GrammarOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds
 
+from vllm_adaptive_spec.step_widths import drafted_nodes
+
 
 @dataclass
 class TreeDraftTokenIds(DraftTokenIds):
@@ -42,14 +48,45 @@ class TreeDraftTokenIds(DraftTokenIds):
     parents: list[list[int] | None]
 
 
+def grammar_kept(grammar, request_id: str, tokens: list[int], parents: list[int]) -> list[int]:
+    """The nodes whose whole path the grammar accepts, ascending (closed
+    under ancestors): the matcher walks the tree depth first, accepting each
+    node's token and rolling it back; a forbidden node (or padding ``-1``,
+    or any node once the grammar has ended) is cut with its subtree. The
+    grammar ends where it began."""
+    children = _children(parents)
+    kept: list[int] = []
+
+    def walk(node: int) -> None:
+        token = tokens[node]
+        if token < 0 or grammar.is_terminated() or grammar.validate_tokens([token]) != [token]:
+            return
+        kept.append(node)
+        grammar.accept_tokens(request_id, [token])
+        for child in children.get(node, ()):
+            walk(child)
+        grammar.rollback(1)
+
+    for root_child in children.get(-1, ()):
+        walk(root_child)
+    return sorted(kept)
+
+
+def without_removed(tokens: list[int], parents: list[int], kept: list[int], pad: bool) -> tuple[list[int], list[int]]:
+    """The drafts and parents of the ``kept`` nodes (renumbered); with
+    ``pad``, followed by ``-1`` padding up to the drafts' length."""
+    index = {old: new for new, old in enumerate(kept)}
+    kept_tokens = [tokens[i] for i in kept]
+    kept_parents = [-1 if parents[i] < 0 else index[parents[i]] for i in kept]
+    return kept_tokens + [-1] * (len(tokens) - len(kept)) * pad, kept_parents
+
+
 def tree_rows(grammar, request_id: str, tokens: list[int], parents: list[int], fill, allow_all, base: int) -> None:
     """Fill rows ``base + 1 + j`` with the grammar's mask after node ``j``'s
     path (``fill(index)``), or ``allow_all(index)`` where the path leaves the
     grammar (a forbidden token, a token after its end, padding ``-1``); the
     grammar ends where it began."""
-    children: dict[int, list[int]] = {}
-    for node, parent in enumerate(parents):
-        children.setdefault(parent, []).append(node)
+    children = _children(parents)
 
     def walk(node: int) -> None:
         token = tokens[node]
@@ -67,6 +104,14 @@ def tree_rows(grammar, request_id: str, tokens: list[int], parents: list[int], f
         walk(root_child)
 
 
+def _children(parents: list[int]) -> dict[int, list[int]]:
+    """Each node's children (the root: -1), in node order."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    return children
+
+
 def _subtree(children: dict[int, list[int]], node: int) -> list[int]:
     """``node`` and every node below it."""
     nodes = [node]
@@ -78,11 +123,19 @@ def _subtree(children: dict[int, list[int]], node: int) -> list[int]:
 class TreeScheduler(Scheduler):
     """vLLM's scheduler, with grammar drafts and masks per tree node (see the module)."""
 
+    def __init__(self, vllm_config, *args, **kwargs) -> None:
+        super().__init__(vllm_config, *args, **kwargs)
+        from vllm_adaptive_spec.adapter.config_hook import tree_config_of
+        from vllm_adaptive_spec.adapter.runner import uniform_steps
+
+        config = tree_config_of(vllm_config)
+        self._pad_removed = config is not None and uniform_steps(config.uniform_steps, vllm_config,
+                                                                 vllm_config.device_config.device_type)
+
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
         parents = getattr(draft_token_ids, "parents", None)
         if parents is None:
             return super().update_draft_token_ids(draft_token_ids)
-        manager = self.structured_output_manager
         for req_id, drafts, tree_parents in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids, parents):
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
@@ -90,10 +143,40 @@ class TreeScheduler(Scheduler):
             if request.is_prefill_chunk:
                 request.spec_token_ids = []
                 continue
+            request.tree_kept = None
+            if request.use_structured_output and drafts:
+                drafts, tree_parents = self._validated(request, drafts, tree_parents)
             request.tree_parents = tree_parents
-            if request.use_structured_output and tuple(manager._get_constraint_bounds(request, ())) != (0, 0):
-                drafts = []  # a grammar that starts later: bounds hold along a chain only
             request.spec_token_ids = drafts
+
+    def _validated(self, request, drafts: list[int], parents: list[int] | None) -> tuple[list[int], list[int] | None]:
+        """A structured request's drafts without the nodes its grammar
+        forbids (the kept indices noted on the request for the worker), or
+        none where its grammar starts later (a reasoning section: vLLM's
+        bounds hold along a chain only) or is not compiled yet."""
+        grammar = request.structured_output_request.grammar
+        bounds = tuple(self.structured_output_manager._get_constraint_bounds(request, ()))
+        if grammar is None or bounds != (0, 0):
+            return [], None
+        nodes = drafted_nodes(drafts)  # the rest: a uniform step's padding
+        parents = list(range(-1, nodes - 1)) if parents is None else parents[:nodes]
+        kept = grammar_kept(grammar, request.request_id, drafts, parents)
+        if len(kept) == len(parents):
+            return drafts, parents
+        request.tree_kept = kept
+        return without_removed(drafts, parents, kept, self._pad_removed)
+
+    def schedule(self, *args, **kwargs):
+        """vLLM's schedule, with ``tree_kept``: for each request whose tree
+        the grammar cut, the node indices (of the worker's tree) its
+        scheduled drafts are."""
+        output = super().schedule(*args, **kwargs)
+        output.tree_kept = {}
+        for req_id in output.scheduled_spec_decode_tokens:
+            kept = getattr(self.requests.get(req_id), "tree_kept", None)
+            if kept is not None:
+                output.tree_kept[req_id] = kept
+        return output
 
     def get_grammar_bitmask(self, scheduler_output) -> GrammarOutput | None:
         if not scheduler_output.has_structured_output_requests:
