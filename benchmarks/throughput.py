@@ -26,7 +26,8 @@ Outputs: ``throughput.json`` (every number, the settings, vLLM version,
 machine, timestamp), ``throughput.md`` (the table, also printed) and, with
 matplotlib, ``throughput.png`` (ratio against batch size) in ``--out``.
 Add a method: one line in ``METHODS`` (name -> function of the parsed
-arguments returning the ``speculative_config``, or None for no speculation).
+arguments returning the ``speculative_config``, or None for no speculation);
+or run a config of your own beside them, ``--spec LABEL='{...}'``.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from benchmarks import engine_worker, engines
-from benchmarks.options import REPO, add_batches, add_output, add_sampling, add_workload
+from benchmarks.options import REPO, add_batches, add_output, add_sampling, add_workload, parse_spec
 from benchmarks.report import compare, fmt, installed_vllm_version, machine, machine_line, pyplot, save_ratio_plot, write_report
 
 
@@ -228,6 +229,8 @@ def main(argv: list[str] | None = None) -> None:
         default=",".join(DEFAULT_METHODS),
         help=f"comma list of {', '.join(METHODS)} (default: {','.join(DEFAULT_METHODS)})",
     )
+    parser.add_argument("--spec", type=parse_spec, action="append", default=[], metavar="LABEL=JSON",
+                        help="a speculative config of your own, run beside --methods under LABEL (repeatable)")
     add_batches(parser, None)
     parser.add_argument("--num-prompts", help="prompts per pass: N, or auto = min(70, max(8, 2 * batch size)) (default auto)")
     add_workload(parser, max_tokens=None, prompts=None)
@@ -282,6 +285,10 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         parser.error(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    own = dict(args.spec)
+    if set(own) & set(methods) or len(own) < len(args.spec):
+        parser.error("--spec labels must differ from each other and from --methods")
+    methods += list(own)
     batch_sizes = args.batch_sizes
     if args.num_prompts != "auto" and not (args.num_prompts.isdigit() and int(args.num_prompts) > 0):
         parser.error("--num-prompts must be a positive integer or auto")
@@ -302,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     # Warm-up prompts come from the end of the order; they may overlap the workload
     # (the prefix cache is reset before every timed pass).
     prompts = prompts[: max(max(sizes_by_batch.values()), args.warmup_prompts)]
-    configs = {m: METHODS[m](args) for m in methods}
+    configs = {m: own[m] if m in own else METHODS[m](args) for m in methods}
     work = args.out / "logs"
     work.mkdir(parents=True, exist_ok=True)
     if not args.max_model_len:
