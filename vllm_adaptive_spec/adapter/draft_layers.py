@@ -70,6 +70,18 @@ def _laid_out(backend, scratch, live: torch.Tensor, parents: torch.Tensor) -> La
     return rows
 
 
+def _input_hidden(scratch, rows: LayerRows) -> torch.Tensor | None:
+    """Each frontier slot's input hidden state ``[B, F, H]`` (an EAGLE-3
+    head's; None for a draft LM): its parent node's output, or for a child
+    of the root the first pass's last row."""
+    if scratch.hidden is None:
+        return None
+    device, size = scratch.hidden.device, scratch.hidden.shape[-1]
+    slots = rows.parent_slot.to(device).unsqueeze(-1).expand(-1, -1, size)
+    return torch.where(rows.has_parent.to(device).unsqueeze(-1), scratch.hidden.gather(1, slots),
+                       scratch.root_hidden.unsqueeze(1))
+
+
 class RaggedLayers:
     """A layer's fed rows only, its scratch on the host."""
 
@@ -91,11 +103,9 @@ class RaggedLayers:
         starts[1:] = per_request.cumsum(0)
         window = scratch.state.count[requests]
         seq_lens = (scratch.context[requests] + window).to(torch.int32)
-        hidden = None
-        if scratch.hidden is not None:
-            on_device = rows.has_parent[b_idx, f_idx].unsqueeze(1).to(scratch.hidden.device)
-            parent_hidden = scratch.hidden[b_idx, rows.parent_slot[b_idx, f_idx]]
-            hidden = torch.where(on_device, parent_hidden, scratch.root_hidden[b_idx])
+        hidden = _input_hidden(scratch, rows)
+        if hidden is not None:
+            hidden = hidden[b_idx.to(hidden.device), f_idx.to(hidden.device)]
         mask = rows.visible[b_idx, f_idx, : int(window.max())]
         layout = PassLayout.on_host(starts, seq_lens, scratch.block_table[scratch.rows[requests]])
         with tree_step.published(self._layer_step(backend, requests, per_request, node, starts, mask, window,
@@ -147,11 +157,7 @@ class FixedLayers:
         bound = (scratch.host_context + backend.max_nodes).to(torch.int32)
         layout = PassLayout(starts, (scratch.context + scratch.state.count).to(torch.int32), bound,
                             scratch.block_table[scratch.rows], width, scratch.longest_context + backend.max_nodes)
-        hidden = None
-        if scratch.hidden is not None:
-            size = scratch.hidden.shape[-1]
-            parent = scratch.hidden.gather(1, rows.parent_slot.unsqueeze(-1).expand(-1, -1, size))
-            hidden = torch.where(rows.has_parent.unsqueeze(-1), parent, scratch.root_hidden.unsqueeze(1))
+        hidden = _input_hidden(scratch, rows)
         step = tree_step.DraftStep(
             batch_indices=torch.arange(batch, device=self.device),
             query_rows=torch.arange(batch * width, device=self.device),
@@ -167,6 +173,7 @@ class FixedLayers:
                                              None if hidden is None else hidden.flatten(0, 1), rows.slot.flatten(),
                                              layout)
         if scratch.hidden is not None:
+            size = scratch.hidden.shape[-1]
             at = torch.where(rows.fed, rows.node, scratch.hidden.shape[1] - 1)  # unfed: the spill column
             scratch.hidden.scatter_(1, at.unsqueeze(-1).expand(-1, -1, size), out_hidden.view(batch, width, size))
         return rows.node, _where_fed(rows.fed, backend.distribution(logits))
