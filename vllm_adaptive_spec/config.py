@@ -18,7 +18,7 @@ from typing import Any
 
 from vllm_adaptive_spec.classifier import FILE_NAME
 from vllm_adaptive_spec.drafters import DRAFTER_POLICIES, DRAFTERS
-from vllm_adaptive_spec.drafters.retrieval import resolve_matcher
+from vllm_adaptive_spec.drafters.retrieval import matcher_of
 from vllm_adaptive_spec.drafters.retrieval_tensors import make_retrieval
 from vllm_adaptive_spec.policies import POLICIES, Param
 
@@ -91,9 +91,8 @@ class TreeConfig:
     def fixed_loop_capable(self) -> bool:
         """Whether the drafter can grow at fixed capacity (``draft_loop``
         ``fixed``): a model drafter, or the hybrid over the tensor matcher."""
-        params = self.drafter_params
-        return self.drafter in FIXED_LOOP_DRAFTERS or (self.drafter == "hybrid" and resolve_matcher(
-            params.get("matcher", "auto"), "cuda", params.get("datastore", "off"), params.get("corpus", "")) == "tensors")
+        return self.drafter in FIXED_LOOP_DRAFTERS or (
+            self.drafter == "hybrid" and matcher_of(self.drafter_params, "cuda") == "tensors")
 
     @property
     def model_kind(self) -> str | None:

@@ -50,25 +50,10 @@ class TreeDraftTokenIds(DraftTokenIds):
 
 def grammar_kept(grammar, request_id: str, tokens: list[int], parents: list[int]) -> list[int]:
     """The nodes whose whole path the grammar accepts, ascending (closed
-    under ancestors): the matcher walks the tree depth first, accepting each
-    node's token and rolling it back; a forbidden node (or padding ``-1``,
-    or any node once the grammar has ended) is cut with its subtree. The
-    grammar ends where it began."""
-    children = _children(parents)
+    under ancestors): a forbidden node (or padding ``-1``, or any node once
+    the grammar has ended) is cut with its subtree (:func:`_walk`)."""
     kept: list[int] = []
-
-    def walk(node: int) -> None:
-        token = tokens[node]
-        if token < 0 or grammar.is_terminated() or grammar.validate_tokens([token]) != [token]:
-            return
-        kept.append(node)
-        grammar.accept_tokens(request_id, [token])
-        for child in children.get(node, ()):
-            walk(child)
-        grammar.rollback(1)
-
-    for root_child in children.get(-1, ()):
-        walk(root_child)
+    _walk(grammar, request_id, tokens, _children(parents), kept.append, lambda node: None)
     return sorted(kept)
 
 
@@ -84,18 +69,32 @@ def without_removed(tokens: list[int], parents: list[int], kept: list[int], pad:
 def tree_rows(grammar, request_id: str, tokens: list[int], parents: list[int], fill, allow_all, base: int) -> None:
     """Fill rows ``base + 1 + j`` with the grammar's mask after node ``j``'s
     path (``fill(index)``), or ``allow_all(index)`` where the path leaves the
-    grammar (a forbidden token, a token after its end, padding ``-1``); the
-    grammar ends where it began."""
+    grammar (a forbidden token, a token after its end, padding ``-1``): the
+    cut node and its subtree (:func:`_walk`)."""
     children = _children(parents)
+
+    def cut(node: int) -> None:
+        for below in _subtree(children, node):
+            allow_all(base + 1 + below)
+
+    _walk(grammar, request_id, tokens, children, lambda node: fill(base + 1 + node), cut)
+
+
+def _walk(grammar, request_id: str, tokens: list[int], children: dict[int, list[int]], accepted, cut) -> None:
+    """Walk the tree depth first with the matcher: ``accepted(node)`` with
+    the matcher just after the node's path, where the grammar accepts the
+    whole path; ``cut(node)`` at the first node of a path it does not accept
+    (padding ``-1``, a forbidden token, any token after its end), whose
+    subtree is not walked. Each accepted token is rolled back, so the
+    grammar ends where it began."""
 
     def walk(node: int) -> None:
         token = tokens[node]
         if token < 0 or grammar.is_terminated() or grammar.validate_tokens([token]) != [token]:
-            for below in _subtree(children, node):
-                allow_all(base + 1 + below)
+            cut(node)
             return
         grammar.accept_tokens(request_id, [token])
-        fill(base + 1 + node)
+        accepted(node)
         for child in children.get(node, ()):
             walk(child)
         grammar.rollback(1)

@@ -83,6 +83,12 @@ def resolve_matcher(matcher: str, device_type: str, datastore: str = "off", corp
     return "trie" if matcher == "auto" else matcher
 
 
+def matcher_of(params: dict, device_type: str) -> str:
+    """:func:`resolve_matcher` for a drafter's parameters (defaults where unset)."""
+    return resolve_matcher(params.get("matcher", "auto"), device_type, params.get("datastore", "off"),
+                           params.get("corpus", ""))
+
+
 def _readable_file(path: str) -> bool:
     return path == "" or (os.path.isfile(path) and os.access(path, os.R_OK))
 

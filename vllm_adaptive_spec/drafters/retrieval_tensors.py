@@ -40,7 +40,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from vllm_adaptive_spec.drafters.retrieval import EVIDENCE_EXPONENT, RetrievalDrafter, resolve_matcher
+from vllm_adaptive_spec.drafters.retrieval import EVIDENCE_EXPONENT, RetrievalDrafter, matcher_of
 from vllm_adaptive_spec.growth import Candidates
 from vllm_adaptive_spec.tree import ROOT, DraftTree
 
@@ -171,9 +171,8 @@ def _breadth_first(cont, first, q, kept) -> CandidateTrees:
 def make_retrieval(device_type: str = "cpu", **params) -> RetrievalDrafter:
     """The retrieval drafter of ``params`` for an engine on ``device_type``:
     the trie or the tensors, as its ``matcher`` resolves there."""
-    matcher = resolve_matcher(params.get("matcher", "auto"), device_type, params.get("datastore", "off"),
-                              params.get("corpus", ""))
-    return TensorRetrievalDrafter(device_type, **params) if matcher == "tensors" else RetrievalDrafter(**params)
+    tensors = matcher_of(params, device_type) == "tensors"
+    return TensorRetrievalDrafter(device_type, **params) if tensors else RetrievalDrafter(**params)
 
 
 class TensorRetrievalDrafter(RetrievalDrafter):
