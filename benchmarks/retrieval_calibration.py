@@ -42,6 +42,7 @@ Reproduce (about 3 minutes on 2 CPU cores, the first run generates the answers):
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.machinery
 import importlib.util
 import json
@@ -53,7 +54,7 @@ import numpy as np
 import torch
 
 from benchmarks import engine_worker, engines
-from benchmarks.options import add_output, add_workload
+from benchmarks.options import add_output, add_sampling, add_workload
 from benchmarks.report import write_report
 
 from vllm_adaptive_spec.budget import LoadBudget
@@ -67,9 +68,11 @@ TRIE_MS = 0.6
 BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0001)
 
 
-def greedy_answers(prompts_path: Path | None, max_tokens: int, path: Path) -> list[dict]:
+def greedy_answers(prompts_path: Path | None, max_tokens: int, path: Path, sampling: dict | None = None) -> list[dict]:
     """``[{"prompt": ids, "answer": ids, "category": ...}]``, generated once
-    (the demo model's answers to the prompt set) and kept at ``path``."""
+    (the demo model's answers to the prompt set, greedy with ``sampling``'s
+    parameters added: a penalty, or structured output, whose answers the
+    drafters then replay) and kept at ``path``."""
     if path.is_file():
         return json.loads(path.read_text(encoding="utf-8"))
     from vllm import SamplingParams
@@ -80,8 +83,8 @@ def greedy_answers(prompts_path: Path | None, max_tokens: int, path: Path) -> li
     prompts = load_prompts(prompts_path)
     llm = engine_worker.open_engine({"model": str(ensure_demo_model()), "dtype": "float32", "max_model_len": 1024,
                                "max_num_seqs": 16})
-    outputs = llm.chat([p.messages for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                       use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **engine_worker.sampling_options(sampling or {}))
+    outputs = llm.chat([p.messages for p in prompts], params, use_tqdm=False)
     answers = [{"id": p.id, "category": p.category, "prompt": list(o.prompt_token_ids),
                 "answer": list(o.outputs[0].token_ids)} for p, o in zip(prompts, outputs)]
     path.write_text(json.dumps(answers), encoding="utf-8")
@@ -353,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=int, default=16)
     add_workload(parser, max_tokens=128, prompts=None)
+    add_sampling(parser)
     parser.add_argument("--settings", default=",".join([*SETTINGS, *CHAIN_SETTINGS]),
                         help=f"of {', '.join([*SETTINGS, *CHAIN_SETTINGS])}")
     parser.add_argument("--step-ms", type=float, default=46.6,
@@ -374,9 +378,10 @@ def main(argv: list[str] | None = None) -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     prompt_set = args.prompts.stem if args.prompts else "prompts"
+    tag = f"_{hashlib.sha1(json.dumps(args.sampling, sort_keys=True).encode()).hexdigest()[:8]}" if args.sampling else ""
     answers = greedy_answers(args.prompts, args.max_tokens,
-                             args.out / f"greedy_answers_{prompt_set}_{args.max_tokens}.json")
-    report = {"cost_ms": vars(cost), "max_tokens": args.max_tokens}
+                             args.out / f"greedy_answers_{prompt_set}_{args.max_tokens}{tag}.json", args.sampling)
+    report = {"cost_ms": vars(cost), "max_tokens": args.max_tokens, "sampling": args.sampling}
     text = [f"Greedy answers of {args.max_tokens} tokens to the {len(answers)} prompts; est. b1 with a step of "
             f"{cost.step} ms, {cost.row} ms a verified node, {cost.tree} ms of the plugin's work a tree, "
             f"{cost.branch} ms more for a branching tree."]

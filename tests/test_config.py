@@ -10,7 +10,7 @@ from vllm_adaptive_spec.config import TreeConfig, TreeConfigError, parse_tree_co
 from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
 from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy
 
-TREE_KEYS = ("'drafter', 'evidence_prior', 'l_max', 'l_min', 'load_budget', 'matcher', 'max_depth', 'max_matches', "
+TREE_KEYS = ("'drafter', 'evidence_prior', 'grammar_forcing', 'l_max', 'l_min', 'load_budget', 'matcher', 'max_depth', 'max_matches', "
              "'policy'")
 
 
@@ -92,6 +92,7 @@ def test_unknown_tree_key_lists_valid_keys():
     [
         ("l_max", 0, "an integer >= 1"),
         ("load_budget", "auto", "one of 'adaptive', 'fixed'"),
+        ("grammar_forcing", "yes", "true or false"),
         ("l_max", "8", "an integer >= 1"),
         ("l_max", 8.0, "an integer >= 1"),
         ("max_matches", True, "an integer >= 1"),

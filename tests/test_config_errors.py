@@ -30,7 +30,7 @@ def build_config(demo_model, speculative_config):
         ),
         (
             {"num_speculative_tokens": 8, "tree": {**GOOD_TREE, "depth": 3}},
-            r"unknown key\(s\) \['depth'\].*'drafter', 'evidence_prior', 'l_max', 'l_min', 'load_budget', 'matcher', 'max_depth', 'max_matches', 'min_p', 'policy'",
+            r"unknown key\(s\) \['depth'\].*'drafter', 'evidence_prior', 'grammar_forcing', 'l_max', 'l_min', 'load_budget', 'matcher', 'max_depth', 'max_matches', 'min_p', 'policy'",
         ),
         ({"num_speculative_tokens": 8, "tree": {**GOOD_TREE, "l_max": 0}}, r"\['tree'\]\['l_max'\] must be an integer >= 1, got 0"),
         ({"num_speculative_tokens": 8, "tree": {**GOOD_TREE, "datastore": "global"}}, r"\['tree'\]\['datastore'\] must be one of 'off', 'shared', got 'global'"),

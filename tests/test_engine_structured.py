@@ -82,6 +82,9 @@ def test_structured_requests_get_trees_and_keep_greedy_output(drafter, job, base
     assert run.tau > 1.3, run.tree_stats
     # Nodes the grammar forbids were removed before verification (the scheduler's cut, the worker's subtree).
     assert run.tree_stats["grammar_cut_nodes"] > 0, run.tree_stats
+    # Steps without a tree (nothing drafted, or every node cut) drafted their grammar's forced tokens,
+    # which greedy decoding always accepts (``grammar_forcing``).
+    assert run.tree_stats["forced_accepted"] == run.tree_stats["forced_nodes"] > 0, run.tree_stats
 
 
 def test_sampling_with_a_grammar_is_unchanged_by_a_tree(demo_model, demo_tokenizer, tmp_path):

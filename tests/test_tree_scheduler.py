@@ -1,15 +1,17 @@
 """The scheduler's grammar walk over a tree (``adapter/tree_scheduler``), with
 a stand-in grammar (plain logic, no engine): the nodes it keeps are exactly
 those whose path the grammar accepts, the kept tree keeps its shape, and
-the matcher ends where it began."""
+the matcher ends where it began; the tokens a grammar forces are its only
+choices, read from its bitmask."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 
-from vllm_adaptive_spec.adapter.tree_scheduler import grammar_kept, without_removed
+from vllm_adaptive_spec.adapter.tree_scheduler import forced_tokens, grammar_kept, only_token, without_removed
 from vllm_adaptive_spec.tree import DraftTree
 
 WORDS = [[1, 2, 3], [1, 2, 4, 5], [2, 3], [3, 1, 1, 2]]  # the strings the grammar accepts (then it ends)
@@ -77,3 +79,43 @@ def test_a_forbidden_node_takes_its_subtree_and_an_ended_grammar_keeps_nothing_b
     ended = DraftTree([3, 4], [-1, 0], [1.0, 1.0])  # after [2]: 3 ends the word [2, 3]
     assert grammar_kept(WordGrammar([2]), "r", ended.tokens, ended.parents) == [0]
     assert grammar_kept(WordGrammar([]), "r", [1, -1], [-1, 0]) == [0]  # padding is never kept
+
+
+class MaskedWordGrammar(WordGrammar):
+    """``WordGrammar`` that also fills a bitmask row (vocabulary ``VOCAB``)."""
+
+    VOCAB = 70  # three int32 words, the last partly used
+
+    def fill_bitmask(self, bitmask: torch.Tensor, idx: int) -> None:
+        bits = [0] * bitmask.shape[1]
+        for token in range(self.VOCAB):
+            if self.validate_tokens([token]) == [token]:
+                bits[token // 32] |= 1 << (token % 32)
+        bitmask[idx] = torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("token", [0, 5, 31, 32, 63, 69])
+def test_only_token_reads_a_single_allowed_bit_and_nothing_else(token):
+    row = torch.zeros(3, dtype=torch.int32)
+    assert only_token(row) is None
+    word = 1 << (token % 32)
+    row[token // 32] = word - (1 << 32) if word >= 1 << 31 else word
+    assert only_token(row) == token
+    other = (token + 1) % 70
+    row[other // 32] |= torch.tensor(1 << (other % 32), dtype=torch.int64).to(torch.int32)
+    assert only_token(row) is None
+
+
+@pytest.mark.parametrize(("start", "limit", "expected"), [
+    ([], 5, []),              # 1, 2 or 3 may start a word: nothing forced
+    ([3], 5, [1, 1, 2]),      # only "3 1 1 2" starts with 3: forced to its end
+    ([3], 2, [1, 1]),         # at most ``limit``
+    ([1], 5, [2]),            # then 3 or 4: a choice
+    ([1, 2, 4], 5, [5]),
+    ([2, 3], 5, []),          # ended
+])
+def test_forced_tokens_are_the_grammars_only_choices_and_the_matcher_ends_where_it_began(start, limit, expected):
+    grammar = MaskedWordGrammar(start)
+    scratch = torch.zeros(1, 3, dtype=torch.int32)
+    assert forced_tokens(grammar, "r", scratch, limit) == expected
+    assert grammar.accepted == start

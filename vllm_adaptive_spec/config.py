@@ -41,6 +41,9 @@ ENGINE_PARAMS = {
     "draft_loop": Param(
         str, "auto", "one of 'auto', 'ragged', 'fixed'", lambda v: v in ("auto", "ragged", "fixed")
     ),
+    # Structured requests that get no tree draft the tokens their grammar
+    # forces (``tree_scheduler.forced_tokens``: jump-forward), verified as a chain.
+    "grammar_forcing": Param(bool, True, "true or false", lambda v: True),
 }
 DRAFTERS_NEEDING_MODEL = frozenset({"eagle3", "draft_model", "hybrid"})
 FIXED_LOOP_DRAFTERS = frozenset({"eagle3", "draft_model"})  # ``draft_loop: fixed``
@@ -60,6 +63,7 @@ class TreeConfig:
     load_budget: str = "adaptive"
     uniform_steps: str = "auto"
     draft_loop: str = "auto"
+    grammar_forcing: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (it travels in ``VllmConfig.additional_config``)."""
@@ -72,6 +76,7 @@ class TreeConfig:
             "load_budget": self.load_budget,
             "uniform_steps": self.uniform_steps,
             "draft_loop": self.draft_loop,
+            "grammar_forcing": self.grammar_forcing,
         }
 
     @staticmethod
@@ -178,7 +183,7 @@ def parse_tree_config(spec: dict[str, Any]) -> TreeConfig:
             )
         params[1]["classifier"] = default
     config = TreeConfig(drafter, policy, budget, params[0], params[1], params[2]["load_budget"],
-                        params[2]["uniform_steps"], params[2]["draft_loop"])
+                        params[2]["uniform_steps"], params[2]["draft_loop"], params[2]["grammar_forcing"])
     if config.draft_loop == "fixed" and not config.fixed_loop_capable:
         raise TreeConfigError(
             f"speculative_config['tree']['draft_loop'] 'fixed' runs a draft model's layers at fixed capacity; "

@@ -44,6 +44,8 @@ class TreeStats:
     paused_trees: int = 0  # trees drafted while paused (by a drafter's paused part)
     trust_cuts: int = 0  # steps whose nodes the load budget's trust region cut
     grammar_cut_nodes: int = 0  # drafted nodes a structured request's grammar removed before verification
+    forced_nodes: int = 0  # tokens a structured request's grammar forced, verified as chains (``tree_scheduler``)
+    forced_accepted: int = 0  # of them, accepted
     last_step: dict[str, int] = field(default_factory=dict)
 
     def record_step(self, trees: int, nodes: int, accepted: int) -> None:
@@ -52,6 +54,11 @@ class TreeStats:
         self.nodes_verified += nodes
         self.tokens_accepted += accepted
         self.last_step = {"trees": trees, "nodes": nodes, "tokens_committed": accepted + trees}
+
+    def record_forced(self, nodes: int, accepted: int) -> None:
+        """A step's chains of grammar-forced tokens (not the drafter's trees)."""
+        self.forced_nodes += nodes
+        self.forced_accepted += accepted
 
     def as_dict(self) -> dict:
         trees = max(self.trees_verified, 1)
@@ -69,6 +76,8 @@ class TreeStats:
             "paused_trees": self.paused_trees,
             "trust_cuts": self.trust_cuts,
             "grammar_cut_nodes": self.grammar_cut_nodes,
+            "forced_nodes": self.forced_nodes,
+            "forced_accepted": self.forced_accepted,
             "drafting_share": 1.0 - self.paused / max(self.proposals, 1),
             "tau": 1.0 + self.tokens_accepted / trees,
             "nodes_per_tree": self.nodes_verified / trees,

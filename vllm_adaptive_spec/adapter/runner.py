@@ -26,6 +26,7 @@ owns the draft layers), and the runner keeps a proposer beside it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import contextmanager
 
@@ -126,6 +127,7 @@ class TreeRunnerMixin:
         self._tree_step: tree_step.TreeStep | None = None  # the step in flight, from layout to verification
         self._accepted_rows: dict[int, list[int]] = {}
         self._pending_acceptance: PendingAcceptance | None = None
+        self._kv_views: tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]] | None = None
         self._drafted_share = DraftedShare()
         self._draft_backend = None
         if isinstance(self.drafter, TreeProposer):
@@ -254,9 +256,10 @@ class TreeRunnerMixin:
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         if not scheduled:
             return None
-        batch_indices, trees, starts, lengths, paddings = [], [], [], [], []
+        batch_indices, trees, starts, lengths, paddings, forced = [], [], [], [], [], []
         query_start = self.query_start_loc.np
         grammar_kept = getattr(scheduler_output, "tree_kept", {})  # ``tree_scheduler``: trees a grammar cut
+        grammar_forced = getattr(scheduler_output, "tree_forced", ())  # and requests it gave forced tokens
         for req_id, drafts in scheduled.items():
             if not drafts:
                 continue
@@ -266,9 +269,10 @@ class TreeRunnerMixin:
                 self._accepted_rows[index] = list(range(first, first + int(num_scheduled_tokens[index]) - len(drafts)))
                 continue
             nodes = drafted_nodes(drafts)  # the rest: a uniform step's padding (``step_widths``)
-            tree = self._scheduled_tree(req_id, nodes, grammar_kept.get(req_id))
+            tree = None if req_id in grammar_forced else self._scheduled_tree(req_id, nodes, grammar_kept.get(req_id))
             if tree is None or tree.tokens != list(drafts[:nodes]):
                 tree = DraftTree.chain(list(drafts[:nodes]))
+            forced.append(req_id in grammar_forced)
             batch_indices.append(index)
             trees.append(tree)
             starts.append(int(query_start[index]))
@@ -277,7 +281,7 @@ class TreeRunnerMixin:
         if not trees:
             return None
         order = sorted(range(len(trees)), key=lambda k: batch_indices[k])
-        return self._lay_out(
+        step = self._lay_out(
             [batch_indices[k] for k in order],
             [trees[k] for k in order],
             [starts[k] for k in order],
@@ -285,6 +289,7 @@ class TreeRunnerMixin:
             [paddings[k] for k in order],
             num_scheduled_tokens,
         )
+        return dataclasses.replace(step, forced=tuple(forced[k] for k in order)) if any(forced) else step
 
     def _scheduled_tree(self, req_id: str, nodes: int, kept: list[int] | None) -> DraftTree | None:
         """The request's tree as scheduled: its first ``nodes`` nodes, or of
@@ -318,10 +323,20 @@ class TreeRunnerMixin:
         slot_mapping = self.input_batch.block_table[0].slot_mapping.gpu
         src = torch.where(live, slot_mapping[src_rows.clamp(min=0)], -1).to(torch.int64)
         dst = torch.where(live, slot_mapping[dst_rows.clamp(min=0)], -1).to(torch.int64)
-        views = [type(self).kv_views(kv_cache) for kv_cache in self.kv_caches]
-        compact_kv([key for key, _ in views], [value for _, value in views], src, dst)
+        keys, values = self._cache_views()
+        compact_kv(keys, values, src, dst)
         request_ids = [self.input_batch.req_ids[i] for i in step.host_batch_indices]
         self._pending_acceptance = PendingAcceptance.send(step, request_ids, acceptance)
+
+    def _cache_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's K and V views (``kv_views``), made once per KV cache
+        allocation rather than every step (two operations a layer: 60 a step on
+        the demo model)."""
+        first = self.kv_caches[0]
+        if self._kv_views is None or self._kv_views[0] is not first or len(self._kv_views[1]) != len(self.kv_caches):
+            views = [type(self).kv_views(kv_cache) for kv_cache in self.kv_caches]
+            self._kv_views = (first, [key for key, _ in views], [value for _, value in views])
+        return self._kv_views[1], self._kv_views[2]
 
     def _settle_acceptance(self) -> None:
         """Read the last verified step's acceptance (its copy has finished by
@@ -332,8 +347,15 @@ class TreeRunnerMixin:
             return
         step, paths, counts = pending.step, *pending.receive()
         proposer = self.tree_proposer
-        proposer.stats.record_step(len(step.trees), sum(len(tree) for tree in step.trees), sum(counts))
-        proposer.observe(pending.request_ids, step.trees, [row[:count] for row, count in zip(paths, counts)])
+        drafted = [k for k in range(len(step.trees)) if not (step.forced and step.forced[k])]
+        if len(drafted) < len(step.trees):
+            proposer.stats.record_forced(sum(len(step.trees[k]) for k in range(len(step.trees)) if step.forced[k]),
+                                         sum(counts[k] for k in range(len(step.trees)) if step.forced[k]))
+        if drafted:
+            proposer.stats.record_step(len(drafted), sum(len(step.trees[k]) for k in drafted),
+                                       sum(counts[k] for k in drafted))
+            proposer.observe([pending.request_ids[k] for k in drafted], [step.trees[k] for k in drafted],
+                             [paths[k][:counts[k]] for k in drafted])
         self._drafted_share.verified(pending.request_ids)
         if self._draft_backend is not None:
             self._record_chains(step, paths, counts)

@@ -121,6 +121,9 @@ class TreeStep:
     # under vLLM's causal kernel (None: every tree is a chain).
     attention: AttentionRows | None = None
     uniform: UniformRows | None = None  # a uniform step's rows, when graphs replay it
+    # Per tree, whether it is its grammar's forced tokens rather than the
+    # drafter's (``tree_scheduler``: kept out of the drafter's statistics).
+    forced: tuple[bool, ...] = ()
 
     @property
     def causal(self) -> bool:

@@ -24,6 +24,19 @@ drafts before it. With trees, the worker's drafts come with their parents
   request, in ``structured_output_request_ids`` order), so the worker
   applies them unchanged.
 
+* drafts, for a decoding structured request that has no tree this step
+  (the load budget paused, its drafter proposed nothing, or the grammar cut
+  every node), the tokens its grammar forces from its current state
+  (:func:`forced_tokens`, jump-forward decoding: a state that allows one
+  token only, as after ``{"name`` the closing ``":``), at most
+  ``num_speculative_tokens``, verified as a chain (``grammar_forcing``; on
+  by default). The target cannot emit anything else there, so they are
+  accepted wherever its own processors allow them, and each saves the
+  request a step. With uniform steps they fill the request's padding; a
+  draft-free step stays draft-free, so that its FULL graph replays. The
+  worker verifies them as a chain and keeps them out of its drafter's
+  statistics (``tree_forced``).
+
 After the step vLLM advances the matcher by the accepted path and the bonus
 token, exactly as after a chain that emitted them. Decision: requests whose
 grammar starts later (a reasoning parser's thinking section) get no drafts,
@@ -34,6 +47,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+import torch
 from vllm.v1.core.sched.output import GrammarOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds
@@ -55,6 +70,36 @@ def grammar_kept(grammar, request_id: str, tokens: list[int], parents: list[int]
     kept: list[int] = []
     _walk(grammar, request_id, tokens, _children(parents), kept.append, lambda node: None)
     return sorted(kept)
+
+
+def forced_tokens(grammar, request_id: str, scratch: torch.Tensor, limit: int) -> list[int]:
+    """The tokens the grammar allows alone, one after another from its
+    current state (at most ``limit``), found with its own bitmask (row 0 of
+    ``scratch``); the matcher ends where it began."""
+    forced: list[int] = []
+    while len(forced) < limit and not grammar.is_terminated():
+        grammar.fill_bitmask(scratch, 0)
+        token = only_token(scratch[0])
+        if token is None or grammar.validate_tokens([token]) != [token]:
+            break
+        grammar.accept_tokens(request_id, [token])
+        forced.append(token)
+    if forced:
+        grammar.rollback(len(forced))
+    return forced
+
+
+def only_token(row: torch.Tensor) -> int | None:
+    """The one token a bitmask row (32 tokens an int32 word, bit ``t % 32``
+    of word ``t // 32``) allows, or None when it allows none or several."""
+    words = row.numpy()
+    nonzero = np.flatnonzero(words)
+    if nonzero.size != 1:
+        return None
+    word = int(words[nonzero[0]]) & 0xFFFFFFFF
+    if word & (word - 1):
+        return None
+    return int(nonzero[0]) * 32 + word.bit_length() - 1
 
 
 def without_removed(tokens: list[int], parents: list[int], kept: list[int], pad: bool) -> tuple[list[int], list[int]]:
@@ -130,6 +175,8 @@ class TreeScheduler(Scheduler):
         config = tree_config_of(vllm_config)
         self._pad_removed = config is not None and uniform_steps(config.uniform_steps, vllm_config,
                                                                  vllm_config.device_config.device_type)
+        self._forcing_limit = config.budget if config is not None and config.grammar_forcing else 0
+        self._scratch_mask: torch.Tensor | None = None  # one bitmask row for ``forced_tokens``
 
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
         parents = getattr(draft_token_ids, "parents", None)
@@ -168,14 +215,43 @@ class TreeScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         """vLLM's schedule, with ``tree_kept``: for each request whose tree
         the grammar cut, the node indices (of the worker's tree) its
-        scheduled drafts are."""
+        scheduled drafts are; and ``tree_forced``: the requests whose drafts
+        are their grammar's forced tokens (:meth:`_force_grammar_tokens`)."""
+        forced = self._force_grammar_tokens()
         output = super().schedule(*args, **kwargs)
+        output.tree_forced = {req_id for req_id in forced if req_id in output.scheduled_spec_decode_tokens}
         output.tree_kept = {}
         for req_id in output.scheduled_spec_decode_tokens:
             kept = getattr(self.requests.get(req_id), "tree_kept", None)
             if kept is not None:
                 output.tree_kept[req_id] = kept
         return output
+
+    def _force_grammar_tokens(self) -> set[str]:
+        """Each decoding structured request without a tree drafts its
+        grammar's forced tokens (:func:`forced_tokens`): in place of its
+        padding (``-1``) with uniform steps, else as its drafts; the requests
+        that got some."""
+        forced: set[str] = set()
+        if not self._forcing_limit:
+            return forced
+        for request in self.running:
+            drafts = request.spec_token_ids
+            if (not request.use_structured_output or request.num_tokens - request.num_computed_tokens != 1
+                    or any(token >= 0 for token in drafts) or (self._pad_removed and not drafts)):
+                continue
+            grammar = request.structured_output_request.grammar
+            if grammar is None or tuple(self.structured_output_manager._get_constraint_bounds(request, ())) != (0, 0):
+                continue
+            if self._scratch_mask is None:
+                self._scratch_mask = self.structured_output_manager.backend.allocate_token_bitmask(1)
+            tokens = forced_tokens(grammar, request.request_id, self._scratch_mask,
+                                   len(drafts) if drafts else self._forcing_limit)
+            if tokens:
+                request.spec_token_ids = tokens + list(drafts[len(tokens):])
+                request.tree_parents, request.tree_kept = None, None
+                forced.add(request.request_id)
+        return forced
 
     def get_grammar_bitmask(self, scheduler_output) -> GrammarOutput | None:
         if not scheduler_output.has_structured_output_requests:
