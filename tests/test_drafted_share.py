@@ -23,10 +23,14 @@ def test_each_request_is_counted_once_under_the_first_kind_that_applies():
 def test_drafted_means_a_tree_verified_and_short_requests_are_left_out():
     share = DraftedShare()
     share.verified(["a", "b"])
-    share.verified(["a"])
+    share.verified(["a"], ["d"])
     share.finished("a", SamplingParams(repetition_penalty=1.2), 30)
     share.finished("b", SamplingParams(), 1)  # one token: no step could verify a tree
     share.finished("c", SamplingParams(), 9)
-    assert share.as_dict()["penalised"] == {"requests": 1, "drafted": 1}
-    assert share.as_dict()["plain"] == {"requests": 1, "drafted": 0}
+    assert share.requests_held() == 1
+    share.finished("d", SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"})), 9)
+    assert share.as_dict()["penalised"] == {"requests": 1, "drafted": 1, "forced": 0}
+    assert share.as_dict()["plain"] == {"requests": 1, "drafted": 0, "forced": 0}
+    # Grammar-forced tokens are not the drafter's tree: counted apart.
+    assert share.as_dict()["structured"] == {"requests": 1, "drafted": 0, "forced": 1}
     assert share.requests_held() == 0

@@ -11,7 +11,13 @@ import random
 import pytest
 import torch
 
-from vllm_adaptive_spec.adapter.tree_scheduler import forced_tokens, grammar_kept, only_token, without_removed
+from vllm_adaptive_spec.adapter.tree_scheduler import (
+    forced_tokens,
+    grammar_kept,
+    jump_forward_tokens,
+    only_token,
+    without_removed,
+)
 from vllm_adaptive_spec.tree import DraftTree
 
 WORDS = [[1, 2, 3], [1, 2, 4, 5], [2, 3], [3, 1, 1, 2]]  # the strings the grammar accepts (then it ends)
@@ -119,3 +125,32 @@ def test_forced_tokens_are_the_grammars_only_choices_and_the_matcher_ends_where_
     scratch = torch.zeros(1, 3, dtype=torch.int32)
     assert forced_tokens(grammar, "r", scratch, limit) == expected
     assert grammar.accepted == start
+
+
+class JumpForwardGrammar(WordGrammar):
+    """``WordGrammar`` whose matcher reports a jump-forward string: the
+    characters every word extending the accepted prefix continues with."""
+
+    def __init__(self, start: list[int]) -> None:
+        super().__init__(start)
+        self.matcher = self
+
+    def find_jump_forward_string(self) -> str:
+        words = [word[len(self.accepted):] for word in WORDS if word[: len(self.accepted)] == self.accepted]
+        common = []
+        for column in zip(*words) if words else ():
+            if len(set(column)) > 1:
+                break
+            common.append(column[0])
+        return "".join(str(token) for token in common)
+
+
+@pytest.mark.parametrize(("start", "limit", "expected"), [
+    ([], 5, []), ([3], 5, [1, 1]), ([3], 1, [1]), ([1], 5, []), ([1, 2, 4], 5, []), ([2, 3], 5, []),
+])
+def test_jump_forward_tokens_spell_the_forced_string_but_its_last_token(start, limit, expected):
+    grammar = JumpForwardGrammar(start)
+    assert jump_forward_tokens(grammar, lambda text: [int(c) for c in text], limit) == expected
+    assert grammar.accepted == start
+    # A tokenizer that spells the string otherwise: what the grammar accepts of it
+    assert jump_forward_tokens(grammar, lambda text: [9] * len(text), limit) == []

@@ -64,9 +64,15 @@ def summarize(run: dict, jobs: list[Job]) -> dict:
 def drafted_share(tree_stats: list[dict] | None) -> str:
     """Per kind of sampling (``adapter/drafted_share``), the finished
     requests of two tokens or more that had a tree verified, of all of
-    them (rank 0's count: every rank verifies the same trees)."""
+    them, and those that had grammar-forced tokens verified (rank 0's
+    count: every rank verifies the same trees)."""
     kinds = (tree_stats or [{}])[0].get("drafted_by_kind") or {}
-    return ", ".join(f"{kind} {c['drafted']}/{c['requests']}" for kind, c in kinds.items() if c["requests"]) or "none"
+
+    def share(kind: str, counts: dict) -> str:
+        forced = f" (grammar-forced tokens: {counts['forced']})" if counts.get("forced") else ""
+        return f"{kind} {counts['drafted']}/{counts['requests']}{forced}"
+
+    return ", ".join(share(kind, c) for kind, c in kinds.items() if c["requests"]) or "none"
 
 
 def greedy_comparison(plain: dict, spec: dict, jobs: list[Job]) -> dict:

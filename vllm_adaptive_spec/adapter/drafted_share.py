@@ -4,7 +4,9 @@ benchmark reports the share of them that received trees).
 
 A request counts once it has finished (or been aborted) after at least two
 output tokens (a request of one token has no decoding step to verify a tree
-in); it *drafted* if at least one of its steps verified a tree. Decision:
+in); it *drafted* if at least one of its steps verified a tree of its
+drafter, and was *forced* if one verified tokens its grammar forced
+(``tree_scheduler``'s ``grammar_forcing``, counted apart: not the drafter's). Decision:
 counted in the worker, where trees are verified, by the request's sampling
 parameters: the client cannot see drafts, and vLLM's counters are not per
 request.
@@ -31,25 +33,29 @@ def request_kind(params) -> str:
 
 
 class DraftedShare:
-    """Per kind, the requests counted and those of them that drafted."""
+    """Per kind, the requests counted and those of them that drafted, or had forced tokens."""
 
     def __init__(self) -> None:
-        self._drafted: set[str] = set()  # requests in flight that have had a tree verified
-        self._counts = {kind: {"requests": 0, "drafted": 0} for kind in KINDS}
+        self._drafted: set[str] = set()  # requests in flight that have had a drafter's tree verified
+        self._forced: set[str] = set()  # and grammar-forced tokens
+        self._counts = {kind: {"requests": 0, "drafted": 0, "forced": 0} for kind in KINDS}
 
-    def verified(self, request_ids: list[str]) -> None:
-        self._drafted.update(request_ids)
+    def verified(self, drafted: list[str], forced: list[str] = ()) -> None:
+        self._drafted.update(drafted)
+        self._forced.update(forced)
 
     def finished(self, request_id: str, params, output_tokens: int) -> None:
-        drafted = request_id in self._drafted
+        drafted, forced = request_id in self._drafted, request_id in self._forced
         self._drafted.discard(request_id)
+        self._forced.discard(request_id)
         if output_tokens >= 2:
             counts = self._counts[request_kind(params)]
             counts["requests"] += 1
             counts["drafted"] += drafted
+            counts["forced"] += forced
 
     def requests_held(self) -> int:
-        return len(self._drafted)
+        return len(self._drafted | self._forced)
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         return {kind: dict(counts) for kind, counts in self._counts.items()}

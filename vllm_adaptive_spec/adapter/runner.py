@@ -127,7 +127,7 @@ class TreeRunnerMixin:
         self._tree_step: tree_step.TreeStep | None = None  # the step in flight, from layout to verification
         self._accepted_rows: dict[int, list[int]] = {}
         self._pending_acceptance: PendingAcceptance | None = None
-        self._kv_views: tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._kv_views: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # ``initialize_kv_cache``
         self._drafted_share = DraftedShare()
         self._draft_backend = None
         if isinstance(self.drafter, TreeProposer):
@@ -144,6 +144,14 @@ class TreeRunnerMixin:
             self._tree_proposer.agree = rank0_reading
         if uniform_steps(self._tree_proposer.config.uniform_steps, vllm_config, device):
             self._tree_proposer.uniform(step_widths(self._tree_proposer.config.budget), graph_batch_sizes(vllm_config))
+
+    def initialize_kv_cache(self, *args, **kwargs) -> None:
+        """vLLM's, then every layer's K and V views (``kv_views``), which the
+        compaction after each verification reads: made once per allocation,
+        not every step (two operations a layer, 60 a step on the demo model)."""
+        super().initialize_kv_cache(*args, **kwargs)
+        views = [type(self).kv_views(kv_cache) for kv_cache in self.kv_caches]
+        self._kv_views = ([key for key, _ in views], [value for _, value in views])
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -323,20 +331,9 @@ class TreeRunnerMixin:
         slot_mapping = self.input_batch.block_table[0].slot_mapping.gpu
         src = torch.where(live, slot_mapping[src_rows.clamp(min=0)], -1).to(torch.int64)
         dst = torch.where(live, slot_mapping[dst_rows.clamp(min=0)], -1).to(torch.int64)
-        keys, values = self._cache_views()
-        compact_kv(keys, values, src, dst)
+        compact_kv(*self._kv_views, src, dst)
         request_ids = [self.input_batch.req_ids[i] for i in step.host_batch_indices]
         self._pending_acceptance = PendingAcceptance.send(step, request_ids, acceptance)
-
-    def _cache_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Every layer's K and V views (``kv_views``), made once per KV cache
-        allocation rather than every step (two operations a layer: 60 a step on
-        the demo model)."""
-        first = self.kv_caches[0]
-        if self._kv_views is None or self._kv_views[0] is not first or len(self._kv_views[1]) != len(self.kv_caches):
-            views = [type(self).kv_views(kv_cache) for kv_cache in self.kv_caches]
-            self._kv_views = (first, [key for key, _ in views], [value for _, value in views])
-        return self._kv_views[1], self._kv_views[2]
 
     def _settle_acceptance(self) -> None:
         """Read the last verified step's acceptance (its copy has finished by
@@ -356,7 +353,8 @@ class TreeRunnerMixin:
                                        sum(counts[k] for k in drafted))
             proposer.observe([pending.request_ids[k] for k in drafted], [step.trees[k] for k in drafted],
                              [paths[k][:counts[k]] for k in drafted])
-        self._drafted_share.verified(pending.request_ids)
+        self._drafted_share.verified([pending.request_ids[k] for k in drafted],
+                                     [pending.request_ids[k] for k in range(len(step.trees)) if k not in drafted])
         if self._draft_backend is not None:
             self._record_chains(step, paths, counts)
 

@@ -26,13 +26,14 @@ drafts before it. With trees, the worker's drafts come with their parents
 
 * drafts, for a decoding structured request that has no tree this step
   (the load budget paused, its drafter proposed nothing, or the grammar cut
-  every node), the tokens its grammar forces from its current state
-  (:func:`forced_tokens`, jump-forward decoding: a state that allows one
-  token only, as after ``{"name`` the closing ``":``), at most
-  ``num_speculative_tokens``, verified as a chain (``grammar_forcing``; on
-  by default). The target cannot emit anything else there, so they are
-  accepted wherever its own processors allow them, and each saves the
-  request a step. With uniform steps they fill the request's padding; a
+  every node), the string its grammar forces from its current state
+  (:func:`jump_forward_tokens`, jump-forward decoding: after ``{"`` of a
+  schema whose first key is ``name``, the ``name"`` that must follow), as
+  the tokenizer spells it less its last token, at most
+  ``num_speculative_tokens`` tokens, verified as a chain
+  (``grammar_forcing``; on by default). The target emits that string
+  wherever its own processors allow, so the tokens are accepted unless it
+  splits the string otherwise, and each saves the request a step. With uniform steps they fill the request's padding; a
   draft-free step stays draft-free, so that its FULL graph replays. The
   worker verifies them as a chain and keeps them out of its drafter's
   statistics (``tree_forced``).
@@ -72,10 +73,25 @@ def grammar_kept(grammar, request_id: str, tokens: list[int], parents: list[int]
     return sorted(kept)
 
 
+def jump_forward_tokens(grammar, encode, limit: int) -> list[int]:
+    """The string the grammar forces from its current state (xgrammar's
+    jump-forward string: a JSON schema's keys and quotes), as the tokenizer
+    spells it (``encode``), but its last token, at most ``limit`` tokens.
+    Decision: not the last token, which the model mostly merges with what
+    follows the string (``name"`` is forced, where whitespace may precede
+    the colon, and the model writes ``name`` then ``":"``): replaying the
+    demo model's JSON answers, the whole string's tokens were accepted 87
+    times of 176, all but the last 80 of 80 (``benchmarks/RESULTS.md``)."""
+    text = grammar.matcher.find_jump_forward_string()
+    return grammar.validate_tokens(encode(text)[:-1][:limit]) if text else []
+
+
 def forced_tokens(grammar, request_id: str, scratch: torch.Tensor, limit: int) -> list[int]:
     """The tokens the grammar allows alone, one after another from its
     current state (at most ``limit``), found with its own bitmask (row 0 of
-    ``scratch``); the matcher ends where it began."""
+    ``scratch``); the matcher ends where it began. Certain, but a state a
+    tokenizer can leave by several tokens (``e`` or ``e"`` at the end of a
+    key) forces nothing: the backends without a jump-forward string."""
     forced: list[int] = []
     while len(forced) < limit and not grammar.is_terminated():
         grammar.fill_bitmask(scratch, 0)
@@ -243,15 +259,23 @@ class TreeScheduler(Scheduler):
             grammar = request.structured_output_request.grammar
             if grammar is None or tuple(self.structured_output_manager._get_constraint_bounds(request, ())) != (0, 0):
                 continue
-            if self._scratch_mask is None:
-                self._scratch_mask = self.structured_output_manager.backend.allocate_token_bitmask(1)
-            tokens = forced_tokens(grammar, request.request_id, self._scratch_mask,
-                                   len(drafts) if drafts else self._forcing_limit)
+            tokens = self._forced(grammar, request.request_id, len(drafts) if drafts else self._forcing_limit)
             if tokens:
                 request.spec_token_ids = tokens + list(drafts[len(tokens):])
                 request.tree_parents, request.tree_kept = None, None
                 forced.add(request.request_id)
         return forced
+
+    def _forced(self, grammar, request_id: str, limit: int) -> list[int]:
+        """:func:`jump_forward_tokens` where the grammar's matcher has a
+        jump-forward string (xgrammar, vLLM's default), else :func:`forced_tokens`."""
+        manager = self.structured_output_manager
+        if hasattr(getattr(grammar, "matcher", None), "find_jump_forward_string"):
+            return jump_forward_tokens(grammar, lambda text: manager.tokenizer.encode(text, add_special_tokens=False),
+                                       limit)
+        if self._scratch_mask is None:
+            self._scratch_mask = manager.backend.allocate_token_bitmask(1)
+        return forced_tokens(grammar, request_id, self._scratch_mask, limit)
 
     def get_grammar_bitmask(self, scheduler_output) -> GrammarOutput | None:
         if not scheduler_output.has_structured_output_requests:
