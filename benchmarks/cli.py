@@ -17,6 +17,7 @@ TOOLS = {
     "serve-load": ("serve_load", "`vllm serve` under load and faults, with and without speculation"),
     "cold-start": ("cold_start", "what a fresh engine pays once: its first pass against the same pass warm"),
     "draft-host-time": ("draft_host_time", "a drafting step's host time outside torch operations, per batch"),
+    "step-ops": ("step_ops", "the torch operations an engine step dispatches, by the code that dispatched them"),
     "retrieval-matchers": ("retrieval_matchers", "the retrieval drafter's trie and tensor matchers, timed"),
     "retrieval-calibration": ("retrieval_calibration", "whether retrieval node probabilities predict acceptance"),
     "policy-sweep": ("policy_sweep", "tree policies side by side on the demo pair"),
