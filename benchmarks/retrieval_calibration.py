@@ -50,10 +50,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from benchmarks import engine_worker, engines
+from benchmarks.chain_drafters import JumpForwardChains, NgramChains, SuffixChains
 from benchmarks.options import add_output, add_sampling, add_workload
 from benchmarks.report import write_report
 
@@ -210,61 +210,6 @@ def replay(answers: list[dict], drafter_params: dict, policy_params: dict, budge
     return tally.summary()
 
 
-class SuffixChains:
-    """vLLM's ``suffix`` method's drafter (Arctic Inference's Suffix Decoding,
-    vLLM's defaults as ``benchmarks/throughput.py`` runs it), driven as vLLM's
-    proposer drives it: a chain from the request's prompt tree and the cache of
-    earlier answers (``cached_requests``; 0: the request's own text only);
-    its nodes' probabilities are the drafter's own estimates."""
-
-    def __init__(self, depth: int = 24, max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
-                 cached_requests: int = 10000) -> None:
-        from arctic_inference.suffix_decoding import SuffixDecodingCache
-
-        self.cache = SuffixDecodingCache(max_tree_depth=depth, max_cached_requests=cached_requests)
-        self.depth, self.max_spec_factor, self.min_token_prob = depth, max_spec_factor, min_token_prob
-
-    def start(self, k: int, prompt: list[int], first: list[int]) -> None:
-        self.cache.start_request(k, prompt)
-        self.cache.add_active_response(k, first)
-
-    def draft(self, k: int, context: list[int]) -> tuple[list[int], list[float]]:
-        draft = self.cache.speculate(k, context[-self.depth:], max_spec_tokens=self.depth,
-                                     max_spec_factor=self.max_spec_factor, min_token_prob=self.min_token_prob)
-        return list(draft.token_ids), list(draft.probs)
-
-    def commit(self, k: int, tokens: list[int]) -> None:
-        self.cache.add_active_response(k, tokens)
-
-    def stop(self, k: int) -> None:
-        self.cache.stop_request(k)
-
-
-class NgramChains:
-    """vLLM's ``ngram`` method's drafter (its own matching function; K=4,
-    n-grams of 1 to 4 tokens, as ``benchmarks/throughput.py`` runs it). It
-    gives no probabilities: its nodes are recorded as predicted 1."""
-
-    def __init__(self, k: int = 4, min_n: int = 1, max_n: int = 4) -> None:
-        from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens
-
-        self.propose = _find_longest_matched_ngram_and_propose_tokens
-        self.k, self.min_n, self.max_n = k, min_n, max_n
-
-    def start(self, k: int, prompt: list[int], first: list[int]) -> None:
-        pass
-
-    def draft(self, k: int, context: list[int]) -> tuple[list[int], list[float]]:
-        tokens = self.propose(np.asarray(context, dtype=np.int32), self.min_n, self.max_n, 1 << 30, self.k).tolist()
-        return tokens, [1.0] * len(tokens)
-
-    def commit(self, k: int, tokens: list[int]) -> None:
-        pass
-
-    def stop(self, k: int) -> None:
-        pass
-
-
 def replay_chains(answers: list[dict], cost: StepCost, drafter) -> dict:
     """The same replay with one of vLLM's chain drafters (:class:`SuffixChains`, :class:`NgramChains`)."""
     tally = Tally(cost)
@@ -321,6 +266,8 @@ CHAIN_SETTINGS = {
     "ngram": (NgramChains, {}),
     "suffix": (SuffixChains, {}),
     "suffix-own-text": (SuffixChains, {"cached_requests": 0}),
+    "jump-forward": (JumpForwardChains, {}),
+    "jump-forward-whole": (JumpForwardChains, {"whole": True}),
 }
 
 
@@ -393,6 +340,12 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{name}: skipped, {suffix_missing}", flush=True)
                 continue
             drafter_class, options = CHAIN_SETTINGS[name]
+            if drafter_class is JumpForwardChains:
+                schema = (args.sampling.get("structured_outputs") or {}).get("json")
+                if not isinstance(schema, dict):
+                    print(f"{name}: skipped, it replays a JSON schema's answers (--sampling)", flush=True)
+                    continue
+                options = {"schema": schema, **options}
             report[name] = replay_chains(answers, cost, drafter_class(**options))
             title = f"{name}: vLLM's own {name.split('-')[0]} drafter, {options or 'its defaults'}"
         else:

@@ -14,13 +14,13 @@ report: engine steps, operations a step in all, those in vLLM's model code
 code on every side) and the rest, and the sources that dispatch the most a
 step, per spec.
 
-Reproduce (about 2 minutes on 2 CPU cores; the twenty-seventh session's run)::
+Reproduce (about 2 minutes on 2 CPU cores; the twenty-seventh session's
+run adds a third spec, the chain with ``"draft_loop": "fixed"``)::
 
     H=heads/smollm2-135m-eagle3
     .venv/bin/vllm-adaptive-spec bench step-ops --batch-size 1 \\
         --spec vllm-eagle3="{\\"method\\": \\"eagle3\\", \\"model\\": \\"$H\\", \\"num_speculative_tokens\\": 4}" \\
-        --spec chain="{\\"method\\": \\"adaptive_tree\\", \\"num_speculative_tokens\\": 4, \\"model\\": \\"$H\\",
-                      \\"tree\\": {\\"drafter\\": \\"eagle3\\", \\"policy\\": \\"chain\\", \\"load_budget\\": \\"fixed\\"}}"
+        --spec chain="{\\"method\\": \\"adaptive_tree\\", \\"num_speculative_tokens\\": 4, \\"model\\": \\"$H\\", \\"tree\\": {\\"drafter\\": \\"eagle3\\", \\"policy\\": \\"chain\\", \\"load_budget\\": \\"fixed\\"}}"
 """
 
 from __future__ import annotations

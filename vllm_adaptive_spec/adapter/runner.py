@@ -338,23 +338,21 @@ class TreeRunnerMixin:
     def _settle_acceptance(self) -> None:
         """Read the last verified step's acceptance (its copy has finished by
         the time vLLM's own per-step synchronisation returned) and let the
-        proposer and the draft backend learn from it."""
+        proposer and the draft backend learn from it; the proposer learns
+        from its drafter's trees only, not from grammar-forced tokens."""
         pending, self._pending_acceptance = self._pending_acceptance, None
         if pending is None:
             return
         step, paths, counts = pending.step, *pending.receive()
-        proposer = self.tree_proposer
-        drafted = [k for k in range(len(step.trees)) if not (step.forced and step.forced[k])]
-        if len(drafted) < len(step.trees):
-            proposer.stats.record_forced(sum(len(step.trees[k]) for k in range(len(step.trees)) if step.forced[k]),
-                                         sum(counts[k] for k in range(len(step.trees)) if step.forced[k]))
-        if drafted:
-            proposer.stats.record_step(len(drafted), sum(len(step.trees[k]) for k in drafted),
-                                       sum(counts[k] for k in drafted))
-            proposer.observe([pending.request_ids[k] for k in drafted], [step.trees[k] for k in drafted],
-                             [paths[k][:counts[k]] for k in drafted])
-        self._drafted_share.verified([pending.request_ids[k] for k in drafted],
-                                     [pending.request_ids[k] for k in range(len(step.trees)) if k not in drafted])
+        forced = step.forced or (False,) * len(step.trees)
+        mine, grammars = [k for k, f in enumerate(forced) if not f], [k for k, f in enumerate(forced) if f]
+        ids, proposer = pending.request_ids, self.tree_proposer
+        if grammars:
+            proposer.stats.record_forced(sum(len(step.trees[k]) for k in grammars), sum(counts[k] for k in grammars))
+        if mine:
+            proposer.stats.record_step(len(mine), sum(len(step.trees[k]) for k in mine), sum(counts[k] for k in mine))
+            proposer.observe([ids[k] for k in mine], [step.trees[k] for k in mine], [paths[k][:counts[k]] for k in mine])
+        self._drafted_share.verified([ids[k] for k in mine], [ids[k] for k in grammars])
         if self._draft_backend is not None:
             self._record_chains(step, paths, counts)
 
