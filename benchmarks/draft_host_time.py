@@ -34,12 +34,10 @@ import gc
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from benchmarks.engines import HEAD
+from benchmarks.engines import HEAD, run_apart
 from benchmarks.options import add_batches, add_output, add_workload
 from benchmarks.report import write_report
 
@@ -173,16 +171,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def measure_apart(drafter: str, batch: int, argv: list[str], out: Path) -> dict:
-    """One measurement in a process of its own (an engine's memory is not
-    all returned when it shuts down in the process that opened it)."""
-    result = out / f"draft_host_time.{drafter}.{batch}.json"
-    result.unlink(missing_ok=True)
-    done = subprocess.run([sys.executable, "-m", "benchmarks.draft_host_time", *argv, "--out", str(out),
-                           "--one", f"{drafter}:{batch}"], capture_output=True, text=True)
-    if not result.exists():
-        lines = (done.stderr or done.stdout).strip().splitlines()
-        return {"error": f"exit {done.returncode}: {lines[-1] if lines else 'no output'}"}
-    return json.loads(result.read_text())
+    """One measurement in a process of its own (``engines.run_apart``)."""
+    return run_apart("draft_host_time", argv, out, f"{drafter}:{batch}", out / f"draft_host_time.{drafter}.{batch}.json")
 
 
 if __name__ == "__main__":

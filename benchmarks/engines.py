@@ -313,6 +313,20 @@ def run_interleaved(jobs: dict[str, dict], work: Path, rounds: int, timeout_s: f
     return results
 
 
+def run_apart(module: str, argv: list[str], out: Path, one: str, result: Path) -> dict:
+    """``python -m benchmarks.MODULE ARGV --out OUT --one ONE`` in a process
+    of its own (an engine's memory is not all returned when it shuts down in
+    the process that opened it): the JSON it leaves at ``result``, or the
+    error it ended with."""
+    result.unlink(missing_ok=True)
+    done = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *argv, "--out", str(out), "--one", one],
+                          capture_output=True, text=True)
+    if not result.exists():
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        return {"error": f"exit {done.returncode}: {lines[-1] if lines else 'no output'}"}
+    return json.loads(result.read_text())
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Run one benchmark engine job (started by the benchmark tools).")
     parser.add_argument("--worker", metavar="JOB_JSON", required=True)

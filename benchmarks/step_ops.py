@@ -29,10 +29,10 @@ import argparse
 import collections
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.engines import run_apart
 from benchmarks.options import add_output, add_workload, parse_spec, positive_int
 from benchmarks.report import write_report
 
@@ -134,15 +134,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def count_apart(index: int, argv: list[str], out: Path) -> dict:
-    """One spec counted in a process of its own."""
-    result = out / f"step_ops.{index}.json"
-    result.unlink(missing_ok=True)
-    done = subprocess.run([sys.executable, "-m", "benchmarks.step_ops", *argv, "--out", str(out), "--one", str(index)],
-                          capture_output=True, text=True)
-    if not result.exists():
-        lines = (done.stderr or done.stdout).strip().splitlines()
-        return {"error": f"exit {done.returncode}: {lines[-1] if lines else 'no output'}"}
-    return json.loads(result.read_text())
+    """One spec counted in a process of its own (``engines.run_apart``)."""
+    return run_apart("step_ops", argv, out, str(index), out / f"step_ops.{index}.json")
 
 
 if __name__ == "__main__":
