@@ -299,6 +299,25 @@ def costs_from_row_cost(report: dict) -> tuple[float, float]:
     return float(one_row), float(report["ms_per_row"]["step"] + report["ms_per_row"]["logits"])
 
 
+def replay_chain_setting(name: str, answers: list[dict], cost: StepCost, sampling: dict,
+                         suffix_missing: str | None) -> tuple[dict, str] | None:
+    """One of :data:`CHAIN_SETTINGS` replayed, and its title; None (said why) where it cannot run."""
+    drafter_class, options = CHAIN_SETTINGS[name]
+    if name.startswith("suffix") and suffix_missing:
+        print(f"{name}: skipped, {suffix_missing}", flush=True)
+        return None
+    if drafter_class is JumpForwardChains:
+        schema = (sampling.get("structured_outputs") or {}).get("json")
+        if not isinstance(schema, dict):
+            print(f"{name}: skipped, it replays a JSON schema's answers (--sampling)", flush=True)
+            return None
+        part = "whole" if options.get("whole") else "less its last token"
+        return (replay_chains(answers, cost, drafter_class(schema, **options)),
+                f"{name}: grammar_forcing's drafts, the jump-forward string {part}")
+    return (replay_chains(answers, cost, drafter_class(**options)),
+            f"{name}: vLLM's own {name.split('-')[0]} drafter, {options or 'its defaults'}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=int, default=16)
@@ -336,18 +355,10 @@ def main(argv: list[str] | None = None) -> None:
     suffix_missing = _import_suffix_decoding() if any(n.startswith("suffix") for n in names) else None
     for name in names:
         if name in CHAIN_SETTINGS:
-            if name.startswith("suffix") and suffix_missing:
-                print(f"{name}: skipped, {suffix_missing}", flush=True)
+            result = replay_chain_setting(name, answers, cost, args.sampling, suffix_missing)
+            if result is None:
                 continue
-            drafter_class, options = CHAIN_SETTINGS[name]
-            if drafter_class is JumpForwardChains:
-                schema = (args.sampling.get("structured_outputs") or {}).get("json")
-                if not isinstance(schema, dict):
-                    print(f"{name}: skipped, it replays a JSON schema's answers (--sampling)", flush=True)
-                    continue
-                options = {"schema": schema, **options}
-            report[name] = replay_chains(answers, cost, drafter_class(**options))
-            title = f"{name}: vLLM's own {name.split('-')[0]} drafter, {options or 'its defaults'}"
+            report[name], title = result
         else:
             drafter_params, policy_params = SETTINGS[name]
             report[name] = replay(answers, drafter_params, policy_params, args.budget, cost)
