@@ -351,7 +351,8 @@ class TreeRunnerMixin:
             proposer.stats.record_forced(sum(len(step.trees[k]) for k in grammars), sum(counts[k] for k in grammars))
         if mine:
             proposer.stats.record_step(len(mine), sum(len(step.trees[k]) for k in mine), sum(counts[k] for k in mine))
-            proposer.observe([ids[k] for k in mine], [step.trees[k] for k in mine], [paths[k][:counts[k]] for k in mine])
+            proposer.observe([ids[k] for k in mine], [step.trees[k] for k in mine],
+                             [paths[k][:counts[k]] for k in mine])
         self._drafted_share.verified([ids[k] for k in mine], [ids[k] for k in grammars])
         if self._draft_backend is not None:
             self._record_chains(step, paths, counts)

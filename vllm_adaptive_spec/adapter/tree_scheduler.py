@@ -33,10 +33,10 @@ drafts before it. With trees, the worker's drafts come with their parents
   ``num_speculative_tokens`` tokens, verified as a chain
   (``grammar_forcing``; on by default). The target emits that string
   wherever its own processors allow, so the tokens are accepted unless it
-  splits the string otherwise, and each saves the request a step. With uniform steps they fill the request's padding; a
-  draft-free step stays draft-free, so that its FULL graph replays. The
-  worker verifies them as a chain and keeps them out of its drafter's
-  statistics (``tree_forced``).
+  splits the string otherwise, and each saves the request a step. With
+  uniform steps they fill the request's padding; a draft-free step stays
+  draft-free, so that its FULL graph replays. The worker verifies them as
+  a chain and keeps them out of its drafter's statistics (``tree_forced``).
 
 After the step vLLM advances the matcher by the accepted path and the bonus
 token, exactly as after a chain that emitted them. Decision: requests whose
@@ -217,9 +217,8 @@ class TreeScheduler(Scheduler):
         forbids (the kept indices noted on the request for the worker), or
         none where its grammar starts later (a reasoning section: vLLM's
         bounds hold along a chain only) or is not compiled yet."""
-        grammar = request.structured_output_request.grammar
-        bounds = tuple(self.structured_output_manager._get_constraint_bounds(request, ()))
-        if grammar is None or bounds != (0, 0):
+        grammar = self._grammar_from_start(request)
+        if grammar is None:
             return [], None
         nodes = drafted_nodes(drafts)  # the rest: a uniform step's padding
         parents = list(range(-1, nodes - 1)) if parents is None else parents[:nodes]
@@ -257,8 +256,8 @@ class TreeScheduler(Scheduler):
             if (not request.use_structured_output or request.num_tokens - request.num_computed_tokens != 1
                     or any(token >= 0 for token in drafts) or (self._pad_removed and not drafts)):
                 continue
-            grammar = request.structured_output_request.grammar
-            if grammar is None or tuple(self.structured_output_manager._get_constraint_bounds(request, ())) != (0, 0):
+            grammar = self._grammar_from_start(request)
+            if grammar is None:
                 continue
             tokens = self._forced(grammar, request.request_id, len(drafts) if drafts else self._forcing_limit)
             if tokens:
@@ -266,6 +265,14 @@ class TreeScheduler(Scheduler):
                 request.tree_parents, request.tree_kept = None, None
                 forced.add(request.request_id)
         return forced
+
+    def _grammar_from_start(self, request):
+        """The request's grammar where it holds from the next token on (the
+        bounds vLLM computes are ``(0, 0)``); None where it starts later (a
+        reasoning section) or is not compiled yet."""
+        grammar = request.structured_output_request.grammar
+        bounds = tuple(self.structured_output_manager._get_constraint_bounds(request, ()))
+        return grammar if grammar is not None and bounds == (0, 0) else None
 
     def _forced(self, grammar, request_id: str, limit: int) -> list[int]:
         """:func:`jump_forward_tokens` where the grammar's matcher has a
