@@ -70,16 +70,27 @@ def ensure_demo_model() -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.", dir=target.parent))
     try:
         _convert(find_gguf(), staging)
-        if target.exists():
-            # A directory without the marker is a leftover of an older layout or a
-            # concurrent conversion that lost the race; replace it only if incomplete.
-            if (target / COMPLETE_MARKER).is_file():
-                return target
-            shutil.rmtree(target)
-        os.rename(staging, target)
+        publish(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def publish(staging: Path, target: Path) -> None:
+    """Move a model built in ``staging`` to ``target``, unless another
+    process (two engines or test runs starting at once) has published a
+    complete one meanwhile: that one is kept, as a reader may already hold
+    it. A ``target`` without the marker (an older layout's leftover, or a
+    build that stopped) is replaced."""
+    if (target / COMPLETE_MARKER).is_file():
+        return
+    if target.exists():
+        shutil.rmtree(target)
+    try:
+        os.rename(staging, target)
+    except OSError:
+        if not (target / COMPLETE_MARKER).is_file():
+            raise
 
 
 def _convert(gguf_path: Path, out: Path) -> None:

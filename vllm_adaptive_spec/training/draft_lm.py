@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import tempfile
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from vllm_adaptive_spec.demo_model import COMPLETE_MARKER, cache_root, ensure_demo_model
+from vllm_adaptive_spec.demo_model import COMPLETE_MARKER, cache_root, ensure_demo_model, publish
 from vllm_adaptive_spec.training.precision import cpu_autocast
 
 
@@ -45,25 +44,10 @@ def ensure_draft_lm(layers: int = 4, minutes: float = 0.0, seed: int = 0) -> Pat
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         _build(ensure_demo_model(), staging, layers, minutes, seed)
-        _publish(staging, target)
+        publish(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
-
-
-def _publish(staging: Path, target: Path) -> None:
-    """Move a built model to ``target``, unless another process (a second
-    test worker) has published a complete one meanwhile: that one is kept,
-    as a reader may already hold it; an incomplete one is replaced."""
-    if (target / COMPLETE_MARKER).is_file():
-        return
-    if target.exists():
-        shutil.rmtree(target)
-    try:
-        os.rename(staging, target)
-    except OSError:
-        if not (target / COMPLETE_MARKER).is_file():
-            raise
 
 
 def _sequences(tokenizer) -> list[list[int]]:
