@@ -53,6 +53,11 @@ Reproduce (about 12 minutes on 2 CPU cores; writes ``step_profile.{json,md}``)::
 
     .venv/bin/vllm-adaptive-spec bench step-profile
     .venv/bin/vllm-adaptive-spec bench step-profile --methods none,tree-16 --batch-sizes 8
+    .venv/bin/vllm-adaptive-spec bench step-profile --methods none,tree-0,tree-adaptive-16 --batch-sizes 8 \
+        --sampling '{"repetition_penalty": 1.1}' --engine-layout lockstep
+
+``--sampling`` adds sampling parameters to every (greedy) request, as in
+``bench throughput``: penalties, or ``{"structured_outputs": {"json": SCHEMA}}``.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ from collections import Counter
 from pathlib import Path
 
 from benchmarks import engine_worker, engines
-from benchmarks.options import add_batches, add_output, add_workload
+from benchmarks.options import add_batches, add_output, add_sampling, add_workload
 from benchmarks.report import write_report
 from vllm_adaptive_spec.adapter.step_profile import GRAPH_KEY
 
@@ -152,7 +157,8 @@ class ProfiledEngine:
         tokenizer = llm.get_tokenizer()
         self.prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
                         for m in job["conversations"]]
-        self.params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
+        self.params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"],
+                                     **engine_worker.sampling_options(job.get("sampling", {})))
         self.tree_method = engine_worker.is_tree_method(job)
         llm.collective_rpc(step_profile.install)
 
@@ -349,6 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", default="none,ngram,tree-0,tree-1,tree-4,tree-16,tree-60,tree-adaptive-16")
     add_batches(parser, "1,8,64")
     add_workload(parser, max_tokens=32, prompts=None)
+    add_sampling(parser)
     parser.add_argument("--min-prompts", type=int, default=4, help="prompts per pass at least (b=1 runs them in turn)")
     parser.add_argument("--dtype", default="float32",
                         help="float32 (default): on CPUs without native bf16 (AVX2 only), bf16 matmuls cost "
@@ -389,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
         jobs[name] = {"model": model, "dtype": args.dtype, "speculative_config": spec,
                       "batch_sizes": batch_sizes, "max_tokens": args.max_tokens, "min_prompts": args.min_prompts,
                       "max_model_len": engines.needed_model_len(model, conversations, args.max_tokens),
-                      "conversations": conversations, "engine_layout": args.engine_layout,
+                      "conversations": conversations, "engine_layout": args.engine_layout, "sampling": args.sampling,
                       "runner": engine_worker.V1_SYNC if method == "none-v1-sync" else None}
     if args.engine_layout == "lockstep":
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
