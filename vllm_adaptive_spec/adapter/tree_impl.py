@@ -45,6 +45,9 @@ class TreeImplMixin:
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None):
         step = tree_step.current()
+        if step is None:  # nothing published (no tree this step): the stock kernel, without the checks below
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
         uniform = tree_step.uniform_rows(step)
         if uniform is not None and attn_metadata is not None and self.attn_type == AttentionType.DECODER:
             if output_scale is not None:
