@@ -226,8 +226,8 @@ SAMPLED_TREES = {
 def sampling_job(demo_model, prompts, prompt_ids):
     index = next(i for i, p in enumerate(prompts) if p.repeats_input and p.category == "chat")
     # The prompt's last 129 tokens: its first block of 128 is prefilled once and then read from
-    # vLLM's prefix cache, so each of the 300 requests prefills one token (the whole prompt
-    # prefilled per request took half of each job).
+    # vLLM's prefix cache, so each of the 300 requests prefills one token (with the whole
+    # 153-token prompt each prefilled its 25 tokens past the last full block: half of each job).
     return {
         "model": demo_model,
         "prompt_token_ids": [prompt_ids[index][-(DEFAULT_BLOCK_SIZE + 1):]] * 300,

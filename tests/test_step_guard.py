@@ -21,9 +21,9 @@ def prompt_ids(demo_tokenizer):
 
 
 def last_tokens(prompt_ids, batch: int, cut: int) -> list[list[int]]:
-    """``batch`` prompts cut to their last ``cut`` tokens, at batch 64 to
-    48: the prefill is not what is measured (64 of 160 tokens took a third
-    of the test)."""
+    """``batch`` prompts cut to their last ``cut`` tokens, or to 48 above
+    batch 8: the prefill is not what is measured (64 prompts of 160 tokens
+    took a third of the test)."""
     return [prompt_ids[k % len(prompt_ids)][-(cut if batch <= 8 else 48):] for k in range(batch)]
 
 
