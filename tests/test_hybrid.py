@@ -101,7 +101,8 @@ def test_while_the_budget_pauses_the_model_the_retrieval_trie_still_drafts():
 def test_the_retrieval_trie_has_a_budget_of_its_own():
     """The trie's drafting while the model is paused is timed into its own
     budget, its trees calibrate that budget only, and when that budget
-    pauses no trie is drafted either."""
+    pauses the trie drafts only newcomers' probes (requests never verified:
+    b, whose context has nothing to draft from)."""
     import numpy as np
 
     from test_policies import proposer_for

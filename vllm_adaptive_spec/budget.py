@@ -28,6 +28,13 @@ and that floor (which nodes to verify; ``node_allocation``), then
   compared with the rate without (for the hybrid, the better of no drafting
   and its retrieval trie alone) and :mod:`~vllm_adaptive_spec.pause_control`
   pauses a drafter that does not pay.
+* Newcomers while paused: :meth:`probe` gives a request that has never had a
+  tree verified its first one even while drafting is paused (the proposer
+  asks, for drafters that draft without a model pass): the nodes
+  :meth:`choose` would keep, and at least the best one. A pause judges the
+  requests that were drafted for; a request that arrived during it has its
+  own acceptance (structured output, a penalty, a prompt it repeats), which
+  its probe measures for its own calibration.
 """
 
 from __future__ import annotations
@@ -155,6 +162,19 @@ class LoadBudget:
         self.pauses.judge(plan.expected_rate if measurable else None, without, len(trees) + plain, seconds,
                           plain_seconds)
         return Choice(chosen, plan.trust_cut)
+
+    def probe(self, trees: list[DraftTree], request_ids: list[str], plain: int = 0) -> list[DraftTree]:
+        """Newcomers' trees while drafting is paused (see "Newcomers while
+        paused"): what :meth:`choose` would keep of each, and at least its
+        best node. Not judged by the pause control: a paused step is the
+        rate without drafting that the next probe is compared with."""
+        trees, _, rhos = self._calibrated(trees, request_ids, 0.0)
+        fit = self.fit.solve()
+        if fit is None:
+            return [tree.keep_best(1) for tree in trees]
+        plan = plan_nodes(self.expected(trees, rhos), fit, self.draft_cost(), plain, self.room(len(trees), plain))
+        return [shaped(tree.keep_best(max(count, 1)), rho, fit, plan.rate)
+                for tree, count, rho in zip(trees, plan.kept, rhos)]
 
     def _cold_choice(self, trees: list[DraftTree], p_hat, plain: int) -> Choice:
         """Before the fit: the nodes with ``p_hat >= cold_min_p``, a trial;

@@ -87,3 +87,10 @@ class WidthBudget(LoadBudget):
         gain = batch + sum(float(v[:width].sum()) for v in p_hat)
         self.pauses.judge(gain / seconds if trees and delta > 0.0 else None, without, batch, seconds, plain_seconds)
         return Choice([tree.keep_best(width) for tree in trees], trust_cut=False)
+
+    def probe(self, trees: list[DraftTree], request_ids: list[str], plain: int = 0) -> list[DraftTree]:
+        """Newcomers' trees while paused (:meth:`LoadBudget.probe`): each
+        tree's best nodes within the smallest width, the least a uniform
+        step can verify (its width is every decoding request's)."""
+        trees, _, _ = self._calibrated(trees, request_ids, 0.0)
+        return [tree.keep_best(min(self.widths)) for tree in trees]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -42,6 +43,7 @@ class TreeStats:
     probes: int = 0  # of the others, steps that drafted to look after a pause (for a few requests)
     leaf_paths: int = 0  # verified trees whose accepted path reached a leaf
     paused_trees: int = 0  # trees drafted while paused (by a drafter's paused part)
+    newcomer_probes: int = 0  # trees drafted while paused for requests that never had one verified
     trust_cuts: int = 0  # steps whose nodes the load budget's trust region cut
     grammar_cut_nodes: int = 0  # drafted nodes a structured request's grammar removed before verification
     forced_nodes: int = 0  # tokens a structured request's grammar forced, verified as chains (``tree_scheduler``)
@@ -74,6 +76,7 @@ class TreeStats:
             "probes": self.probes,
             "leaf_paths": self.leaf_paths,
             "paused_trees": self.paused_trees,
+            "newcomer_probes": self.newcomer_probes,
             "trust_cuts": self.trust_cuts,
             "grammar_cut_nodes": self.grammar_cut_nodes,
             "forced_nodes": self.forced_nodes,
@@ -93,6 +96,16 @@ def can_draft(sampling_params) -> bool:
     scheduler, ``tree_scheduler``). Requests with a thinking budget are
     served without speculation instead."""
     return sampling_params is not None and sampling_params.thinking_token_budget is None
+
+
+class _Part(NamedTuple):
+    """What drafts a step's trees: a drafter, its policy and its load budget
+    (None: every node verified); ``paused``: the drafter's paused part."""
+
+    drafter: object
+    policy: object
+    budget: LoadBudget | None
+    paused: bool
 
 
 class TreeProposer:
@@ -124,6 +137,7 @@ class TreeProposer:
         paused_part = getattr(self.drafter, "paused_part", None)
         self._paused_part = (None, None) if paused_part is None else paused_part()
         self._from_paused_part: set[str] = set()  # requests whose last tree came from it
+        self._verified: set[str] = set()  # requests that have had a tree verified (others are newcomers)
         self.cost_table: StepCostTable | None = None  # uniform steps' measured costs (``uniform``)
         self.load_budget, self.paused_budget = self._budgets_for(None)
 
@@ -168,6 +182,7 @@ class TreeProposer:
         for request_id in request_ids:
             self.trees.pop(request_id, None)
             self._from_paused_part.discard(request_id)
+            self._verified.discard(request_id)
             self.drafter.forget(request_id, finished=request_id in finished)
             self.policy.forget(request_id)
             for budget in self._budgets():
@@ -177,7 +192,7 @@ class TreeProposer:
         """How many requests each part keeps state for: all zero once every
         request has finished, been aborted or been preempted."""
         return {
-            "trees": len(self.trees) + len(self._from_paused_part - self.trees.keys()),
+            "trees": len(self.trees.keys() | self._from_paused_part | self._verified),
             "drafter": self.drafter.requests_held(),
             "policy": self.policy.requests_held(),
             "budget": sum(budget.requests_held() for budget in self._budgets()),
@@ -193,6 +208,7 @@ class TreeProposer:
     def observe(self, request_ids: list[str], trees: list[DraftTree], accepted: list[list[int]]) -> None:
         """Verified trees (possibly cut by the scheduler) and their accepted
         nodes, for the load budget's calibration and the policy's history."""
+        self._verified.update(request_ids)
         for request_id, tree, nodes in zip(request_ids, trees, accepted):
             self.stats.leaf_paths += bool(nodes) and nodes[-1] not in tree.parents
             if self.recorder is not None:
@@ -221,6 +237,29 @@ class TreeProposer:
         pause it) and for how many requests; asked once per step, before any
         draft pass, and handed to :meth:`propose_trees`."""
         return StepDecision(drafts=True) if self.load_budget is None else self.load_budget.begin_step()
+
+    def _drafting_part(self, decision: StepDecision) -> _Part | None:
+        """Who drafts this step: the drafter; while the load budget pauses
+        it, its paused part (the hybrid's trie) unless that is paused too;
+        on a control step, nobody."""
+        if decision.drafts:
+            return _Part(self.drafter, self.policy, self.load_budget, paused=False)
+        if decision.control or self._paused_part[0] is None or not self.paused_budget.begin_step().drafts:
+            return None
+        return _Part(*self._paused_part, self.paused_budget, paused=True)
+
+    def _newcomer_part(self) -> _Part | None:
+        """Who drafts newcomers' probes while nothing else drafts (see
+        :meth:`LoadBudget.probe`): a drafter that runs no model pass, else
+        its paused part; a model drafter alone probes on its own schedule
+        (``pause_control``), since a probe of its own would need a draft pass."""
+        if self.load_budget is None:
+            return None
+        if not getattr(self.drafter, "is_model", False):
+            return _Part(self.drafter, self.policy, self.load_budget, paused=False)
+        if self._paused_part[0] is not None:
+            return _Part(*self._paused_part, self.paused_budget, paused=True)
+        return None
 
     def _paused_part_trees(self, request_ids: list[str], budgets: list[int]) -> list[DraftTree] | None:
         """What the drafter's paused part would draft for these requests this
@@ -254,26 +293,28 @@ class TreeProposer:
         bookkeeping), so each context is its committed tokens followed by
         them. ``first_pass_seconds``: a model drafter's pass over this
         step's committed tokens, run before this call; part of the drafting cost."""
-        drafting = decision.drafts
         self._count(decision)
-        drafter, policy = (self.drafter, self.policy) if drafting else self._paused_part
-        if not drafting and (decision.control or (self.paused_budget is not None
-                                                  and not self.paused_budget.begin_step().drafts)):
-            drafter = None
+        part, newcomers = self._drafting_part(decision), False
+        if part is None and not decision.control:
+            part, newcomers = self._newcomer_part(), True
         self._from_paused_part.clear()
+        if newcomers:
+            eligible = [ok and request_id not in self._verified for ok, request_id in zip(eligible, request_ids)]
         active, budgets, contexts = self._drafting_requests(
-            request_ids, sampled_token_ids, num_tokens, token_ids, eligible, sampled_pending, drafter is not None)
+            request_ids, sampled_token_ids, num_tokens, token_ids, eligible, sampled_pending, part is not None)
         drafts: list[list[int]] = [[] for _ in request_ids]
         if not active:
             return drafts
         active_ids = [request_ids[i] for i in active]
         plain = sum(1 for sampled in sampled_token_ids if sampled) - len(active)
         lens = None if prompt_lens is None else [int(prompt_lens[i]) for i in active]
-        trees = self._grown(drafter, policy, drafting, active, active_ids, contexts, budgets, lens, plain,
+        trees = self._grown(part, decision.drafts, newcomers, active, active_ids, contexts, budgets, lens, plain,
                             first_pass_seconds)
-        if not drafting:
+        if part.paused:
             self._from_paused_part.update(active_ids)
             self.stats.paused_trees += sum(1 for tree in trees if len(tree))
+        if newcomers:
+            self.stats.newcomer_probes += sum(1 for tree in trees if len(tree))
         for i, tree in zip(active, trees):
             if len(tree):
                 self.trees[request_ids[i]] = tree
@@ -311,21 +352,24 @@ class TreeProposer:
                 contexts.append(token_ids[i, :length])
         return active, budgets, contexts
 
-    def _grown(self, drafter, policy, drafting: bool, active, active_ids, contexts, budgets, lens, plain: int,
-               first_pass_seconds: float) -> list[DraftTree]:
+    def _grown(self, part: _Part, drafting: bool, newcomers: bool, active, active_ids, contexts, budgets, lens,
+               plain: int, first_pass_seconds: float) -> list[DraftTree]:
         """The drafting requests' trees, grown within the load budget's floor
-        and cut by its choice (where it is on)."""
+        and cut by its choice (where it is on); newcomers' probes as the
+        budget's :meth:`~LoadBudget.probe` keeps them."""
         started = time.perf_counter()
+        drafter, policy, budget = part.drafter, part.policy, part.budget
         drafter.prepare(active_ids, contexts, active, lens)
         policy.begin(active_ids)
-        budget = self.load_budget if drafting else self.paused_budget
-        floor = 0.0 if budget is None else budget.floor(len(active), plain)
+        floor = 0.0 if budget is None or newcomers else budget.floor(len(active), plain)
         trees, stats = grow(drafter, policy, torch.tensor(budgets), drafter.max_depth, floor)
         if getattr(drafter, "is_model", False):
             self.stats.draft_passes += stats.draft_passes
         if budget is None:
             return trees
         budget.observe_drafting(len(active), self.agree(first_pass_seconds + time.perf_counter() - started))
+        if newcomers:
+            return budget.probe(trees, active_ids, plain)
         fallback = self._paused_part_trees(active_ids, budgets) if drafting else None
         choice = budget.choose(trees, active_ids, fallback=fallback, plain=plain, fallback_budget=self.paused_budget,
                                floor=floor)
