@@ -11,7 +11,8 @@ machine. Each engine runs its checkout's own
 
 Per batch size and config: the ratio to no speculation (median of the
 rounds, and each round's), tau, the plugin's counters and greedy equality
-with no speculation. Outputs in ``--out``: ``before_after.json`` and
+with no speculation. ``--sampling`` adds sampling parameters to every greedy
+request (penalties, structured output), as in ``bench throughput``. Outputs in ``--out``: ``before_after.json`` and
 ``before_after.md``.
 
 Reproduce (the project's default config, the held-out prompts)::
@@ -24,11 +25,12 @@ Reproduce (the project's default config, the held-out prompts)::
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 from pathlib import Path
 
 from benchmarks import engines, throughput
-from benchmarks.options import REPO, add_batches, add_output, add_workload, check_batches, parse_spec
+from benchmarks.options import REPO, add_batches, add_output, add_sampling, add_workload, check_batches, parse_spec
 from benchmarks.report import compare, fmt, installed_vllm_version, machine, machine_line, write_report
 
 
@@ -38,7 +40,8 @@ def markdown(report: dict) -> str:
     s = report["settings"]
     lines = [
         "# Before and after", "",
-        f"before {s['before_rev']}, after {s['after_rev']}; prompts {Path(s['prompts']).name}, greedy, "
+        f"before {s['before_rev']}, after {s['after_rev']}; prompts {Path(s['prompts']).name}, greedy"
+        f"{' with ' + json.dumps(s['sampling']) if s.get('sampling') else ''}, "
         f"max_tokens={s['max_tokens']}, rounds={s['rounds']}; vLLM {report['vllm_version']}, "
         f"{machine_line(report['machine'])}", "",
         "| b | method | ratio to none (rounds) | tau | same as none |",
@@ -68,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"vLLM's own methods run beside (comma list of {', '.join(VLLM_METHODS)}; '' for none)")
     add_batches(parser, "1,8,32", prompts_per_batch="2,16,64")
     add_workload(parser, max_tokens=256)
+    add_sampling(parser)
     add_output(parser, "before_after")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--head", default=str(engines.HEAD))
@@ -92,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     model = str(ensure_demo_model())
     base_job, prompts = engines.greedy_job(model, engines.interleave_categories(load_prompts(args.prompts)),
                                            "float32", args.max_tokens, batch_sizes, counts)
+    base_job["sampling"] = args.sampling
     jobs = {"none": {**base_job, "speculative_config": None}}
     script_of = {"none": scripts["after"]}
     settings = argparse.Namespace(ngram_k=4, chain_k=4, head=args.head)
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
             "before_rev": git_rev(args.before), "after_rev": git_rev(args.after), "specs": dict(args.spec),
             "vllm_methods": {m: jobs[m]["speculative_config"] for m in vllm_methods},
             "batch_sizes": batch_sizes, "prompts_per_batch": counts, "max_tokens": args.max_tokens,
-            "rounds": args.rounds, "prompts": str(args.prompts)},
+            "rounds": args.rounds, "prompts": str(args.prompts), "sampling": args.sampling},
         "rows": rows,
     }
     write_report(args.out, "before_after", report, markdown(report))

@@ -52,9 +52,20 @@ def test_a_probe_leaves_the_pause_control_as_it_was():
     assert budget.begin_step().probing
 
 
-def test_uniform_steps_probe_within_the_smallest_width():
-    budget = WidthBudget(16, (2, 4, 8, 16), StepCostTable())
-    assert [len(t) for t in budget.probe([_chain(0.99, 12), _chain(0.01, 3)], ["a", "b"])] == [2, 2]
+def test_uniform_steps_probe_only_at_a_width_that_pays_once_the_batch_is_measured():
+    """A uniform step's width is every decoding request's: before the
+    batch's draft-free step is measured, a probe is one node (the linear
+    model's cold start); after, the best width's nodes, none where none pays."""
+    table = StepCostTable(batch_sizes=(4,), half_life=1.0)
+    budget = WidthBudget(16, (2,), table)
+    sure, weak = _chain(0.99, 12), _chain(0.05, 3)
+    assert [len(t) for t in budget.probe([sure, weak], ["a", "b"], plain=2)] == [1, 1]
+    table.observe(4, 1, 0.010)
+    table.observe(4, 3, 0.040)  # width 2 costs four plain steps: no probe pays
+    assert [len(t) for t in budget.probe([sure, weak], ["a", "b"], plain=2)] == [0, 0]
+    for _ in range(8):
+        table.observe(4, 3, 0.011)  # now it does
+    assert [len(t) for t in budget.probe([sure, weak], ["a", "b"], plain=2)] == [2, 2]
 
 
 def _retrieval_proposer():

@@ -89,8 +89,14 @@ class WidthBudget(LoadBudget):
         return Choice([tree.keep_best(width) for tree in trees], trust_cut=False)
 
     def probe(self, trees: list[DraftTree], request_ids: list[str], plain: int = 0) -> list[DraftTree]:
-        """Newcomers' trees while paused (:meth:`LoadBudget.probe`): each
-        tree's best nodes within the smallest width, the least a uniform
-        step can verify (its width is every decoding request's)."""
-        trees, _, _ = self._calibrated(trees, request_ids, 0.0)
-        return [tree.keep_best(min(self.widths)) for tree in trees]
+        """Newcomers' trees while paused (:meth:`LoadBudget.probe`). A
+        uniform step's width is every decoding request's, so one newcomer's
+        probe would widen the whole batch: once the batch's draft-free step
+        is measured, the probes keep the :func:`best_width` nodes, none where
+        no width pays; before that, as :meth:`LoadBudget.probe`."""
+        batch = len(trees) + plain
+        if self.table.cost(batch, 1) is None:
+            return super().probe(trees, request_ids, plain)
+        trees, _, rhos = self._calibrated(trees, request_ids, 0.0)
+        width, _ = best_width(self.expected(trees, rhos), plain, self.widths, lambda rows: self.table.cost(batch, rows))
+        return [tree.keep_best(width) for tree in trees]
