@@ -320,8 +320,10 @@ def test_penalised_and_biased_requests_get_trees_and_keep_greedy_output(demo_mod
     prompts) and 8, and these requests are drafted for: the options alone
     and mixed by the EAGLE-3 head's trees (on at least half of the steps),
     the penalties on every request by the retrieval tree, which drafts
-    less for them than without penalties (their answers repeat their input
-    less): at least a quarter of the steps is asserted."""
+    only where a request's text repeats, as these penalties keep it from
+    doing: at least a quarter of the steps is asserted (measured on these
+    ten prompts: 77 of 253 steps; 80 of 238 with repetition penalty 1.1
+    alone; 79 of 117 without penalties; 97 of 253 with the shared datastore)."""
     ids = prompt_ids[:10]
     the, dot = (demo_tokenizer.encode(text, add_special_tokens=False)[0] for text in (" the", "."))
     bias = {"logit_bias": {str(the): -100.0, str(dot): 1.5}}
