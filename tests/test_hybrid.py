@@ -129,6 +129,23 @@ def test_the_retrieval_trie_has_a_budget_of_its_own():
     assert drafts == [[], []] and trie.pauses._paused == 1
 
 
+def test_with_every_node_verified_a_paused_step_drafts_the_trie():
+    """``load_budget: fixed`` has no budgets; a step paused from outside
+    (the engine tests' pause patterns) still drafts the retrieval trie."""
+    import numpy as np
+
+    from test_policies import proposer_for
+    from vllm_adaptive_spec.config import TreeConfig
+    from vllm_adaptive_spec.pause_control import StepDecision
+
+    proposer = proposer_for(TreeConfig("hybrid", "dynatree", 8, {"l_max": 2, "evidence_prior": 0.0}, {"window": 1},
+                                       load_budget="fixed"))
+    assert proposer.load_budget is None and proposer.paused_budget is None
+    tokens = np.array([[5, 6, 4, 4, 4, 0, 5, 6]])
+    drafts = proposer.propose_trees(["a"], [[6]], np.array([8]), tokens, [True], StepDecision(drafts=False))
+    assert drafts[0][:3] == [4, 4, 4] and proposer.stats.paused_trees == 1
+
+
 def test_uniform_steps_give_both_budgets_the_width_choice_over_one_cost_table():
     """With uniform steps on, the model's and the trie's budgets choose
     widths from one table of measured step shapes (decode-only steps of one

@@ -240,11 +240,13 @@ class TreeProposer:
 
     def _drafting_part(self, decision: StepDecision) -> _Part | None:
         """Who drafts this step: the drafter; while the load budget pauses
-        it, its paused part (the hybrid's trie) unless that is paused too;
-        on a control step, nobody."""
+        it, its paused part (the hybrid's trie) unless that has a budget of
+        its own that pauses too; on a control step, nobody."""
         if decision.drafts:
             return _Part(self.drafter, self.policy, self.load_budget, paused=False)
-        if decision.control or self._paused_part[0] is None or not self.paused_budget.begin_step().drafts:
+        if decision.control or self._paused_part[0] is None:
+            return None
+        if self.paused_budget is not None and not self.paused_budget.begin_step().drafts:
             return None
         return _Part(*self._paused_part, self.paused_budget, paused=True)
 
