@@ -12,8 +12,8 @@ machine. Each engine runs its checkout's own
 Per batch size and config: the ratio to no speculation (median of the
 rounds, and each round's), tau, the plugin's counters and greedy equality
 with no speculation. ``--sampling`` adds sampling parameters to every greedy
-request (penalties, structured output), as in ``bench throughput``. Outputs in ``--out``: ``before_after.json`` and
-``before_after.md``.
+request (penalties, structured output), as in ``bench throughput``. Outputs
+in ``--out``: ``before_after.json`` and ``before_after.md``.
 
 Reproduce (the project's default config, the held-out prompts)::
 
