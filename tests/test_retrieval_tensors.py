@@ -26,7 +26,8 @@ from vllm_adaptive_spec.drafters.retrieval_tensors import (
     longest_matches,
 )
 from vllm_adaptive_spec.growth import grow
-from vllm_adaptive_spec.policies import ChainPolicy
+from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy
+from vllm_adaptive_spec.tree import DraftTree
 
 PROMPTS = Path(__file__).parent.parent / "vllm_adaptive_spec" / "data" / "prompts.jsonl"
 
@@ -68,6 +69,26 @@ def test_the_same_trees_as_the_trie_on_the_projects_prompts(demo_tokenizer):
     assert sum(1 for t in trie.candidate_trees(0.05) if len(t)) > len(contexts) // 4
 
 
+def test_the_policys_choice_on_the_device_is_its_choice_per_tree():
+    """``grow`` hands the tensor matcher's whole trees to the retrieval
+    policy's ``choose_tensors`` (the best nodes of each, on the device): the
+    trees its ``choose`` picks one by one from the trie's, ties included,
+    budgets of 0 and budgets that cut included."""
+    cut = 0
+    for seed in range(16):
+        rng = random.Random(seed)
+        params = {"l_max": rng.randint(1, 8), "max_matches": rng.choice([4, 32]), "max_depth": rng.choice([5, 16]),
+                  "evidence_prior": rng.choice([0.0, 4.0])}
+        trie, tensors = both(params, random_contexts(rng, 8, rng.choice([2, 4, 9])))
+        policy, floor = RetrievalPolicy(min_p=rng.choice([0.0, 0.05, 0.3])), rng.choice([0.0, 0.1])
+        budget = torch.tensor([0] + [rng.randint(1, 6) for _ in range(7)])
+        whole = trie.candidate_trees(max(policy.min_p, floor))
+        want = [policy.choose(tree, n) if n > 0 else DraftTree() for tree, n in zip(whole, budget.tolist())]
+        assert grow(tensors, policy, budget, 16, floor)[0] == want
+        cut += sum(len(tree) > n > 0 for tree, n in zip(whole, budget.tolist()))
+    assert cut > 16
+
+
 def test_the_layer_loop_grows_the_same_trees():
     """The chain policy grows layer by layer through ``expand`` (and so does
     the hybrid): the tensor matcher answers from its whole trees on the
@@ -87,9 +108,11 @@ def test_the_layer_loop_grows_the_same_trees():
 
 
 def device_trees(tokens, lengths, kappa, floor: float):
+    """The whole trees and, as the retrieval policy chooses them, each one's best 16 nodes."""
     matches = longest_matches(tokens, lengths, 1, 8, 32)
     cont = continuations(tokens, lengths, matches.ends, 16)
-    return candidate_trees(cont, matches.length, kappa, floor)
+    whole = candidate_trees(cont, matches.length, kappa, floor)
+    return whole, whole.best(torch.full_like(lengths, 16), 16)
 
 
 def padded_batch(seed: int, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,9 +129,10 @@ def test_the_device_part_compiles_whole_and_equals_eager():
     tokens, lengths = padded_batch(0, 4, 40)
     compiled = torch.compile(device_trees, fullgraph=True, dynamic=False, backend="aot_eager")
     eager, traced = device_trees(tokens, lengths, kappa_table(), 0.05), compiled(tokens, lengths, kappa_table(), 0.05)
-    for got, want in zip(traced, eager):
-        assert torch.equal(got, want)
-    assert eager.num_nodes.sum() > 0
+    for got_trees, want_trees in zip(traced, eager):
+        for got, want in zip(got_trees, want_trees):
+            assert torch.equal(got, want)
+    assert eager[1].num_nodes.sum() > 0
 
 
 def test_the_same_operations_at_every_batch_and_context():

@@ -17,7 +17,7 @@ number of operations that depends on neither the batch nor the contexts:
    each node's ``q`` from its count and its siblings' total as
    ``retrieval.py`` defines it, path probabilities, the nodes at or above
    the floor, and their breadth-first order (children by descending ``q``,
-   first seen first), one fixed round per depth.
+   first seen first), in one round of operations for all depths.
 
 The evidence prior ``kappa`` takes one value per matched length plus depth;
 those values are computed on the host, as the drafter computes them, so that
@@ -40,6 +40,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kernels.tree_gating import keep_best
 from vllm_adaptive_spec.drafters.retrieval import EVIDENCE_EXPONENT, RetrievalDrafter, matcher_of
 from vllm_adaptive_spec.growth import Candidates
 from vllm_adaptive_spec.tree import ROOT, DraftTree
@@ -57,18 +58,41 @@ class Matches(NamedTuple):
 
 class CandidateTrees(NamedTuple):
     """Breadth-first trees ``[B, N]``: ``tokens``, ``parents`` (-1: the
-    root's child), ``q`` (float64), ``num_nodes`` [B]; slots beyond a tree's
-    nodes hold -1 / -1 / 0."""
+    root's child), ``q`` and path probabilities ``p`` (float64),
+    ``num_nodes`` [B]; slots beyond a tree's nodes hold -1 / -1 / 0 / 0."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
     q: torch.Tensor
     num_nodes: torch.Tensor
+    p: torch.Tensor
 
     def to_trees(self) -> list[DraftTree]:
         """On the host, in one read."""
         tokens, parents, q, counts = (x.tolist() for x in (self.tokens, self.parents, self.q, self.num_nodes))
         return [DraftTree(t[:n], r[:n], w[:n]) for t, r, w, n in zip(tokens, parents, q, counts)]
+
+    def best(self, budget: torch.Tensor, width: int) -> "CandidateTrees":
+        """Each tree's ``budget`` [B] nodes of highest ``p`` (ties: the
+        earlier node), as :meth:`DraftTree.keep_best` keeps them (closed under
+        ancestors), breadth-first in ``width`` slots (at least the largest
+        budget): the retrieval policy's choice for a whole batch, on the
+        trees' device, so that only the chosen nodes are read back."""
+        batch, slots = self.tokens.shape
+        real = torch.arange(slots, device=self.tokens.device) < self.num_nodes.unsqueeze(1)
+        keep = keep_best(self.p, real, budget)
+        place = keep.long().cumsum(1) - 1
+        parents = torch.where(self.parents >= 0, place.gather(1, self.parents.clamp(min=0)), ROOT)
+        slot = torch.where(keep, place, width)
+        return CandidateTrees(_placed(self.tokens, slot, width, PAD), _placed(parents, slot, width, ROOT),
+                              _placed(self.q, slot, width, 0.0), keep.sum(1), _placed(self.p, slot, width, 0.0))
+
+
+def _placed(values: torch.Tensor, slot: torch.Tensor, columns: int, fill) -> torch.Tensor:
+    """``values`` [B, ...] flattened into ``columns`` slots a row at ``slot``
+    (same shape; ``columns``: a spill column, cut off)."""
+    out = torch.full((values.shape[0], columns + 1), fill, dtype=values.dtype, device=values.device)
+    return out.scatter_(1, slot.flatten(1), values.flatten(1))[:, :columns]
 
 
 def longest_matches(tokens: torch.Tensor, lengths: torch.Tensor, l_min: int, l_max: int, max_matches: int) -> Matches:
@@ -135,37 +159,36 @@ def candidate_trees(cont: torch.Tensor, length: torch.Tensor, kappa: torch.Tenso
     p = [along[..., 0]]
     for d in range(1, depth):  # left to right, as the host multiplies
         p.append(p[-1] * along[..., d])
-    return _breadth_first(cont, first, q, node & (torch.stack(p, dim=2) >= floor))
+    p = torch.stack(p, dim=2)
+    return _breadth_first(cont, first, q, p, node & (p >= floor), same)
 
 
-def _breadth_first(cont, first, q, kept) -> CandidateTrees:
-    """The kept nodes in breadth-first order, depth after depth: a node's
-    place is by its parent's place, then descending ``q``, then its name."""
-    batch, matches, depth = cont.shape
-    device = cont.device
-    names = torch.arange(matches, device=device).expand(batch, matches)
-    index = torch.full((batch, matches, depth), PAD, dtype=torch.long, device=device)
-    parent = torch.full((batch, matches, depth), ROOT, dtype=torch.long, device=device)
-    placed = torch.zeros(batch, dtype=torch.long, device=device)
-    last = matches * depth  # a key after every place
-    for d in range(depth):
-        if d:
-            parent[..., d] = index[..., d - 1].gather(1, first[..., d - 1])
-        here = kept[..., d]
-        order = torch.sort(-q[..., d], dim=1, stable=True).indices  # ties: the lower name first
-        keys = torch.where(here, parent[..., d], last).gather(1, order)
-        order = order.gather(1, torch.sort(keys, dim=1, stable=True).indices)
-        rank = torch.empty_like(order).scatter_(1, order, names)
-        index[..., d] = torch.where(here, placed.unsqueeze(1) + rank, PAD)
-        placed = placed + here.sum(1)
-    slot = torch.where(kept, index, last).flatten(1)  # the rest into a spill column, cut off
-
-    def laid_out(values, fill, dtype):
-        out = torch.full((batch, last + 1), fill, dtype=dtype, device=device)
-        return out.scatter_(1, slot, values.flatten(1).to(dtype))[:, :last]
-
-    return CandidateTrees(laid_out(cont, PAD, torch.long), laid_out(parent, ROOT, torch.long),
-                          laid_out(q, 0.0, torch.float64), placed)
+def _breadth_first(cont, first, q, p, kept, same) -> CandidateTrees:
+    """The kept nodes in breadth-first order: depth by depth, within a depth
+    by their parents' places, then descending ``q``, then name. That order
+    is lexicographic in the path: two nodes of one depth are ordered as their
+    ancestors are where their paths part (siblings there, ordered by ``q``
+    then name). So a node's place is the count of kept nodes above its depth
+    plus the kept nodes of its depth whose path parts from its own towards
+    an earlier sibling, counted for every pair at once: the same operations
+    at every depth, none per depth (``same``: [B, M, M, D], the pairs'
+    common prefixes)."""
+    _, matches, depth = cont.shape
+    parting = same.sum(3).clamp(max=depth - 1)  # [B, M, M]: the depth where two continuations part
+    q_at, name_at = q.gather(2, parting), first.gather(2, parting)  # m's ancestor there, for every m'
+    q_other, name_other = q_at.transpose(1, 2), name_at.transpose(1, 2)
+    ahead = (q_at > q_other) | ((q_at == q_other) & (name_at < name_other))  # [b, m, m']: m's side first
+    level = kept.sum(1)  # [B, D]
+    above = level.cumsum(1) - level
+    # Counts of at most M, exact in float32 (and in TF32's products and float32 sums).
+    earlier = torch.bmm(ahead.transpose(1, 2).float(), kept.float()).long()  # [B, M, D]
+    index = torch.where(kept, above.unsqueeze(1) + earlier, PAD)
+    through = index.gather(1, first)  # the place of the node each continuation passes at each depth
+    parent = torch.cat([torch.full_like(through[..., :1], ROOT), through[..., :-1]], dim=2)
+    slots = matches * depth
+    slot = torch.where(kept, index, slots)
+    return CandidateTrees(_placed(cont, slot, slots, PAD), _placed(parent, slot, slots, ROOT),
+                          _placed(q, slot, slots, 0.0), level.sum(1), _placed(p, slot, slots, 0.0))
 
 
 def make_retrieval(device_type: str = "cpu", **params) -> RetrievalDrafter:
@@ -203,6 +226,10 @@ class TensorRetrievalDrafter(RetrievalDrafter):
         matches = longest_matches(self._tokens, self._lengths, self.l_min, self.l_max, self.max_matches)
         cont = continuations(self._tokens, self._lengths, matches.ends, self.max_depth)
         return candidate_trees(cont, matches.length, self._kappa, floor)
+
+    def candidate_tensors(self, floor: float = 0.0) -> CandidateTrees:
+        """This step's whole trees at ``floor`` on the device (a policy's ``choose_tensors`` picks from them)."""
+        return self._trees(floor)
 
     def candidate_trees(self, floor: float = 0.0) -> list[DraftTree]:
         if floor not in self._cached:

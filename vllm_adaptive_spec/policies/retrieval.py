@@ -49,3 +49,10 @@ class RetrievalPolicy(TreePolicy):
         ``budget`` of highest ``p`` (ties: the earlier node)."""
         p = tree.path_probabilities()
         return tree.subset([i for i, value in enumerate(p) if value >= self.min_p]).keep_best(budget)
+
+    def choose_tensors(self, trees, budget: torch.Tensor, width: int):
+        """:meth:`choose` for a batch of whole candidate trees on their device
+        (``retrieval_tensors.CandidateTrees`` grown at ``floor >= min_p``, so
+        ``min_p`` is already applied): each one's ``budget`` [B] best nodes in
+        ``width`` slots."""
+        return trees.best(budget, width)
