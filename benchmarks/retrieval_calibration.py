@@ -58,6 +58,7 @@ from benchmarks.options import add_output, add_sampling, add_workload
 from benchmarks.report import write_report
 
 from vllm_adaptive_spec.budget import LoadBudget
+from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
 from vllm_adaptive_spec.growth import grow
 from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy
@@ -181,7 +182,7 @@ def replay(answers: list[dict], drafter_params: dict, policy_params: dict, budge
         t = 1
         while t < len(answer):
             context = prompt + answer[:t]
-            drafter.prepare([f"r{k}"], [context])
+            drafter.prepare([f"r{k}"], Contexts.of([context]))
             if oracle:
                 tree = drafter.candidate_trees()[0]
             elif load_budget is not None and not load_budget.begin_step().drafts:

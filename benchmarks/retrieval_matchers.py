@@ -28,6 +28,7 @@ import torch
 from benchmarks.options import HELDOUT, add_batches, add_output
 from benchmarks.report import write_report
 from vllm_adaptive_spec.demo_model import ensure_demo_model
+from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
 from vllm_adaptive_spec.drafters.retrieval_tensors import TensorRetrievalDrafter
 
@@ -52,7 +53,7 @@ def time_matchers(batch: int, steps: int, seed: int = 0) -> dict:
     drafters = {"trie": RetrievalDrafter(), "tensors": TensorRetrievalDrafter("cpu")}
     seconds = {name: [] for name in drafters}
     for step in range(steps, -1, -1):
-        contexts = [stream[: len(stream) - step] for stream in full]
+        contexts = Contexts.of([stream[: len(stream) - step] for stream in full])  # the proposer's gather
         trees = {}
         for name, drafter in drafters.items():
             started = time.perf_counter()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from test_retrieval import draft, paths
+from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.drafters.datastore import Datastore
 from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
 from vllm_adaptive_spec.tree import DraftTree
@@ -15,7 +16,7 @@ PROMPT, OUTPUT = [1, 2, 3], [10, 11, 12, 13, 14]
 
 def finish(drafter, request_id="a", prompt=PROMPT, output=OUTPUT, finished=True):
     """Serve ``request_id`` for one step at prompt + output, then end it."""
-    drafter.prepare([request_id], [prompt + output], prompt_lens=[len(prompt)])
+    drafter.prepare([request_id], Contexts.of([prompt + output]), prompt_lens=[len(prompt)])
     drafter.forget(request_id, finished=finished)
 
 

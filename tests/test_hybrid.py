@@ -10,6 +10,7 @@ import torch
 from dispatched_ops import dispatched, reads
 from test_model_drafter import TableBackend, make, paths
 
+from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.drafters.hybrid import NO_TRIE_NODE, HybridDrafter, merged
 from vllm_adaptive_spec.drafters.model import Eagle3Drafter
 from vllm_adaptive_spec.growth import Candidates, grow, grow_fixed
@@ -20,7 +21,7 @@ def grow_hybrid(backend, policy, budget, contexts, **retrieval):
     batch = len(contexts)
     drafter = HybridDrafter(evidence_prior=0, **retrieval)
     drafter.bind(backend, policy.fanout, policy.entropy_top_m)
-    drafter.prepare([f"r{b}" for b in range(batch)], contexts, list(range(batch)))
+    drafter.prepare([f"r{b}" for b in range(batch)], Contexts.of(contexts), list(range(batch)))
     return grow(drafter, policy, torch.full((batch,), budget), drafter.max_depth)[0]
 
 
@@ -190,7 +191,7 @@ def hybrid_trees(backend, policy, budget: int, contexts, width: int | None = Non
     drafter = HybridDrafter(evidence_prior=2.0, l_max=3, max_matches=6, **retrieval)
     drafter.bind(backend, policy.fanout, policy.entropy_top_m)
     ids = [f"r{b}" for b in range(len(contexts))]
-    drafter.prepare(ids, contexts, list(range(len(contexts))))
+    drafter.prepare(ids, Contexts.of(contexts), list(range(len(contexts))))
     policy.begin(ids)
     budgets = torch.full((len(contexts),), budget)
     if width is None:
@@ -236,7 +237,7 @@ def test_at_fixed_capacity_nothing_is_read_back_and_the_operations_do_not_grow()
             policy = Eagle2Policy(top_k=3, depth=4)
             drafter = HybridDrafter(l_max=3, max_matches=6, matcher="tensors")
             drafter.bind(FixedTableBackend(roots, table), policy.fanout, policy.entropy_top_m)
-            drafter.prepare([f"r{b}" for b in range(batch)], contexts, list(range(batch)))
+            drafter.prepare([f"r{b}" for b in range(batch)], Contexts.of(contexts), list(range(batch)))
             return grow_fixed(drafter, policy, torch.full((batch,), budget), 4, policy.layer_width(budget))
 
         counts.append(dispatched(trees))

@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
+from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
 from vllm_adaptive_spec.growth import grow
 from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy
@@ -18,7 +19,7 @@ CONTEXT = [1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 3]
 
 def draft(drafter, contexts, budget=100, policy=None, ids=None):
     ids = ids or [f"r{i}" for i in range(len(contexts))]
-    drafter.prepare(ids, contexts)
+    drafter.prepare(ids, Contexts.of(contexts))
     trees, _ = grow(drafter, policy or RetrievalPolicy(), torch.full((len(contexts),), budget), drafter.max_depth)
     return trees
 
@@ -131,7 +132,7 @@ def prepared_steps(drafter, seed: int, requests: int, length: int, vocab: int, l
     rng = random.Random(seed)
     streams = [[rng.randrange(vocab) for _ in range(length)] for _ in range(requests)]
     for n in lengths:
-        drafter.prepare([f"r{b}" for b in range(requests)], [s[:n] for s in streams])
+        drafter.prepare([f"r{b}" for b in range(requests)], Contexts.of([s[:n] for s in streams]))
         yield n
 
 

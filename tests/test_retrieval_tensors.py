@@ -17,6 +17,7 @@ import torch
 from dispatched_ops import dispatched, reads
 
 from vllm_adaptive_spec.config import TreeConfig
+from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.drafters.retrieval import EVIDENCE_EXPONENT, RetrievalDrafter, resolve_matcher
 from vllm_adaptive_spec.drafters.retrieval_tensors import (
     TensorRetrievalDrafter,
@@ -36,7 +37,7 @@ def both(params: dict, contexts: list[list[int]]) -> tuple[RetrievalDrafter, Ten
     ids = [f"r{b}" for b in range(len(contexts))]
     trie, tensors = RetrievalDrafter(**params), TensorRetrievalDrafter("cpu", **params)
     for drafter in (trie, tensors):
-        drafter.prepare(ids, contexts)
+        drafter.prepare(ids, Contexts.of(contexts))
     return trie, tensors
 
 

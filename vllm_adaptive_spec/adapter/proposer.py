@@ -18,6 +18,7 @@ import torch
 
 from vllm_adaptive_spec.adapter.config_hook import tree_config_of
 from vllm_adaptive_spec.budget import LoadBudget
+from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.growth import grow
 from vllm_adaptive_spec.pause_control import StepDecision
 from vllm_adaptive_spec.step_cost import StepCostFit
@@ -335,24 +336,19 @@ class TreeProposer:
         self.stats.probes += decision.probing
 
     def _drafting_requests(self, request_ids, sampled_token_ids, num_tokens, token_ids, eligible,
-                           sampled_pending: bool, any_drafter: bool) -> tuple[list[int], list[int], list]:
+                           sampled_pending: bool, any_drafter: bool) -> tuple[list[int], list[int], Contexts]:
         """The batch rows that draft this step, their node budgets and
-        contexts; the others' kept trees are dropped."""
-        active, budgets, contexts = [], [], []
-        for i, request_id in enumerate(request_ids):
-            length = int(num_tokens[i])
-            budget = min(self.config.budget, self.max_model_len - length - 1)
-            if not any_drafter or not sampled_token_ids[i] or not eligible[i] or budget <= 0:
-                self.trees.pop(request_id, None)
-                continue
-            active.append(i)
-            budgets.append(budget)
-            if sampled_pending:
-                sampled = sampled_token_ids[i]
-                contexts.append(np.concatenate([token_ids[i, : length - len(sampled)], sampled]))
-            else:
-                contexts.append(token_ids[i, :length])
-        return active, budgets, contexts
+        contexts (one gather from the token array); the others' kept trees
+        are dropped."""
+        lengths = np.asarray(num_tokens[: len(request_ids)], dtype=np.int64)
+        budgets = np.minimum(self.config.budget, self.max_model_len - lengths - 1)
+        sampled = np.array([bool(tokens) for tokens in sampled_token_ids], dtype=bool)
+        drafting = sampled & np.asarray(eligible, dtype=bool) & (budgets > 0) & any_drafter
+        for i in np.flatnonzero(~drafting).tolist():
+            self.trees.pop(request_ids[i], None)
+        active = np.flatnonzero(drafting)
+        pending = [sampled_token_ids[i] for i in active.tolist()] if sampled_pending else None
+        return active.tolist(), budgets[active].tolist(), Contexts.gather(token_ids, active, lengths[active], pending)
 
     def _grown(self, part: _Part, drafting: bool, newcomers: bool, active, active_ids, contexts, budgets, lens,
                plain: int, first_pass_seconds: float) -> list[DraftTree]:

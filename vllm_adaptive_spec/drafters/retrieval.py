@@ -56,6 +56,7 @@ from typing import Callable
 
 import torch
 
+from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.drafters.datastore import Datastore, SuffixIndex
 from vllm_adaptive_spec.growth import Candidates
 from vllm_adaptive_spec.policies import Param
@@ -226,7 +227,7 @@ class RetrievalDrafter:
         self.shared.clear()
         return dropped
 
-    def prepare(self, request_ids: list[str], contexts: list[list[int]], rows=None, prompt_lens=None) -> None:
+    def prepare(self, request_ids: list[str], contexts: Contexts, rows=None, prompt_lens=None) -> None:
         """Update each request's index with its context and build this step's
         tries. ``prompt_lens`` (where known) marks where each request's output
         starts; otherwise it starts at the first context seen."""

@@ -37,10 +37,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from kernels.tree_gating import keep_best
+from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.drafters.retrieval import EVIDENCE_EXPONENT, RetrievalDrafter, matcher_of
 from vllm_adaptive_spec.growth import Candidates
 from vllm_adaptive_spec.tree import ROOT, DraftTree
@@ -213,13 +213,9 @@ class TensorRetrievalDrafter(RetrievalDrafter):
         self._cached: dict[float, list[DraftTree]] = {}
         self._whole: CandidateTrees | None = None  # this step's whole trees, on the device (``expand``)
 
-    def prepare(self, request_ids: list[str], contexts, rows=None, prompt_lens=None) -> None:
-        lengths = [len(context) for context in contexts]
-        padded = np.zeros((len(contexts), max(lengths, default=1)), dtype=np.int64)
-        for b, context in enumerate(contexts):
-            padded[b, : lengths[b]] = context
-        self._tokens = torch.from_numpy(padded).to(self.device, non_blocking=True)
-        self._lengths = torch.tensor(lengths, dtype=torch.long).to(self.device, non_blocking=True)
+    def prepare(self, request_ids: list[str], contexts: Contexts, rows=None, prompt_lens=None) -> None:
+        self._tokens = torch.from_numpy(contexts.tokens).to(self.device, torch.long, non_blocking=True)
+        self._lengths = torch.from_numpy(contexts.lengths).to(self.device, torch.long, non_blocking=True)
         self._cached, self._whole = {}, None
 
     def _trees(self, floor: float) -> CandidateTrees:
