@@ -123,15 +123,15 @@ def grow(
     ``floor``: a path probability below which the caller keeps no node (the
     load budget's); a whole-tree drafter leaves such nodes out."""
     batch = budget.shape[0]
-    largest = int(budget.max()) if batch else 0
     on_device, choose_tensors = getattr(drafter, "candidate_tensors", None), getattr(policy, "choose_tensors", None)
     if on_device is not None and choose_tensors is not None:
-        chosen = choose_tensors(on_device(max(policy.floor, floor)), budget.to(drafter.device), largest)
+        chosen = choose_tensors(on_device(max(policy.floor, floor)), budget.to(drafter.device), _largest(budget))
         return chosen.to_trees(), GrowthStats()
     whole, choose = getattr(drafter, "candidate_trees", None), getattr(policy, "choose", None)
     if whole is not None and choose is not None:
         trees = whole(max(getattr(policy, "floor", 0.0), floor))
         return [choose(tree, n) if n > 0 else DraftTree() for tree, n in zip(trees, budget.tolist())], GrowthStats()
+    largest = _largest(budget)
     # A kept tree is ancestor-closed with at most ``budget`` nodes: no deeper.
     max_depth = min(max_depth, policy.depth_limit(largest), largest)
     if getattr(drafter, "fixed_layers", False) and max_depth > 0:
@@ -142,6 +142,11 @@ def grow(
     if layers.depth == 0:
         return [DraftTree() for _ in range(batch)], stats
     return assemble(layers, policy, budget).to_trees(), stats
+
+
+def _largest(budget: torch.Tensor) -> int:
+    """The largest of the budgets ``[B]`` (a host tensor), 0 for no request."""
+    return int(budget.max()) if budget.shape[0] else 0
 
 
 def grow_fixed(drafter: Drafter, policy: Policy, budget: torch.Tensor, depth: int, width: int,
