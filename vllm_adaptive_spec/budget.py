@@ -147,10 +147,8 @@ class LoadBudget:
         fit = self.fit.solve()
         if fit is None:
             return self._cold_choice(trees, p_hat, plain)
+        plan, chosen = self._planned(trees, p_hat, rhos, fit, plain)
         delta, room = self.draft_cost(), self.room(len(trees), plain)
-        plan = plan_nodes(p_hat, fit, delta, plain, room)
-        chosen = [shaped(tree.keep_best(count), rho, fit, plan.rate)
-                  for tree, count, rho in zip(trees, plan.kept, rhos)]
         plain_seconds = fit.alpha + fit.beta * (len(trees) + plain)
         without = (len(trees) + plain) / plain_seconds
         if fallback is not None:
@@ -172,9 +170,16 @@ class LoadBudget:
         fit = self.fit.solve()
         if fit is None:
             return [tree.keep_best(1) for tree in trees]
-        plan = plan_nodes(self.expected(trees, rhos), fit, self.draft_cost(), plain, self.room(len(trees), plain))
-        return [shaped(tree.keep_best(max(count, 1)), rho, fit, plan.rate)
+        return self._planned(trees, self.expected(trees, rhos), rhos, fit, plain, at_least=1)[1]
+
+    def _planned(self, trees: list[DraftTree], p_hat, rhos: list[float], fit, plain: int, at_least: int = 0):
+        """The step's node plan (``node_allocation.plan_nodes``) and each
+        tree's planned nodes, at least ``at_least``, cut to its main path
+        where branching does not pay (``shaped``)."""
+        plan = plan_nodes(p_hat, fit, self.draft_cost(), plain, self.room(len(trees), plain))
+        kept = [shaped(tree.keep_best(max(count, at_least)), rho, fit, plan.rate)
                 for tree, count, rho in zip(trees, plan.kept, rhos)]
+        return plan, kept
 
     def _cold_choice(self, trees: list[DraftTree], p_hat, plain: int) -> Choice:
         """Before the fit: the nodes with ``p_hat >= cold_min_p``, a trial;

@@ -245,11 +245,12 @@ class TreeProposer:
         its own that pauses too; on a control step, nobody."""
         if decision.drafts:
             return _Part(self.drafter, self.policy, self.load_budget, paused=False)
-        if decision.control or self._paused_part[0] is None:
+        paused = self._paused_drafting()
+        if decision.control or paused is None:
             return None
         if self.paused_budget is not None and not self.paused_budget.begin_step().drafts:
             return None
-        return _Part(*self._paused_part, self.paused_budget, paused=True)
+        return paused
 
     def _newcomer_part(self) -> _Part | None:
         """Who drafts newcomers' probes while nothing else drafts (see
@@ -260,9 +261,12 @@ class TreeProposer:
             return None
         if not getattr(self.drafter, "is_model", False):
             return _Part(self.drafter, self.policy, self.load_budget, paused=False)
-        if self._paused_part[0] is not None:
-            return _Part(*self._paused_part, self.paused_budget, paused=True)
-        return None
+        return self._paused_drafting()
+
+    def _paused_drafting(self) -> _Part | None:
+        """The drafter's paused part with its budget, or None without one."""
+        drafter, policy = self._paused_part
+        return None if drafter is None else _Part(drafter, policy, self.paused_budget, paused=True)
 
     def _paused_part_trees(self, request_ids: list[str], budgets: list[int]) -> list[DraftTree] | None:
         """What the drafter's paused part would draft for these requests this
