@@ -68,8 +68,13 @@ class CandidateTrees(NamedTuple):
     p: torch.Tensor
 
     def to_trees(self) -> list[DraftTree]:
-        """On the host, in one read."""
-        tokens, parents, q, counts = (x.tolist() for x in (self.tokens, self.parents, self.q, self.num_nodes))
+        """On the host, in one read: the slots packed into one int64 copy
+        (``q``'s float64 bits as they are), then split there."""
+        width = self.tokens.shape[1]
+        packed = torch.cat([self.tokens, self.parents, self.q.view(torch.int64), self.num_nodes.unsqueeze(1)], dim=1)
+        packed = packed.cpu()
+        tokens, parents = packed[:, :width].tolist(), packed[:, width: 2 * width].tolist()
+        q, counts = packed[:, 2 * width: 3 * width].view(torch.float64).tolist(), packed[:, -1].tolist()
         return [DraftTree(t[:n], r[:n], w[:n]) for t, r, w, n in zip(tokens, parents, q, counts)]
 
     def best(self, budget: torch.Tensor, width: int) -> "CandidateTrees":
