@@ -13,7 +13,8 @@
 #
 # Two waves on one GPU (each engine asks vLLM for a tenth of the device):
 #   1. kernels: the kernel tests on CUDA tensors (tree attention's graph-safe launch, the uniform
-#            step through both backends' impls, the step's device part, the graph keys);
+#            step through both backends' impls, the step's device part, the graph keys, the
+#            tensor retrieval matcher's chosen trees against the trie's);
 #      sync: benchmarks/sync_check.py at batch 8 and 64: synchronising calls per step of the
 #            plugin (draft-free and tree steps) against vLLM without speculation on the same
 #            V1 runner with synchronous scheduling (the plugin must add none);
@@ -55,7 +56,7 @@ python3 -c "from vllm_adaptive_spec.demo_model import ensure_demo_model; ensure_
 
 WAVE1=$(( $(left) * 45 / 100 ))
 part kernels "$WAVE1" python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_cuda_attention.py \
-    tests/test_tree_tensors.py tests/test_cudagraphs.py &
+    tests/test_tree_tensors.py tests/test_cudagraphs.py tests/test_retrieval_tensors.py &
 PARTS=$!
 part sync "$WAVE1" bash -c "python3 benchmarks/sync_check.py --batch-size 8 --methods none-v1-sync,tree-0,tree-16 \
     --out $WORK/sync && python3 benchmarks/sync_check.py --batch-size 64 --methods none-v1-sync,tree-0,tree-16 \

@@ -90,6 +90,22 @@ def test_the_policys_choice_on_the_device_is_its_choice_per_tree():
     assert cut > 16
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_same_chosen_trees_on_cuda():
+    """On CUDA tensors (``scripts/gpu_checks.sh``): the trees the trie's
+    policy chooses, ties included, where the device's own reductions and
+    products could differ from the host's."""
+    for seed in range(8):
+        rng = random.Random(seed)
+        contexts = random_contexts(rng, 16, rng.choice([2, 4, 9]))
+        ids = [f"r{b}" for b in range(16)]
+        trie, tensors = RetrievalDrafter(), TensorRetrievalDrafter("cuda")
+        for drafter in (trie, tensors):
+            drafter.prepare(ids, Contexts.of(contexts))
+        budget = torch.full((16,), 16)
+        assert grow(tensors, RetrievalPolicy(), budget, 16)[0] == grow(trie, RetrievalPolicy(), budget, 16)[0]
+
+
 def test_the_layer_loop_grows_the_same_trees():
     """The chain policy grows layer by layer through ``expand`` (and so does
     the hybrid): the tensor matcher answers from its whole trees on the
