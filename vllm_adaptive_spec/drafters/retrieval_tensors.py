@@ -83,7 +83,7 @@ class CandidateTrees(NamedTuple):
         ancestors), breadth-first in ``width`` slots (at least the largest
         budget): the retrieval policy's choice for a whole batch, on the
         trees' device, so that only the chosen nodes are read back."""
-        batch, slots = self.tokens.shape
+        slots = self.tokens.shape[1]
         real = torch.arange(slots, device=self.tokens.device) < self.num_nodes.unsqueeze(1)
         keep = keep_best(self.p, real, budget)
         place = keep.long().cumsum(1) - 1
@@ -223,18 +223,15 @@ class TensorRetrievalDrafter(RetrievalDrafter):
         self._lengths = torch.from_numpy(contexts.lengths).to(self.device, torch.long, non_blocking=True)
         self._cached, self._whole = {}, None
 
-    def _trees(self, floor: float) -> CandidateTrees:
+    def candidate_tensors(self, floor: float = 0.0) -> CandidateTrees:
+        """This step's whole trees at ``floor`` on the device (a policy's ``choose_tensors`` picks from them)."""
         matches = longest_matches(self._tokens, self._lengths, self.l_min, self.l_max, self.max_matches)
         cont = continuations(self._tokens, self._lengths, matches.ends, self.max_depth)
         return candidate_trees(cont, matches.length, self._kappa, floor)
 
-    def candidate_tensors(self, floor: float = 0.0) -> CandidateTrees:
-        """This step's whole trees at ``floor`` on the device (a policy's ``choose_tensors`` picks from them)."""
-        return self._trees(floor)
-
     def candidate_trees(self, floor: float = 0.0) -> list[DraftTree]:
         if floor not in self._cached:
-            self._cached[floor] = self._trees(floor).to_trees()
+            self._cached[floor] = self.candidate_tensors(floor).to_trees()
         return self._cached[floor]
 
     def expand(self, handles: torch.Tensor, live: torch.Tensor) -> Candidates:
@@ -243,7 +240,7 @@ class TensorRetrievalDrafter(RetrievalDrafter):
         node has more children than continuations): no value is read, so a
         layer loop over them (the hybrid's) runs at fixed shapes."""
         if self._whole is None:
-            self._whole = self._trees(0.0)
+            self._whole = self.candidate_tensors(0.0)
         return children(self._whole, handles, live, self.max_matches)
 
 
