@@ -121,9 +121,11 @@ def record_roots(worker) -> None:
         if roots is None:
             return own_share
         batch = runner.input_batch
-        for row, k in roots.index.items():
+        for row, k in enumerate(roots.index.tolist()):
+            if k < 0:
+                continue
             prompt = batch.token_ids_cpu[row, : int(batch.num_prompt_tokens[row])]
-            key = f"{hashlib.sha1(prompt.tobytes()).hexdigest()}:{roots.context[row][1]}"
+            key = f"{hashlib.sha1(prompt.tobytes()).hexdigest()}:{int(roots.context[row]) - 1}"
             recorded.append([key, roots.distribution.tokens[k, :2].tolist(), roots.distribution.probs[k, :2].tolist(),
                              batch.req_ids[row] in kept])
         return own_share

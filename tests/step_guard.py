@@ -3,9 +3,10 @@
 Installed in the engine's worker with ``collective_rpc(install)`` (the engine
 job's ``step_guard``), it wraps the tree verifier's ``forward`` (target
 tokens, acceptance, vLLM's output, KV compaction, the statistics' copy) and
-the runner's depth positions, and a model drafter's draft loop
-(``growth.grow_layers``: every tree layer's layout, draft forward and
-policy). Inside, a dispatch mode records every torch
+the runner's depth positions, and a model drafter's first pass over the
+step's committed rows (``first_pass``), the start of its trees (``begin``)
+and its draft loop (``growth.grow_layers``: every tree layer's layout, draft
+forward and policy). Inside, a dispatch mode records every torch
 operation whose caller (the innermost frame outside torch) is the plugin's
 code, and every read of a tensor's value by that code: what ``item``,
 ``bool``, ``int`` and ``nonzero`` dispatch, and ``Tensor.tolist`` (which
@@ -13,8 +14,8 @@ dispatches nothing); the CPU's own KV compaction (``HOST_ONLY``), which
 never runs on a GPU, is left out, and so is the CPU's draft attention (a
 GPU's kernel reads the pages where they are). On a GPU each such read would
 make the host wait for the device in the middle of the step. ``report``
-returns the reads and, per tree step and per draft loop, the operations
-dispatched.
+returns the reads and, per tree step, first pass and draft loop, the
+operations dispatched.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def _guarded(function, record, steps: str | None):
         from vllm_adaptive_spec.adapter import step as tree_step
 
         current = tree_step.current()
-        tree = steps == "draft_loops" or (isinstance(current, tree_step.TreeStep) and bool(current.trees))
+        tree = steps in ("draft_loops", "first_passes") or (isinstance(current, tree_step.TreeStep)
+                                                             and bool(current.trees))
         tolist = torch.Tensor.tolist
 
         def counted_tolist(tensor):
@@ -109,7 +111,7 @@ def _guarded(function, record, steps: str | None):
 
 def install(worker) -> None:
     runner = worker.model_runner
-    record = runner._step_guard = {"reads": [], "tree_steps": [], "draft_loops": []}
+    record = runner._step_guard = {"reads": [], "tree_steps": [], "draft_loops": [], "first_passes": []}
     for module_name, name in HOST_ONLY:
         module = importlib.import_module(module_name)
         setattr(module, name, _host_only(getattr(module, name)))
@@ -120,6 +122,9 @@ def install(worker) -> None:
         from vllm_adaptive_spec import growth
 
         growth.grow_layers = _guarded(growth.grow_layers, record, "draft_loops")
+        backend = runner._draft_backend
+        backend.first_pass = _guarded(backend.first_pass, record, "first_passes")
+        backend.begin = _guarded(backend.begin, record, None)
 
 
 def report(worker) -> dict:

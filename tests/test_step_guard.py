@@ -71,7 +71,9 @@ def test_a_fixed_draft_loop_reads_nothing_back_and_its_operations_do_not_grow(tm
     (``draft_loop: fixed``: every layer ``B x F`` rows on the model's device)
     reads no value back in its layouts, forwards and policy, and dispatches
     the same operations at batch 8 and 64 (the CPU's own draft attention left
-    out: on a GPU the kernel reads the pages). EAGLE-2 chooses at most
+    out: on a GPU the kernel reads the pages); so does its first pass over
+    the step's committed rows, whose layout is the host's already, and the
+    start of its trees. EAGLE-2 chooses at most
     ``top_k`` nodes a layer, which the fixed width holds, so it grows the
     ragged loop's trees: the same output, nodes verified and accepted."""
     small = draft_run(tmp_path / "b8", demo_model, prompt_ids, 8, "fixed", 10)
@@ -83,6 +85,11 @@ def test_a_fixed_draft_loop_reads_nothing_back_and_its_operations_do_not_grow(tm
     loops = Counter(signature(loop) for run in (small, large) for loop in run.step_guard["draft_loops"])
     assert len(loops) == 1, [sorted(dict(loop).items())[:40] for loop in loops]
     assert sum(count for _, count in next(iter(loops))) > 100  # the loop's operations are seen
+    # A first pass dispatches the same operations at batch 64 as at batch 8
+    # (steps with verified trees gather the committed rows, others slice them).
+    small_passes, large_passes = ({signature(p) for p in run.step_guard["first_passes"]} for run in (small, large))
+    assert len(large.step_guard["first_passes"]) >= 3
+    assert large_passes <= small_passes, [sorted(dict(p).items()) for p in large_passes - small_passes]
     keys = ("trees_verified", "nodes_verified", "tokens_accepted")
     assert small.token_ids == ragged.token_ids
     assert [small.tree_stats[k] for k in keys] == [ragged.tree_stats[k] for k in keys], (small.tree_stats,

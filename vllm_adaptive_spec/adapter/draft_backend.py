@@ -46,64 +46,95 @@ from vllm_adaptive_spec.adapter.draft_layers import PassLayout, RaggedLayers, em
 from vllm_adaptive_spec.draft_layer import TreeState, empty_state
 
 
-class _Committed(NamedTuple):
-    """A request's rows committed this step."""
+def packed_ranges(starts, lengths) -> np.ndarray:
+    """``arange(starts[e], starts[e] + lengths[e])`` of every entry, one after
+    another, without a loop over the entries."""
+    starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
 
-    batch_row: int
-    rows: np.ndarray  # its query rows, in chain order
-    first_position: int
-    next_token: int | None  # the token after them; None: nothing committed after them yet
-    drafts: bool
+
+class Committed(NamedTuple):
+    """Every request that committed rows this step, an entry each, as host
+    arrays: its ``batch_rows``; its query ``rows`` in chain order, packed
+    (entry ``e``'s end at ``ends[e]``); the ``first_positions`` of those
+    rows; the ``next_tokens`` after them (-1: nothing committed after them
+    yet); whether it ``drafts``."""
+
+    batch_rows: np.ndarray
+    rows: np.ndarray
+    ends: np.ndarray
+    first_positions: np.ndarray
+    next_tokens: np.ndarray
+    drafts: np.ndarray
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.ends, prepend=0)
+
+    def where(self, keep: np.ndarray) -> "Committed":
+        """The entries ``keep`` (a mask), with their rows."""
+        lengths = self.lengths
+        return Committed(self.batch_rows[keep], self.rows[np.repeat(keep, lengths)], np.cumsum(lengths[keep]),
+                         self.first_positions[keep], self.next_tokens[keep], self.drafts[keep])
 
 
 class PassRows(NamedTuple):
-    """The rows of one draft forward, an entry a request: ``tokens`` and
-    ``positions`` of consecutive rows of batch row ``batch_rows[e]`` (and an
-    EAGLE-3 head's ``aux``, the target's hidden states of those rows)."""
+    """The rows of one draft forward, packed entry after entry (an entry a
+    request): ``tokens`` ``[T]`` and an EAGLE-3 head's ``aux`` (the target's
+    hidden states of those rows, ``[T, H]``; None for a draft LM) where the
+    model runs, ``positions`` ``[T]`` on the host, and each entry's row
+    count (``lengths``) and ``batch_rows``."""
 
-    tokens: list[torch.Tensor]
-    positions: list[torch.Tensor]
-    aux: list[torch.Tensor]
-    batch_rows: list[int]
+    tokens: torch.Tensor
+    positions: np.ndarray
+    aux: torch.Tensor | None
+    lengths: np.ndarray
+    batch_rows: np.ndarray
 
     def total(self) -> int:
-        return sum(len(t) for t in self.tokens)
+        return int(self.lengths.sum())
 
-    def split(self, take: list[int]) -> tuple["PassRows", "PassRows"]:
+    def split(self, take: np.ndarray) -> tuple["PassRows", "PassRows"]:
         """The first ``take[e]`` rows of each entry (entries taking none left
         out), and the rest."""
-        picked = [e for e, k in enumerate(take) if k > 0]
+        offsets = np.cumsum(self.lengths) - self.lengths
+        picked = take > 0
+        first = self._picked(packed_ranges(offsets[picked], take[picked]), take[picked], self.batch_rows[picked])
+        rest = self._picked(packed_ranges(offsets + take, self.lengths - take), self.lengths - take, self.batch_rows)
+        return first, rest
 
-        def head(parts):
-            return [parts[e][: take[e]] for e in picked] if parts else []
-
-        def rest(parts):
-            return [part[k:] for part, k in zip(parts, take)] if parts else []
-
-        first = PassRows(head(self.tokens), head(self.positions), head(self.aux), [self.batch_rows[e] for e in picked])
-        return first, PassRows(rest(self.tokens), rest(self.positions), rest(self.aux), self.batch_rows)
+    def _picked(self, index: np.ndarray, lengths: np.ndarray, batch_rows: np.ndarray) -> "PassRows":
+        at = torch.from_numpy(index).to(self.tokens.device)
+        return PassRows(self.tokens[at], self.positions[index], None if self.aux is None else self.aux[at], lengths,
+                        batch_rows)
 
 
 class CommittedPass(NamedTuple):
     """What a variant makes of the step's committed rows: the first pass's
-    ``rows``, each drafting batch row's ``(C, root row position)`` in
-    ``context`` (``C``: its committed draft context), and how many of the
-    rows are this step's own (the rest catch up on paused steps)."""
+    ``rows``, the committed draft context ``C`` of each of their entries
+    (its root row sits at position ``C - 1``), and how many of the rows are
+    this step's own (the rest catch up on paused steps)."""
 
-    rows: PassRows
-    context: dict[int, tuple[int, int]]
+    rows: PassRows | None
+    context: np.ndarray
     own_rows: int
+
+    @staticmethod
+    def nothing() -> "CommittedPass":
+        return CommittedPass(None, np.zeros(0, dtype=np.int64), 0)
 
 
 class StepRoots(NamedTuple):
-    """What the step's first pass leaves for its trees: the roots' draft
-    ``distribution`` (row ``index[batch row]``), each drafting batch row's
-    ``context`` (:class:`CommittedPass`), an EAGLE-3 head's ``hidden``
-    state of each root row, and the pass's ``block_table``."""
+    """What the step's first pass leaves for its trees, by batch row: where
+    each row's root distribution is in ``distribution`` (``index``, -1:
+    none), its committed draft ``context`` (:class:`CommittedPass`), an
+    EAGLE-3 head's ``hidden`` state of each root row, and the pass's
+    ``block_table``."""
 
     distribution: DraftDistribution
-    index: dict[int, int]
-    context: dict[int, tuple[int, int]]
+    index: np.ndarray
+    context: np.ndarray
     hidden: torch.Tensor | None
     block_table: torch.Tensor
 
@@ -175,10 +206,10 @@ class PagedDraftBackend:
         """Rows the request's draft state needs fed to catch up."""
         raise NotImplementedError
 
-    def _committed_pass(self, entries: list[_Committed], aux_hidden_states) -> CommittedPass:
+    def _committed_pass(self, committed: Committed, aux_hidden_states) -> CommittedPass:
         raise NotImplementedError
 
-    def _combine(self, aux: list[torch.Tensor]) -> torch.Tensor | None:
+    def _combine(self, aux: torch.Tensor | None) -> torch.Tensor | None:
         """The first pass's hidden-state input (none for a draft LM)."""
         return None
 
@@ -223,42 +254,50 @@ class PagedDraftBackend:
         self.roots = None
         committed = self._committed_pass(self._committed(accepted, sampled, drafting, only_rows), aux_hidden_states)
         rows = committed.rows
-        if not rows.batch_rows:
+        if rows is None or not len(rows.batch_rows):
             return 0.0
         own_share = committed.own_rows / rows.total()
         logits, out_hidden, last = self._feed_rows(self._feed_oldest(rows, block_table), block_table, drafting)
         if drafting:
-            index = {i: k for k, i in enumerate(rows.batch_rows)}
+            num_reqs = self.runner.input_batch.num_reqs
+            index, context = np.full(num_reqs, -1, dtype=np.int64), np.zeros(num_reqs, dtype=np.int64)
+            index[rows.batch_rows] = np.arange(len(rows.batch_rows))
+            context[rows.batch_rows] = committed.context
             hidden = None if out_hidden is None else out_hidden[last.to(out_hidden.device)]
-            self.roots = StepRoots(self.distribution(logits), index, committed.context, hidden, block_table)
+            self.roots = StepRoots(self.distribution(logits), index, context, hidden, block_table)
         return own_share if drafting else 0.0
 
-    def _committed(self, accepted, sampled, drafting: bool, only_rows) -> list[_Committed]:
-        """Every request that committed rows this step (:class:`_Committed`)."""
-        runner = self.runner
-        batch = runner.input_batch
-        query_start = runner.query_start_loc.np[: batch.num_reqs + 1]
-        spans = []
-        for i in range(batch.num_reqs):
-            chain = accepted.get(i)
-            rows = (np.asarray(chain, dtype=np.int64) if chain
-                    else np.arange(query_start[i], query_start[i + 1], dtype=np.int64))
-            if rows.size:
-                spans.append((i, rows))
-        if not spans:
-            return []
-        firsts = runner.positions[torch.tensor([rows[0] for _, rows in spans])].tolist()
-        entries = []
-        for (i, rows), p0 in zip(spans, firsts):
-            next_position = p0 + len(rows)
-            if sampled[i]:
-                next_token = sampled[i][-1]
-            elif next_position < int(batch.num_prompt_tokens[i]):
-                next_token = int(batch.token_ids_cpu[i, next_position])
-            else:
-                next_token = None
-            entries.append(_Committed(i, rows, p0, next_token, drafting and (only_rows is None or i in only_rows)))
-        return entries
+    def _committed(self, accepted, sampled, drafting: bool, only_rows) -> Committed:
+        """Every request that committed rows this step (:class:`Committed`).
+        A tree request's chain is a subset of its scheduled rows, in order
+        (node ids rise along a path); the others committed all of theirs.
+        Its first row is its first scheduled one, at the position vLLM
+        computed from (``num_computed_tokens``: exact here, as the plugin
+        refuses asynchronous scheduling), so no position is read back."""
+        batch = self.runner.input_batch
+        num_reqs = batch.num_reqs
+        query_start = self.runner.query_start_loc.np[: num_reqs + 1].astype(np.int64)
+        lengths = np.diff(query_start)
+        rows = np.arange(query_start[0], query_start[-1], dtype=np.int64)
+        chains = {i: chain for i, chain in accepted.items() if chain}
+        if chains:
+            trees = np.fromiter(chains, dtype=np.int64, count=len(chains))
+            keep = np.ones(rows.size, dtype=bool)
+            keep[packed_ranges(query_start[trees] - query_start[0], lengths[trees])] = False
+            keep[np.concatenate([np.asarray(c, dtype=np.int64) for c in chains.values()]) - query_start[0]] = True
+            lengths[trees] = [len(c) for c in chains.values()]
+            rows = rows[keep]
+        batch_rows = np.flatnonzero(lengths > 0)
+        lengths = lengths[batch_rows]
+        first = batch.num_computed_tokens_cpu[batch_rows].astype(np.int64)
+        following = first + lengths
+        next_tokens = np.array([s[-1] if s else -1 for s in sampled[:num_reqs]], dtype=np.int64)[batch_rows]
+        in_prompt = (next_tokens < 0) & (following < batch.num_prompt_tokens[batch_rows])
+        next_tokens[in_prompt] = batch.token_ids_cpu[batch_rows[in_prompt], following[in_prompt]]
+        drafts = np.full(batch_rows.size, drafting)
+        if drafting and only_rows is not None:
+            drafts = np.isin(batch_rows, np.fromiter(only_rows, dtype=np.int64, count=len(only_rows)))
+        return Committed(batch_rows, rows, np.cumsum(lengths), first, next_tokens, drafts)
 
     def _feed_oldest(self, rows: PassRows, block_table) -> PassRows:
         """While a pass's rows exceed what one draft forward takes (vLLM's
@@ -267,11 +306,9 @@ class PagedDraftBackend:
         keeping at least its last row for the pass that gives the roots; the
         rows left."""
         while rows.total() > self.max_pass_rows:
-            room, take = self.max_pass_rows, []
-            for entry in rows.tokens:
-                take.append(min(len(entry) - 1, room))
-                room -= take[-1]
-            if not any(take):  # a row per request is more than a pass takes: vLLM schedules no such step
+            spare = rows.lengths - 1
+            take = np.clip(self.max_pass_rows - (np.cumsum(spare) - spare), 0, spare)
+            if not take.any():  # a row per request is more than a pass takes: vLLM schedules no such step
                 return rows
             oldest, rows = rows.split(take)
             self._feed_rows(oldest, block_table, logits=False)
@@ -281,16 +318,17 @@ class PagedDraftBackend:
         """One draft forward over ``rows``: the logits and hidden states of
         each entry's last row (no logits unless ``logits``), and those rows'
         indexes."""
-        lens_t = torch.tensor([len(t) for t in rows.tokens], dtype=torch.int32)
-        starts = torch.zeros(len(rows.tokens) + 1, dtype=torch.int32)
-        starts[1:] = lens_t.cumsum(0)
-        positions_t = torch.cat(rows.positions)
-        rows_t = torch.tensor(rows.batch_rows, dtype=torch.long)
-        slots = self.slots(block_table, torch.repeat_interleave(rows_t, lens_t.long()), positions_t)
-        last = starts[1:].long() - 1
-        seq_lens = (positions_t[last] + 1).to(torch.int32)  # each entry's last position, one gather
-        layout = PassLayout.on_host(starts, seq_lens, block_table[rows_t])
-        out_logits, out_hidden = self.run(torch.cat(rows.tokens), positions_t, self._combine(rows.aux), slots, layout,
+        ends = np.cumsum(rows.lengths)
+        starts = torch.zeros(len(ends) + 1, dtype=torch.int32)
+        starts[1:] = torch.from_numpy(ends)
+        positions = torch.from_numpy(rows.positions)
+        slots = self.slots(block_table, torch.from_numpy(np.repeat(rows.batch_rows, rows.lengths)), positions)
+        seq_lens = (rows.positions[ends - 1] + 1).astype(np.int32)  # each entry's last position
+        seq_lens_t = torch.from_numpy(seq_lens)
+        layout = PassLayout(starts, seq_lens_t, seq_lens_t, block_table[torch.from_numpy(rows.batch_rows)],
+                            int(rows.lengths.max()), int(seq_lens.max()))
+        last = torch.from_numpy(ends - 1)
+        out_logits, out_hidden = self.run(rows.tokens, positions, self._combine(rows.aux), slots, layout,
                                           logit_rows=last if logits else last[:0])
         return out_logits, out_hidden, last
 
@@ -298,34 +336,33 @@ class PagedDraftBackend:
     def begin(self, rows: list[int]) -> TreeScratch:
         """Start one tree per drafting request (batch rows): the roots' draft
         distributions, ``[B, top_k]`` (zero probabilities where a request has
-        none), and the scratch its layers grow."""
-        roots = self.roots
-        context = {} if roots is None else roots.context
-        block_size = self.runner.input_batch.block_table[0].block_size
-        allocated = self.runner.input_batch.block_table[0].num_blocks_per_row
-        batch = len(rows)
-        committed = torch.tensor([context.get(i, (0, 0))[0] for i in rows], dtype=torch.long)
-        ready = torch.tensor([i in context for i in rows], dtype=torch.bool)
-        room = torch.from_numpy(np.asarray(allocated[rows], dtype=np.int64)) * block_size - committed
-        distribution = empty_distribution((batch,), self.top_k)
-        found = [] if roots is None else [(b, roots.index[i]) for b, i in enumerate(rows) if i in roots.index]
-        if found:
-            at, source = (torch.tensor(x, dtype=torch.long) for x in zip(*found))
+        none), and the scratch its layers grow, where the layer variant keeps
+        them (from a first pass on the same device, nothing is read back)."""
+        roots, device = self.roots, self.device
+        rows_np = np.asarray(rows, dtype=np.int64)
+        source = np.full(rows_np.size, -1, dtype=np.int64) if roots is None else roots.index[rows_np]
+        ready = source >= 0
+        committed = np.where(ready, 0 if roots is None else roots.context[rows_np], 0)
+        block_table = self.runner.input_batch.block_table[0]
+        room = block_table.num_blocks_per_row[rows_np].astype(np.int64) * block_table.block_size - committed
+        distribution = empty_distribution((rows_np.size,), self.top_k, device)
+        if ready.any():
+            at = torch.from_numpy(np.flatnonzero(ready)).to(device)
+            picked = torch.from_numpy(source[ready]).to(roots.distribution.tokens.device)
             for mine, theirs in zip(distribution, roots.distribution):
-                mine[at] = theirs[source.to(theirs.device)].to(mine.device)
-        rows_t = torch.tensor(rows, dtype=torch.long)
-        device = self.device
-        longest = max((context[i][0] for i in rows if i in context), default=0)
+                mine[at] = theirs[picked].to(device)
+        rows_t, committed_t = torch.from_numpy(rows_np), torch.from_numpy(committed)
+        room_t = torch.from_numpy(np.where(ready, np.clip(room, 0, self.max_nodes), 0))
         return TreeScratch(
-            roots=DraftDistribution(*(x.to(device) for x in distribution)),
+            roots=distribution,
             rows=rows_t.to(device),
-            context=committed.to(device),
-            root_position=torch.tensor([context.get(i, (0, 0))[1] for i in rows], dtype=torch.long, device=device),
-            state=empty_state(torch.where(ready, room.clamp(0, self.max_nodes), 0).to(device), self.max_nodes),
+            context=committed_t.to(device),
+            root_position=torch.from_numpy(np.maximum(committed - 1, 0)).to(device),
+            state=empty_state(room_t.to(device), self.max_nodes),
             block_table=None if roots is None else roots.block_table,
-            keys=None if roots is None else tree_step.StepKeys(committed, roots.block_table[rows_t]),
-            host_context=committed,
-            longest_context=longest,
+            keys=None if roots is None else tree_step.StepKeys(committed_t, roots.block_table[rows_t]),
+            host_context=committed_t,
+            longest_context=int(committed.max(initial=0)),
         )
 
     def feed(self, scratch: TreeScratch, live: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor):

@@ -14,8 +14,27 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_adaptive_spec.adapter.draft_backend import CommittedPass, PagedDraftBackend, PassRows, TreeScratch
+from vllm_adaptive_spec.adapter.draft_backend import (Committed, CommittedPass, PagedDraftBackend, PassRows, TreeScratch,
+                                                      packed_ranges)
 from vllm_adaptive_spec.paused_rows import PausedRows
+
+
+def _kept_first(following, hidden, source, own, first, kept):
+    """A catch-up: the step's rows (``following``, ``hidden``) and the
+    drafting requests' rows kept from paused steps (``kept``: each request's
+    :meth:`PausedRows.take`) in one tensor each, the index that puts each
+    request's kept rows before its ``own`` rows (at ``source``), and how many
+    rows each request kept."""
+    back = np.array([0 if k is None else int(p0) - k[0] for p0, k in zip(first.tolist(), kept)], dtype=np.int64)
+    parts, step_rows = [k for k in kept if k is not None], following.shape[0]
+    following = torch.cat([following, *(t for k in parts for t in k[1])])
+    hidden = torch.cat([hidden, *(h for k in parts for h in k[2])])
+    total = own + back
+    offsets, kept_offsets = np.cumsum(total) - total, step_rows + np.cumsum(back) - back
+    index = np.empty(int(total.sum()), dtype=np.int64)
+    index[packed_ranges(offsets, back)] = packed_ranges(kept_offsets, back)
+    index[packed_ranges(offsets + back, own)] = source
+    return following, hidden, index, back
 
 
 class HeadDraftBackend(PagedDraftBackend):
@@ -51,48 +70,44 @@ class HeadDraftBackend(PagedDraftBackend):
             return 1 << 62
         return self.paused_rows.rows(request_id)
 
-    def _committed_pass(self, entries, aux_hidden_states) -> CommittedPass:
+    def _committed_pass(self, committed: Committed, aux_hidden_states) -> CommittedPass:
         """The step's rows of every request, gathered for the whole batch at
         once: each row's input token (the next one; the last row's is the
         token after the chain) and the target's auxiliary hidden states.
         Paused requests' rows are kept as one block (:meth:`PausedRows.keep`:
         a paused step costs these gathers, not an operation per request);
-        drafting ones go into the pass, after the rows they kept."""
-        entries = [e for e in entries if e.next_token is not None]
-        rows = PassRows([], [], [], [])
-        if not entries:
+        drafting ones go into the pass, after the rows they kept, in one
+        gather from the step's rows and the kept ones."""
+        committed = committed.where(committed.next_tokens >= 0)
+        if not len(committed.batch_rows):
             self.paused_rows.bound()
-            return CommittedPass(rows, {}, 0)
-        following, hidden, ends = self._gathered(entries, aux_hidden_states)
-        context, own, paused = {}, 0, []
+            return CommittedPass.nothing()
+        following, hidden = self._gathered(committed, aux_hidden_states)
         req_ids = self.runner.input_batch.req_ids
-        for (i, committed, p0, _, drafts), end in zip(entries, ends.tolist()):
-            request_id, m = req_ids[i], len(committed)
-            if request_id in self.paused_rows.given_up:
-                continue
-            if not drafts:
-                paused.append((request_id, p0, end - m, m))
-                continue
-            step_tokens, step_hidden = following[end - m:end], hidden[end - m:end]
-            start, kept = p0, self.paused_rows.take(request_id, p0)
-            if kept is not None:
-                start, kept_tokens, kept_hidden = kept
-                step_tokens, step_hidden = torch.cat([*kept_tokens, step_tokens]), torch.cat([*kept_hidden, step_hidden])
-            rows.tokens.append(step_tokens)
-            rows.positions.append(torch.arange(start, p0 + m))
-            rows.aux.append(step_hidden)
-            rows.batch_rows.append(i)
-            context[i] = (p0 + m, p0 + m - 1)
-            own += m
-        self.paused_rows.keep(following, hidden, paused)
+        names = [req_ids[i] for i in committed.batch_rows.tolist()]
+        given_up = np.array([name in self.paused_rows.given_up for name in names], dtype=bool)
+        lengths, first = committed.lengths, committed.first_positions
+        starts = committed.ends - lengths
+        self.paused_rows.keep(following, hidden, [(names[e], int(first[e]), int(starts[e]), int(lengths[e]))
+                                                  for e in np.flatnonzero(~committed.drafts & ~given_up).tolist()])
+        drafting = np.flatnonzero(committed.drafts & ~given_up)
+        kept = [self.paused_rows.take(names[e], int(first[e])) for e in drafting.tolist()]
         self.paused_rows.bound()
-        return CommittedPass(rows, context, own)
+        if not drafting.size:
+            return CommittedPass.nothing()
+        own, first = lengths[drafting], first[drafting]
+        source, back = packed_ranges(starts[drafting], own), np.zeros_like(own)
+        if any(k is not None for k in kept):
+            following, hidden, source, back = _kept_first(following, hidden, source, own, first, kept)
+        at = torch.from_numpy(source).to(following.device)
+        rows = PassRows(following[at], packed_ranges(first - back, own + back), hidden[at], own + back,
+                        committed.batch_rows[drafting])
+        return CommittedPass(rows, first + own, int(own.sum()))
 
-    def _gathered(self, entries, aux_hidden_states) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-        """Every entry's rows at once: each row's next token, the target's
-        hidden states (a copy: vLLM reuses its buffers), and each entry's end."""
-        ends = np.cumsum([len(e.rows) for e in entries])
-        rows = np.concatenate([e.rows for e in entries])
+    def _gathered(self, committed: Committed, aux_hidden_states) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every entry's rows at once: each row's next token and the target's
+        hidden states (a copy: vLLM reuses its buffers)."""
+        rows = committed.rows
         if (np.diff(rows) == 1).all():  # no tree verified: the batch's rows in order, sliced
             index = slice(int(rows[0]), int(rows[0]) + len(rows))
         else:
@@ -100,12 +115,12 @@ class HeadDraftBackend(PagedDraftBackend):
         ids = self.runner.input_ids.gpu[index].to(torch.long)
         following = torch.empty_like(ids)
         following[:-1] = ids[1:]
-        following[torch.from_numpy(ends - 1).to(ids.device)] = torch.tensor([e.next_token for e in entries],
-                                                                             dtype=torch.long, device=ids.device)
-        return following, torch.cat([h[index] for h in aux_hidden_states], dim=-1), ends
+        following[torch.from_numpy(committed.ends - 1).to(ids.device)] = torch.from_numpy(
+            committed.next_tokens).to(ids.device)
+        return following, torch.cat([h[index] for h in aux_hidden_states], dim=-1)
 
     def _combine(self, aux):
-        return self.native.model.combine_hidden_states(torch.cat(aux))
+        return self.native.model.combine_hidden_states(aux)
 
     def _forward(self, tokens, positions, hidden):
         return self.native.model(input_ids=tokens, positions=positions, hidden_states=hidden)
@@ -117,12 +132,13 @@ class HeadDraftBackend(PagedDraftBackend):
         roots = self.roots
         if roots is None or roots.hidden is None:
             return scratch
-        found = [(b, roots.index[i]) for b, i in enumerate(rows) if i in roots.index]
+        source = roots.index[np.asarray(rows, dtype=np.int64)]
         width = roots.hidden.shape[-1]
         scratch.root_hidden = roots.hidden.new_zeros(len(rows), width)
-        if found:
-            at, source = (torch.tensor(x, dtype=torch.long, device=roots.hidden.device) for x in zip(*found))
-            scratch.root_hidden[at] = roots.hidden[source]
+        if (source >= 0).any():
+            device = roots.hidden.device
+            at, picked = (torch.from_numpy(x).to(device) for x in (np.flatnonzero(source >= 0), source[source >= 0]))
+            scratch.root_hidden[at] = roots.hidden[picked]
         scratch.hidden = roots.hidden.new_zeros(len(rows), self.max_nodes + 1, width)  # the last: the spill
         return scratch
 

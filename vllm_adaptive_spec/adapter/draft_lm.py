@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_adaptive_spec.adapter.draft_backend import CommittedPass, PagedDraftBackend, PassRows
+from vllm_adaptive_spec.adapter.draft_backend import Committed, CommittedPass, PagedDraftBackend, PassRows, packed_ranges
 
 
 class LMDraftBackend(PagedDraftBackend):
@@ -29,29 +29,35 @@ class LMDraftBackend(PagedDraftBackend):
     def _behind(self, request_id: str, length: int) -> int:
         return length - self._stops.get(request_id, length)
 
-    def _committed_pass(self, entries, aux_hidden_states) -> CommittedPass:
+    def _committed_pass(self, committed: Committed, aux_hidden_states) -> CommittedPass:
         """Each drafting request's tokens since its draft KV stops (paused
-        steps' tokens first), its committed rows and the token after them; a
-        paused request remembers where its KV stops."""
+        steps' tokens first, from the request's token history), its
+        committed rows and the token after them, packed in two writes: the
+        committed rows' tokens where the step's are, the rest from the
+        host. A paused request remembers where its KV stops."""
         batch = self.runner.input_batch
+        for i, p0 in zip(committed.batch_rows[~committed.drafts].tolist(),
+                         committed.first_positions[~committed.drafts].tolist()):
+            self._stops.setdefault(batch.req_ids[i], p0)
+        committed = committed.where(committed.drafts & (committed.next_tokens >= 0))
+        if not len(committed.batch_rows):
+            return CommittedPass.nothing()
+        first, own = committed.first_positions, committed.lengths + 1  # the rows and the token after them
+        start = np.array([min(self._stops.pop(batch.req_ids[i], p0), p0)
+                          for i, p0 in zip(committed.batch_rows.tolist(), first.tolist())], dtype=np.int64)
+        missed, total = first - start, first - start + own
+        offsets = np.cumsum(total) - total
         input_ids = self.runner.input_ids.gpu
-        rows, context, own = PassRows([], [], [], []), {}, 0
-        for i, committed, p0, next_token, drafts in entries:
-            if not drafts:
-                self._stops.setdefault(batch.req_ids[i], p0)
-                continue
-            if next_token is None:
-                continue
-            m = len(committed)
-            ids = input_ids[torch.from_numpy(committed).to(input_ids.device)].to(torch.long)
-            start = min(self._stops.pop(batch.req_ids[i], p0), p0)
-            missed = torch.from_numpy(batch.token_ids_cpu[i, start:p0].astype(np.int64)).to(ids.device)
-            rows.tokens.append(torch.cat([missed, ids, ids.new_tensor([next_token])]))
-            rows.positions.append(torch.arange(start, p0 + m + 1))
-            rows.batch_rows.append(i)
-            context[i] = (p0 + m + 1, p0 + m)
-            own += m + 1
-        return CommittedPass(rows, context, own)
+        device = input_ids.device
+        tokens = torch.empty(int(total.sum()), dtype=torch.long, device=device)
+        tokens[torch.from_numpy(packed_ranges(offsets + missed, own - 1)).to(device)] = (
+            input_ids[torch.from_numpy(committed.rows).to(device)].to(torch.long))
+        history = batch.token_ids_cpu[np.repeat(committed.batch_rows, missed), packed_ranges(start, missed)]
+        host_at = np.concatenate([packed_ranges(offsets, missed), offsets + total - 1])
+        host_tokens = np.concatenate([history.astype(np.int64), committed.next_tokens])
+        tokens[torch.from_numpy(host_at).to(device)] = torch.from_numpy(host_tokens).to(device)
+        rows = PassRows(tokens, packed_ranges(start, total), None, total, committed.batch_rows)
+        return CommittedPass(rows, first + own, int(own.sum()))
 
     def _forward(self, tokens, positions, hidden):
         return self.native.model(input_ids=tokens, positions=positions), None
