@@ -108,6 +108,16 @@ def method_config(name: str) -> dict | None:
                      "draft-lm-N, draft-lm-adaptive-N, hybrid-N, hybrid-adaptive-N")
 
 
+def with_draft_model(spec: dict | None, head: str) -> dict | None:
+    """``spec`` with its draft model: the EAGLE-3 ``head`` for an EAGLE-3 head
+    or the hybrid, the project's draft LM for ``draft_model``."""
+    if spec is not None and (spec.get("tree", {}).get("drafter") in ("eagle3", "hybrid") or spec["method"] == "eagle3"):
+        spec["model"] = head
+    elif spec is not None and spec.get("tree", {}).get("drafter") == "draft_model":
+        spec["model"] = engines.draft_lm_path()
+    return spec
+
+
 COLUMNS = {
     "forward": ["execute_model/forward"],
     "attn": ["execute_model/forward/attention"],
@@ -385,12 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     jobs, listed = {}, Counter()
     for method in args.methods.split(","):
-        spec = method_config(method)
-        if spec is not None and (spec.get("tree", {}).get("drafter") in ("eagle3", "hybrid")
-                                 or spec["method"] == "eagle3"):
-            spec["model"] = args.head
-        elif spec is not None and spec.get("tree", {}).get("drafter") == "draft_model":
-            spec["model"] = engines.draft_lm_path()
+        spec = with_draft_model(method_config(method), args.head)
         listed[method] += 1
         name = method if listed[method] == 1 else f"{method} #{listed[method]}"
         jobs[name] = {"model": model, "dtype": args.dtype, "speculative_config": spec,

@@ -7,8 +7,9 @@ engine core and worker in-process), decodes ``--batch-size`` greedy requests
 for a warm-up, then ``--steps`` engine steps with the mode on; the table gives
 the synchronising calls per step and the Python lines that made the most. The plugin adds no synchronisation when its
 steps count no more than ``none-v1-sync`` (vLLM without speculation on the
-plugin's runner and scheduling). On a machine without CUDA the mode does
-nothing and every count is 0.
+plugin's runner and scheduling); a model drafter's tree (``eagle3-N``) is
+compared with vLLM's own EAGLE-3 chain (``vllm-eagle3-K``, the same head).
+On a machine without CUDA the mode does nothing and every count is 0.
 
     .venv/bin/vllm-adaptive-spec bench sync-check --methods none-v1-sync,tree-adaptive-16 --batch-size 8 --out DIR
 """
@@ -21,7 +22,7 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
-from benchmarks import engine_worker, step_profile
+from benchmarks import engine_worker, engines, step_profile
 from benchmarks.options import add_output
 from benchmarks.report import write_report
 
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--head", default=str(engines.HEAD), help="EAGLE-3 head (eagle3-N, vllm-eagle3-K)")
     add_output(parser)
     args = parser.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, where the warnings are caught
@@ -77,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     methods = sorted(args.methods.split(","), key=lambda m: step_profile.method_config(m) is None)
     for method in methods:
         job = {"model": model, "dtype": args.dtype, "max_model_len": 2048, "max_num_seqs": args.batch_size,
-               "speculative_config": step_profile.method_config(method), "engine_layout": "in-process",
+               "speculative_config": step_profile.with_draft_model(step_profile.method_config(method), args.head),
+               "engine_layout": "in-process",
                "runner": engine_worker.V1_SYNC if method == "none-v1-sync" else None}
         llm = engine_worker.open_engine(job)
         tokenizer = llm.get_tokenizer()

@@ -17,7 +17,8 @@
 #            tensor retrieval matcher's chosen trees against the trie's);
 #      sync: benchmarks/sync_check.py at batch 8 and 64: synchronising calls per step of the
 #            plugin (draft-free and tree steps) against vLLM without speculation on the same
-#            V1 runner with synchronous scheduling (the plugin must add none);
+#            V1 runner with synchronous scheduling (the plugin must add none); at batch 8 also an
+#            EAGLE-3 tree (its draft loop at fixed capacity) beside vLLM's eagle3 chain;
 #      profile: benchmarks/step_profile.py in lockstep at batch 8 and 64: the graphs column
 #            (FULL for every draft-free and every uniform tree step) and the step times of none
 #            (vLLM's default), none-v1-sync, tree-0 (draft-free) and tree-16 / tree-adaptive-16;
@@ -58,7 +59,7 @@ WAVE1=$(( $(left) * 45 / 100 ))
 part kernels "$WAVE1" python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_cuda_attention.py \
     tests/test_tree_tensors.py tests/test_cudagraphs.py tests/test_retrieval_tensors.py &
 PARTS=$!
-part sync "$WAVE1" bash -c "python3 benchmarks/sync_check.py --batch-size 8 --methods none-v1-sync,tree-0,tree-16 \
+part sync "$WAVE1" bash -c "python3 benchmarks/sync_check.py --batch-size 8 --methods none-v1-sync,tree-0,tree-16,eagle3-16,vllm-eagle3-4 \
     --out $WORK/sync && python3 benchmarks/sync_check.py --batch-size 64 --methods none-v1-sync,tree-0,tree-16 \
     --out $WORK/sync" &
 PARTS="$PARTS $!"
