@@ -1,14 +1,15 @@
 """The first draft pass's packed rows (``adapter/draft_backend.py``,
-``adapter/draft_head.py``): every request's rows in one array, built and
-split without a loop over the requests."""
+``adapter/draft_head.py``, ``packed_ranges.py``): every request's rows in one
+array, built and split without a loop over the requests."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from vllm_adaptive_spec.adapter.draft_backend import Committed, PassRows, packed_ranges
+from vllm_adaptive_spec.adapter.draft_backend import Committed, PassRows
 from vllm_adaptive_spec.adapter.draft_head import _kept_first
+from vllm_adaptive_spec.packed_ranges import packed_ranges
 
 
 def test_packed_ranges_are_the_ranges_one_after_another():

@@ -34,6 +34,8 @@ import itertools
 
 import torch
 
+from vllm_adaptive_spec.packed_ranges import packed_ranges
+
 
 class _Block:
     """One paused step's kept rows: input tokens ``[R]`` and hidden states ``[R, H]``."""
@@ -100,8 +102,8 @@ class PausedRows:
         if not spans:
             return
         if sum(length for *_, length in spans) != tokens.shape[0]:
-            index = torch.cat([torch.arange(offset, offset + length) for _, _, offset, length in spans])
-            index = index.to(tokens.device)
+            index = packed_ranges([offset for *_, offset, _ in spans], [length for *_, length in spans])
+            index = torch.from_numpy(index).to(tokens.device)
             tokens, hidden = tokens[index], hidden[index]
             offsets = itertools.accumulate((length for *_, length in spans), initial=0)
             spans = [(request_id, position, offset, length)

@@ -44,14 +44,7 @@ from kernels.draft_distribution import DraftDistribution, draft_distribution
 from vllm_adaptive_spec.adapter import step as tree_step
 from vllm_adaptive_spec.adapter.draft_layers import PassLayout, RaggedLayers, empty_distribution
 from vllm_adaptive_spec.draft_layer import TreeState, empty_state
-
-
-def packed_ranges(starts, lengths) -> np.ndarray:
-    """``arange(starts[e], starts[e] + lengths[e])`` of every entry, one after
-    another, without a loop over the entries."""
-    starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
-    offsets = np.cumsum(lengths) - lengths
-    return np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+from vllm_adaptive_spec.packed_ranges import packed_ranges
 
 
 class Committed(NamedTuple):

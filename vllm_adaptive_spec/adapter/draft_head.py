@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_adaptive_spec.adapter.draft_backend import (Committed, CommittedPass, PagedDraftBackend, PassRows, TreeScratch,
-                                                      packed_ranges)
+from vllm_adaptive_spec.adapter.draft_backend import Committed, CommittedPass, PagedDraftBackend, PassRows, TreeScratch
+from vllm_adaptive_spec.packed_ranges import packed_ranges
 from vllm_adaptive_spec.paused_rows import PausedRows
 
 

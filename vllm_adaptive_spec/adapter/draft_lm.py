@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_adaptive_spec.adapter.draft_backend import Committed, CommittedPass, PagedDraftBackend, PassRows, packed_ranges
+from vllm_adaptive_spec.adapter.draft_backend import Committed, CommittedPass, PagedDraftBackend, PassRows
+from vllm_adaptive_spec.packed_ranges import packed_ranges
 
 
 class LMDraftBackend(PagedDraftBackend):

@@ -32,6 +32,7 @@ from vllm.v1.sample.ops.bad_words import apply_bad_words
 
 from vllm_adaptive_spec.adapter.transfer import to_device
 from vllm_adaptive_spec.adapter.tree_logits_processors import apply_row_min_tokens, has_min_tokens
+from vllm_adaptive_spec.packed_ranges import packed_ranges
 from vllm_adaptive_spec.tree import DraftTree
 
 
@@ -109,7 +110,7 @@ def row_histories(step, requests: list[int], counts: list[int], output_token_ids
     paths = torch.where(step.ancestors, tree_batch.tokens.unsqueeze(1), vocab_size)
     paths = torch.nn.functional.pad(paths, (0, 0, 1, 0), value=vocab_size)  # the root's row: no path
     owner = np.repeat(np.arange(len(counts)), counts)
-    local = np.arange(len(owner)) - np.repeat(np.cumsum([0, *counts[:-1]]), counts)
+    local = packed_ranges(np.zeros(len(counts)), counts)
     owner_t, local_t = to_device(owner, torch.long, device), to_device(local, torch.long, device)
     width = paths.shape[1] - 1
     path = paths[owner_t, local_t.clamp(max=width)]
