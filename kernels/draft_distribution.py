@@ -59,8 +59,8 @@ def draft_distribution_reference(logits: torch.Tensor, k: int, m: int = 0) -> Dr
     log_norm = torch.logsumexp(x, dim=-1, keepdim=True)
     values, tokens = x.topk(max(k, m), dim=-1)
     probs = torch.exp(values - log_norm)
-    if m == 0:  # no entropy asked for: four operations a pass less (a model drafter's every layer)
-        return DraftDistribution(tokens[:, :k], probs[:, :k], probs[:, 0], probs.new_zeros(probs.shape[0]))
+    if m == 0:  # no entropy asked for (a model drafter's every layer): the top k are all there is, nothing to cut
+        return DraftDistribution(tokens, probs, probs[:, 0], probs.new_zeros(probs.shape[0]))
     top_m = probs[:, :m]
     entropy = -torch.where(top_m > 0, top_m * torch.log(top_m), 0.0).sum(-1)
     return DraftDistribution(tokens[:, :k], probs[:, :k], probs[:, 0], entropy)

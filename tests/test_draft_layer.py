@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from dispatched_ops import dispatched, reads
 
-from vllm_adaptive_spec.draft_layer import empty_state, lay_out_layer
+from vllm_adaptive_spec.draft_layer import empty_state, lay_out_layer, node_slots
 
 MAX_NODES = 24
 
@@ -67,10 +67,10 @@ def one_by_one(capacity, frontiers, root, context):
 
 
 def laid_out(capacity, frontiers, root, context):
-    state = empty_state(capacity, MAX_NODES)
+    state, slots = empty_state(capacity, MAX_NODES), node_slots(context, capacity, MAX_NODES, kv_slots)
     layers = []
     for live, parents in frontiers:
-        state, rows = lay_out_layer(state, live, parents, root, context, kv_slots)
+        state, rows = lay_out_layer(state, live, parents, root, slots)
         fed_position = torch.where(rows.fed, rows.position, 0)
         layers.append((rows.node, fed_position, rows.slot, rows.visible))
     return layers
@@ -87,11 +87,11 @@ def test_the_layout_equals_feeding_node_by_node():
 def test_a_layer_compiles_whole_and_equals_eager():
     torch._dynamo.reset()
     capacity, frontiers, root, context = random_layers(3, batch=4, width=8)
-    state = empty_state(capacity, MAX_NODES)
-    state, _ = lay_out_layer(state, *frontiers[0], root, context, kv_slots)
+    state, slots = empty_state(capacity, MAX_NODES), node_slots(context, capacity, MAX_NODES, kv_slots)
+    state, _ = lay_out_layer(state, *frontiers[0], root, slots)
     compiled = torch.compile(lay_out_layer, fullgraph=True, dynamic=False, backend="aot_eager")
-    eager = lay_out_layer(state, *frontiers[1], root, context, kv_slots)
-    traced = compiled(state, *frontiers[1], root, context, kv_slots)
+    eager = lay_out_layer(state, *frontiers[1], root, slots)
+    traced = compiled(state, *frontiers[1], root, slots)
     for got, want in zip([*traced[0], *traced[1]], [*eager[0], *eager[1]]):
         assert torch.equal(got, want)
     assert eager[1].fed.any()
@@ -102,7 +102,8 @@ def test_the_same_operations_at_every_batch_and_width():
     counts = []
     for batch, width in ((8, 4), (64, 4), (8, 16), (64, 16)):
         capacity, frontiers, root, context = random_layers(batch + width, batch, width)
-        state = empty_state(capacity, MAX_NODES)
-        counts.append(dispatched(lay_out_layer, state, *frontiers[0], root, context, kv_slots))
-    assert all(ops == counts[0] for ops in counts[1:])
-    assert not reads(counts[0])
+        state, slots = empty_state(capacity, MAX_NODES), node_slots(context, capacity, MAX_NODES, kv_slots)
+        counts.append(dispatched(lay_out_layer, state, *frontiers[0], root, slots))
+        counts.append(dispatched(node_slots, context, capacity, MAX_NODES, kv_slots))
+    assert all(ops == counts[k % 2] for k, ops in enumerate(counts))
+    assert not reads(counts[0]) and not reads(counts[1])

@@ -9,7 +9,9 @@ The trees' scratch has ``N`` node columns plus one spill column (index
 every scatter has the same shape whatever the layer fed. Node ``j`` of a
 tree sits at position ``root + depth(j)`` and writes its draft KV at slot
 ``C + j`` after the request's committed draft context ``C`` (the engine
-reserves those slots); an unfed slot's KV slot is ``-1`` (no write).
+reserves those slots), looked up in ``node_slots`` [B, N + 1], which the
+backend computes once a step (its spill column ``-1``: an unfed slot writes
+no KV).
 """
 
 from __future__ import annotations
@@ -33,18 +35,33 @@ class TreeState(NamedTuple):
 
 class LayerRows(NamedTuple):
     """One layer's frontier slots ``[B, F]``: whether each is ``fed``, its
-    node id ``node`` (``-1`` unfed), ``parent_slot`` (its parent's node id,
+    node id ``node`` (``-1`` unfed) and scratch ``column`` (the spill
+    column ``N`` unfed), ``parent_slot`` (its parent's node id,
     clamped to 0 for the root's children, see ``has_parent``), its
     ``position``, its draft-KV ``slot`` (``-1`` unfed) and ``visible`` [B, F, N]:
     the tree nodes it attends to (itself and its ancestors)."""
 
     fed: torch.Tensor
     node: torch.Tensor
+    column: torch.Tensor
     parent_slot: torch.Tensor
     has_parent: torch.Tensor
     position: torch.Tensor
     slot: torch.Tensor
     visible: torch.Tensor
+
+
+def node_slots(context: torch.Tensor, capacity: torch.Tensor, max_nodes: int, kv_slots) -> torch.Tensor:
+    """[B, N + 1] the cache slot of each node id's draft KV: node ``j`` at
+    draft-KV position ``C + j`` (``context`` [B]) where ``j`` is below the
+    tree's ``capacity`` [B], else ``-1`` (the spill column always);
+    ``kv_slots(positions [B, N + 1]) -> [B, N + 1]`` maps positions within
+    a request's reserved blocks to slots. Once a step, not once a layer."""
+    ids = torch.arange(max_nodes + 1, device=capacity.device)
+    inside = ids < capacity.unsqueeze(1)
+    last = (capacity - 1).clamp(min=0).unsqueeze(1)
+    slots = kv_slots(context.unsqueeze(1) + torch.minimum(ids, last))
+    return torch.where(inside, slots.to(capacity.device), -1)
 
 
 def empty_state(capacity: torch.Tensor, max_nodes: int) -> TreeState:
@@ -59,39 +76,36 @@ def empty_state(capacity: torch.Tensor, max_nodes: int) -> TreeState:
 
 
 def lay_out_layer(state: TreeState, live: torch.Tensor, parents: torch.Tensor, root_position: torch.Tensor,
-                  context: torch.Tensor, kv_slots) -> tuple[TreeState, LayerRows]:
+                  node_slots: torch.Tensor) -> tuple[TreeState, LayerRows]:
     """Feed the ``live`` frontier slots [B, F] whose ``parents`` [B, F] are
     node ids (``-1``: the root), in frontier order, while the tree has room:
-    the trees after the layer and the layer's rows. ``root_position`` and
-    ``context`` [B]: each request's root position and committed draft
-    context; ``kv_slots(positions [B, F]) -> [B, F]``: the cache slot of a
-    draft-KV position of each request."""
+    the trees after the layer and the layer's rows. ``root_position`` [B]:
+    each request's root position; ``node_slots`` [B, N + 1]: the cache slot
+    of each node id's draft KV (``-1`` in the spill column)."""
     batch, width = live.shape
     spill = state.depth.shape[1] - 1
-    rank = live.long().cumsum(1) - 1
-    ids = state.count.unsqueeze(1) + rank
+    ids = torch.cumsum(live, dim=1) + (state.count - 1).unsqueeze(1)  # int64: the count of live slots so far
     fed = live & (ids < state.capacity.unsqueeze(1))
     node = torch.where(fed, ids, spill)
     has_parent = parents >= 0
     parent_slot = parents.clamp(min=0)
     depth = torch.where(has_parent, state.depth.gather(1, parent_slot) + 1, 1)
     lineage = state.ancestors.gather(1, parent_slot.unsqueeze(-1).expand(batch, width, spill + 1))
-    itself = node.unsqueeze(-1) == torch.arange(spill + 1, device=node.device)  # one_hot would read the ids back
-    lineage = (lineage & has_parent.unsqueeze(-1)) | itself
+    lineage = (lineage & has_parent.unsqueeze(-1)).scatter_(2, node.unsqueeze(-1), True)  # and itself
     after = TreeState(
         state.count + fed.sum(1),
         state.capacity,
         state.depth.scatter(1, node, depth),
         state.ancestors.scatter(1, node.unsqueeze(-1).expand(batch, width, spill + 1), lineage),
     )
-    kv_position = context.unsqueeze(1) + torch.where(fed, ids, 0)
     rows = LayerRows(
         fed=fed,
         node=torch.where(fed, ids, -1),
+        column=node,
         parent_slot=parent_slot,
         has_parent=has_parent,
         position=root_position.unsqueeze(1) + depth,
-        slot=torch.where(fed, kv_slots(kv_position), -1),
+        slot=node_slots.gather(1, node),
         visible=lineage[..., :spill] & fed.unsqueeze(-1),
     )
     return after, rows

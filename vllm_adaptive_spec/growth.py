@@ -19,7 +19,7 @@ runs there too and only the chosen nodes are read back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import torch
@@ -31,13 +31,15 @@ from vllm_adaptive_spec.tree import ROOT, DraftTree
 class Candidates:
     """Children of the frontier: ``tokens``/``q``/``handles`` [B, F, C]; a
     candidate with ``q == 0`` does not exist. Children of one frontier node are
-    sorted by descending ``q`` and carry distinct tokens. ``entropy`` [B, F]:
-    the entropy of each frontier node's draft distribution over its top ``M``
+    sorted by descending ``q`` and carry distinct tokens. ``handles`` None:
+    each candidate's handle is its index in the layer, ``f * C + c`` (a model
+    drafter's; no tensor to build a layer). ``entropy`` [B, F]: the entropy
+    of each frontier node's draft distribution over its top ``M``
     probabilities (C2T's feature; None where the drafter has none)."""
 
     tokens: torch.Tensor
     q: torch.Tensor
-    handles: torch.Tensor
+    handles: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
 
     @property
@@ -65,15 +67,14 @@ class Layer:
     stop: torch.Tensor | None = None
     parent_score: torch.Tensor | None = None
     score: torch.Tensor | None = None
+    # [B, F, C] path probability of every candidate, ``p(parent) * q``: once
+    # a layer (policies and the packing read it several times).
+    p: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
             self.stop = torch.zeros_like(self.budget, dtype=torch.bool)
-
-    @property
-    def p(self) -> torch.Tensor:
-        """[B, F, C] path probability of every candidate, ``p(parent) * q``."""
-        return self.parent_p.unsqueeze(-1) * self.candidates.q
+        self.p = self.parent_p.unsqueeze(-1) * self.candidates.q
 
 
 class Drafter(Protocol):
@@ -181,7 +182,7 @@ def grow_layers(drafter: Drafter, policy: Policy, budget: torch.Tensor, depth: i
     batch, device = budget.shape[0], budget.device
     grown, size, offset = [], torch.zeros(batch, dtype=torch.long, device=device), 0
     handles = slot = torch.full((batch, 1), ROOT, dtype=torch.long, device=device)
-    p, score = torch.ones(batch, 1, device=device), torch.ones(batch, 1, device=device)
+    p = score = torch.ones(batch, 1, device=device)
     live = (budget > 0).unsqueeze(1)
     passes = 0
     for index in range(depth):
@@ -191,7 +192,7 @@ def grow_layers(drafter: Drafter, policy: Policy, budget: torch.Tensor, depth: i
             break
         candidates = drafter.expand(handles, live)
         passes += 1
-        layer = Layer(candidates, torch.where(live, p, 0.0), index + 1, size.clone(), budget, parent_score=score)
+        layer = Layer(candidates, torch.where(live, p, 0.0), index + 1, size, budget, parent_score=score)
         chosen = (policy.select(layer) & (candidates.q > 0) & live.unsqueeze(-1)).flatten(1)
         layer_width = int(chosen.sum(1).max()) if width is None else width
         if layer_width == 0:
@@ -199,30 +200,33 @@ def grow_layers(drafter: Drafter, policy: Policy, budget: torch.Tensor, depth: i
         packed, handles, p = _packed(candidates, layer, chosen, slot, layer_width)
         grown.append(packed)
         size = size + packed.valid.sum(1)
-        slot = offset + torch.arange(layer_width, device=device).expand(batch, -1)
+        slot = torch.arange(offset, offset + layer_width, device=device).expand(batch, -1)
         offset += layer_width
-        score, live = packed.score, packed.valid & ~layer.stop.unsqueeze(1) & (p >= floor)
+        score, live = packed.score, packed.valid & ~layer.stop.unsqueeze(1)
+        if floor > 0:
+            live = live & (p >= floor)
     return _joined(grown, passes, batch, device)
 
 
 def _packed(candidates: Candidates, layer: Layer, chosen: torch.Tensor, frontier_slot: torch.Tensor, width: int):
     """A layer's chosen candidates packed to the left of ``width`` slots per
     request (in frontier, then candidate order; beyond ``width``, cut), the
-    rest invalid; their handles and path probabilities (the next frontier's)."""
-    count = chosen.sum(1).clamp(max=width)
-    order = torch.sort((~chosen).to(torch.int8), dim=1, stable=True).indices[:, :width]
-    if order.shape[1] < width:  # a layer with fewer candidates than slots: pad with its first
+    rest invalid (``valid`` False; they hold whichever candidate the sort put
+    there, and every reader masks by ``valid``); their handles and path
+    probabilities (the next frontier's)."""
+    ranked = torch.sort((~chosen).to(torch.int8), dim=1, stable=True)
+    order, here = ranked.indices[:, :width], ranked.values[:, :width] == 0
+    if order.shape[1] < width:  # a layer with fewer candidates than slots: pad with invalid slots
         order = torch.nn.functional.pad(order, (0, width - order.shape[1]))
-    here = torch.arange(width, device=count.device).unsqueeze(0) < count.unsqueeze(1)
-    parent_slot = order // candidates.q.shape[-1]
+        here = torch.nn.functional.pad(here, (0, width - here.shape[1]))
     p = layer.p.flatten(1).gather(1, order)
     score = p if layer.score is None else layer.score.flatten(1).gather(1, order)
+    parent_slot = order // candidates.q.shape[-1]
     entropy = None if candidates.entropy is None else candidates.entropy.gather(1, parent_slot)
-    packed = Layers(torch.where(here, candidates.tokens.flatten(1).gather(1, order), -1),
-                    torch.where(here, frontier_slot.gather(1, parent_slot), ROOT),
-                    torch.where(here, candidates.q.flatten(1).gather(1, order), 0.0),
-                    torch.where(here, score, 0.0), entropy, here)
-    return packed, candidates.handles.flatten(1).gather(1, order), torch.where(here, p, 0.0)
+    packed = Layers(candidates.tokens.flatten(1).gather(1, order), frontier_slot.gather(1, parent_slot),
+                    candidates.q.flatten(1).gather(1, order), score, entropy, here)
+    handles = order if candidates.handles is None else candidates.handles.flatten(1).gather(1, order)
+    return packed, handles, p
 
 
 def _joined(grown: list, passes: int, batch: int, device: torch.device) -> "Layers":
@@ -256,7 +260,7 @@ class GrownTrees(NamedTuple):
 
 class Layers(NamedTuple):
     """Grown layers side by side, a slot each: a candidate chosen into a layer
-    (``valid``) or an empty slot; ``parents`` name the parent's slot."""
+    (``valid``) or an empty slot (its values undefined); ``parents`` name the parent's slot."""
 
     tokens: torch.Tensor  # [B, slots], layer after layer
     parents: torch.Tensor  # the parent's slot (-1: the root)

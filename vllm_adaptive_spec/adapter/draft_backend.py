@@ -42,8 +42,8 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from kernels.draft_distribution import DraftDistribution, draft_distribution
 from vllm_adaptive_spec.adapter import step as tree_step
-from vllm_adaptive_spec.adapter.draft_layers import PassLayout, RaggedLayers, empty_distribution
-from vllm_adaptive_spec.draft_layer import TreeState, empty_state
+from vllm_adaptive_spec.adapter.draft_layers import FixedShape, PassLayout, RaggedLayers, empty_distribution
+from vllm_adaptive_spec.draft_layer import TreeState, empty_state, node_slots
 from vllm_adaptive_spec.packed_ranges import packed_ranges
 
 
@@ -131,6 +131,11 @@ class StepRoots(NamedTuple):
     hidden: torch.Tensor | None
     block_table: torch.Tensor
 
+    def feeds_in_order(self, source: np.ndarray) -> bool:
+        """Whether trees started from entries ``source`` take every entry in
+        order (then the roots are the pass's rows as they are: nothing to gather)."""
+        return np.array_equal(source, np.arange(self.distribution.tokens.shape[0]))
+
 
 @dataclass
 class TreeScratch:
@@ -138,11 +143,13 @@ class TreeScratch:
     (batch rows ``rows``): the ``roots``' draft distributions, each
     request's committed draft ``context`` length ``C`` and root position,
     the trees' ``state`` (``draft_layer.TreeState``: nodes fed, room,
-    depths, ancestor sets), the committed context as the attention reads
+    depths, ancestor sets), each node id's draft-KV slot (``node_slots``
+    [B, N + 1], ``draft_layer.node_slots``), the committed context as the attention reads
     it (``keys``), an EAGLE-3 head's hidden states (``hidden`` per node,
-    its last column the spill; ``root_hidden`` per request), and the
+    its last column the spill; ``root_hidden`` per request), the
     contexts on the host (``host_context``, ``longest_context``: the
-    attention metadata's bounds).
+    attention metadata's bounds), and what a fixed loop's layers share
+    (``fixed_shape``, made by its first fed layer).
     Its tensors are where the layer variant keeps them (``draft_layers``)."""
 
     roots: DraftDistribution
@@ -150,12 +157,14 @@ class TreeScratch:
     context: torch.Tensor
     root_position: torch.Tensor
     state: TreeState
+    node_slots: torch.Tensor
     block_table: torch.Tensor | None
     keys: tree_step.StepKeys | None = None
     hidden: torch.Tensor | None = None
     root_hidden: torch.Tensor | None = None
     host_context: torch.Tensor | None = None
     longest_context: int = 0
+    fixed_shape: FixedShape | None = None
 
 
 class PagedDraftBackend:
@@ -338,31 +347,56 @@ class PagedDraftBackend:
         committed = np.where(ready, 0 if roots is None else roots.context[rows_np], 0)
         block_table = self.runner.input_batch.block_table[0]
         room = block_table.num_blocks_per_row[rows_np].astype(np.int64) * block_table.block_size - committed
-        distribution = empty_distribution((rows_np.size,), self.top_k, device)
-        if ready.any():
-            at = torch.from_numpy(np.flatnonzero(ready)).to(device)
-            picked = torch.from_numpy(source[ready]).to(roots.distribution.tokens.device)
-            for mine, theirs in zip(distribution, roots.distribution):
-                mine[at] = theirs[picked].to(device)
+        distribution = self._root_distributions(source, device)
         rows_t, committed_t = torch.from_numpy(rows_np), torch.from_numpy(committed)
-        room_t = torch.from_numpy(np.where(ready, np.clip(room, 0, self.max_nodes), 0))
+        room_t = torch.from_numpy(np.where(ready, np.clip(room, 0, self.max_nodes), 0)).to(device)
+        rows_d, committed_d = rows_t.to(device), committed_t.to(device)
         return TreeScratch(
             roots=distribution,
-            rows=rows_t.to(device),
-            context=committed_t.to(device),
+            rows=rows_d,
+            context=committed_d,
             root_position=torch.from_numpy(np.maximum(committed - 1, 0)).to(device),
-            state=empty_state(room_t.to(device), self.max_nodes),
+            state=empty_state(room_t, self.max_nodes),
+            node_slots=self._node_slots(None if roots is None else roots.block_table, rows_d, committed_d, room_t),
             block_table=None if roots is None else roots.block_table,
             keys=None if roots is None else tree_step.StepKeys(committed_t, roots.block_table[rows_t]),
             host_context=committed_t,
             longest_context=int(committed.max(initial=0)),
         )
 
+    def _root_distributions(self, source: np.ndarray, device: torch.device) -> DraftDistribution:
+        """The roots' distributions, ``[B, top_k]``, of the first pass's
+        entries ``source`` (-1: none, zero probabilities). When they are the
+        pass's entries in order (every drafting request fed, as on a
+        steady step) they are the pass's own, moved where the trees grow."""
+        if self.roots is not None and self.roots.feeds_in_order(source):
+            return DraftDistribution(*(x.to(device) for x in self.roots.distribution))
+        distribution = empty_distribution((source.size,), self.top_k, device)
+        ready = source >= 0
+        if ready.any():
+            at = torch.from_numpy(np.flatnonzero(ready)).to(device)
+            picked = torch.from_numpy(source[ready]).to(self.roots.distribution.tokens.device)
+            for mine, theirs in zip(distribution, self.roots.distribution):
+                mine[at] = theirs[picked].to(device)
+        return distribution
+
     def feed(self, scratch: TreeScratch, live: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor):
         """Run the draft model on the live frontier nodes ``[B, F]``; their
         node ids (-1: not fed) and draft distributions, ``[B, F, top_k]``,
-        as the backend's layer variant (``draft_layers``) runs them."""
+        as the backend's layer variant (``draft_layers``) runs them (an
+        unfed node's distribution is undefined: mask it by its node id)."""
         return self.layers.feed(self, scratch, live, tokens, parents)
+
+    def _node_slots(self, block_table, rows: torch.Tensor, context: torch.Tensor, room: torch.Tensor) -> torch.Tensor:
+        """Each node id's draft-KV slot (``draft_layer.node_slots``), none
+        without a first pass this step (then no tree has room)."""
+        if block_table is None:
+            return torch.full((rows.shape[0], self.max_nodes + 1), -1, dtype=torch.long, device=rows.device)
+
+        def kv_slots(positions: torch.Tensor) -> torch.Tensor:
+            return self.slots(block_table, rows.unsqueeze(1).expand_as(positions), positions)
+
+        return node_slots(context, room, self.max_nodes, kv_slots)
 
     # -- one forward of the draft model ----------------------------------------------
     def slots(self, block_table: torch.Tensor, batch_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

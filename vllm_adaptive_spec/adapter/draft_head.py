@@ -14,7 +14,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_adaptive_spec.adapter.draft_backend import Committed, CommittedPass, PagedDraftBackend, PassRows, TreeScratch
+from vllm_adaptive_spec.adapter.draft_backend import (
+    Committed, CommittedPass, PagedDraftBackend, PassRows, StepRoots, TreeScratch,
+)
 from vllm_adaptive_spec.packed_ranges import packed_ranges
 from vllm_adaptive_spec.paused_rows import PausedRows
 
@@ -35,6 +37,20 @@ def _kept_first(following, hidden, source, own, first, kept):
     index[packed_ranges(offsets, back)] = packed_ranges(kept_offsets, back)
     index[packed_ranges(offsets + back, own)] = source
     return following, hidden, index, back
+
+
+def _root_hidden(roots: StepRoots, source: np.ndarray) -> torch.Tensor:
+    """[B, H] each tree's root hidden state: the first pass's last row of
+    entry ``source`` (-1: none, zeros); the pass's own when the trees take
+    its entries in order."""
+    if roots.feeds_in_order(source):
+        return roots.hidden
+    hidden = roots.hidden.new_zeros(source.size, roots.hidden.shape[-1])
+    if (source >= 0).any():
+        device = roots.hidden.device
+        at, picked = (torch.from_numpy(x).to(device) for x in (np.flatnonzero(source >= 0), source[source >= 0]))
+        hidden[at] = roots.hidden[picked]
+    return hidden
 
 
 class HeadDraftBackend(PagedDraftBackend):
@@ -132,13 +148,8 @@ class HeadDraftBackend(PagedDraftBackend):
         roots = self.roots
         if roots is None or roots.hidden is None:
             return scratch
-        source = roots.index[np.asarray(rows, dtype=np.int64)]
+        scratch.root_hidden = _root_hidden(roots, roots.index[np.asarray(rows, dtype=np.int64)])
         width = roots.hidden.shape[-1]
-        scratch.root_hidden = roots.hidden.new_zeros(len(rows), width)
-        if (source >= 0).any():
-            device = roots.hidden.device
-            at, picked = (torch.from_numpy(x).to(device) for x in (np.flatnonzero(source >= 0), source[source >= 0]))
-            scratch.root_hidden[at] = roots.hidden[picked]
         scratch.hidden = roots.hidden.new_zeros(len(rows), self.max_nodes + 1, width)  # the last: the spill
         return scratch
 

@@ -57,16 +57,9 @@ def empty_distribution(shape: tuple[int, ...], top_k: int, device: torch.device 
     )
 
 
-def _laid_out(backend, scratch, live: torch.Tensor, parents: torch.Tensor) -> LayerRows:
+def _laid_out(scratch, live: torch.Tensor, parents: torch.Tensor) -> LayerRows:
     """The layer's rows (``lay_out_layer``); the scratch's trees move on."""
-
-    def kv_slots(positions: torch.Tensor) -> torch.Tensor:
-        if scratch.block_table is None:  # no first pass this step: no room, nothing fed
-            return torch.full_like(positions, -1)
-        batch_rows = scratch.rows.unsqueeze(1).expand_as(positions)
-        return backend.slots(scratch.block_table, batch_rows, positions).to(positions.device)
-
-    scratch.state, rows = lay_out_layer(scratch.state, live, parents, scratch.root_position, scratch.context, kv_slots)
+    scratch.state, rows = lay_out_layer(scratch.state, live, parents, scratch.root_position, scratch.node_slots)
     return rows
 
 
@@ -91,11 +84,10 @@ class RaggedLayers:
     def feed(self, backend, scratch, live: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor):
         """Run the draft model on the live frontier nodes; their node ids
         (-1: not fed) and draft distributions, ``[B, F, top_k]``."""
-        rows = _laid_out(backend, scratch, live, parents)
-        out = empty_distribution(live.shape, backend.top_k)
+        rows = _laid_out(scratch, live, parents)
         b_idx, f_idx = rows.fed.nonzero(as_tuple=True)  # the layer's one read: the rows the forward takes
         if b_idx.numel() == 0:
-            return rows.node, out
+            return rows.node, empty_distribution(live.shape, backend.top_k)
         node = rows.node[b_idx, f_idx]
         requests = rows.fed.any(1).nonzero(as_tuple=True)[0]
         per_request = rows.fed.sum(1)[requests].to(torch.int32)
@@ -114,8 +106,12 @@ class RaggedLayers:
                                              rows.slot[b_idx, f_idx], layout)
         if scratch.hidden is not None:
             scratch.hidden[b_idx, node] = out_hidden
-        for mine, theirs in zip(out, backend.distribution(logits)):
-            mine[b_idx, f_idx] = theirs.to(mine.device)
+        dist = DraftDistribution(*(x.to(self.device) for x in backend.distribution(logits)))
+        if b_idx.numel() == live.numel():  # every slot fed (a chain's layers): the rows in the layer's order
+            return rows.node, _shaped(live.shape, dist)
+        out = empty_distribution(live.shape, backend.top_k)
+        for mine, theirs in zip(out, dist):
+            mine[b_idx, f_idx] = theirs
         return rows.node, out
 
     @staticmethod
@@ -139,6 +135,30 @@ class RaggedLayers:
         )
 
 
+class FixedShape(NamedTuple):
+    """What every ``B x F`` layer of one step's fixed loop shares, made at
+    its first fed layer (the root layer feeds nothing): the pass's host
+    ``query_start_loc`` and its copy on the device, the sequence bound
+    (committed context plus the scratch), the requests' block-table rows,
+    and the rows' and requests' indexes."""
+
+    width: int
+    starts: torch.Tensor
+    device_starts: torch.Tensor
+    bound: torch.Tensor
+    block_table: torch.Tensor
+    requests: torch.Tensor
+    rows: torch.Tensor
+    host_requests: torch.Tensor
+
+    @staticmethod
+    def of(backend, scratch, batch: int, width: int, device: torch.device) -> "FixedShape":
+        starts = torch.arange(batch + 1, dtype=torch.int32) * width
+        return FixedShape(width, starts, starts.to(device), (scratch.host_context + backend.max_nodes).to(torch.int32),
+                          scratch.block_table[scratch.rows], torch.arange(batch, device=device),
+                          torch.arange(batch * width, device=device), torch.arange(batch))
+
+
 class FixedLayers:
     """Every layer ``B x F`` rows on ``device``, nothing read back (see the module)."""
 
@@ -148,25 +168,28 @@ class FixedLayers:
         self.device = device
 
     def feed(self, backend, scratch, live: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor):
-        """As :meth:`RaggedLayers.feed`, over every frontier slot."""
-        rows = _laid_out(backend, scratch, live, parents)
+        """As :meth:`RaggedLayers.feed`, over every frontier slot; an unfed
+        slot's distribution is whatever its padding row gave (the caller
+        masks by node id: zeroing them would cost a dozen operations a layer)."""
+        rows = _laid_out(scratch, live, parents)
         batch, width = live.shape
         if scratch.block_table is None:  # known before the loop: no first pass, no trees
             return rows.node, empty_distribution(live.shape, backend.top_k, self.device)
-        starts = torch.arange(batch + 1, dtype=torch.int32) * width
-        bound = (scratch.host_context + backend.max_nodes).to(torch.int32)
-        layout = PassLayout(starts, (scratch.context + scratch.state.count).to(torch.int32), bound,
-                            scratch.block_table[scratch.rows], width, scratch.longest_context + backend.max_nodes)
+        shape = scratch.fixed_shape
+        if shape is None or shape.width != width:
+            shape = scratch.fixed_shape = FixedShape.of(backend, scratch, batch, width, self.device)
+        layout = PassLayout(shape.starts, (scratch.context + scratch.state.count).to(torch.int32), shape.bound,
+                            shape.block_table, width, scratch.longest_context + backend.max_nodes)
         hidden = _input_hidden(scratch, rows)
         step = tree_step.DraftStep(
-            batch_indices=torch.arange(batch, device=self.device),
-            query_rows=torch.arange(batch * width, device=self.device),
-            query_start_loc=starts.to(self.device),
+            batch_indices=shape.requests,
+            query_rows=shape.rows,
+            query_start_loc=shape.device_starts,
             query_mask=rows.visible.flatten(0, 1),
             window_lens=scratch.state.count.to(torch.int32),
             max_query_len=width,
             step_keys=scratch.keys,
-            step_requests=torch.arange(batch),
+            step_requests=shape.host_requests,
         )
         with tree_step.published(step):
             logits, out_hidden = backend.run(tokens.flatten(), rows.position.flatten(),
@@ -174,13 +197,11 @@ class FixedLayers:
                                              layout)
         if scratch.hidden is not None:
             size = scratch.hidden.shape[-1]
-            at = torch.where(rows.fed, rows.node, scratch.hidden.shape[1] - 1)  # unfed: the spill column
-            scratch.hidden.scatter_(1, at.unsqueeze(-1).expand(-1, -1, size), out_hidden.view(batch, width, size))
-        return rows.node, _where_fed(rows.fed, backend.distribution(logits))
+            scratch.hidden.scatter_(1, rows.column.unsqueeze(-1).expand(-1, -1, size),
+                                    out_hidden.view(batch, width, size))
+        return rows.node, _shaped(live.shape, backend.distribution(logits))
 
 
-def _where_fed(fed: torch.Tensor, dist: DraftDistribution) -> DraftDistribution:
-    """``[B * F]`` rows' distributions as ``[B, F]``, empty where not fed."""
-    shaped = [x.view(*fed.shape, *x.shape[1:]) for x in dist]
-    return DraftDistribution(*(torch.where(fed.view(*fed.shape, *([1] * (x.dim() - 2))), x, torch.zeros_like(x))
-                               for x in shaped))
+def _shaped(shape: torch.Size, dist: DraftDistribution) -> DraftDistribution:
+    """``[B * F]`` rows' distributions as ``[B, F]`` (unfed rows' as they came out: masked by the caller)."""
+    return DraftDistribution(*(x.view(*shape, *x.shape[1:]) for x in dist))

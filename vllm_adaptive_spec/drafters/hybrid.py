@@ -127,9 +127,8 @@ class HybridDrafter:
         self._tokens = tokens.flatten(1)
         self._model_parents = model_nodes.unsqueeze(-1).expand(-1, -1, fanout).flatten(1)
         self._trie_nodes = trie_children.flatten(1)
-        out_handles = torch.arange(width * fanout, device=live.device).view(1, width, fanout).expand(batch, -1, -1)
-        entropy = dist.entropy if self.model.backend.top_m else None
-        return Candidates(tokens=tokens, q=q, handles=out_handles.clone(), entropy=entropy)
+        entropy = torch.where(live, dist.entropy, 0.0) if self.model.backend.top_m else None
+        return Candidates(tokens=tokens, q=q, entropy=entropy)
 
 
 def merged(tokens: torch.Tensor, q: torch.Tensor, kids: Candidates) -> tuple[torch.Tensor, ...]:

@@ -13,7 +13,7 @@ double) owns the model, its KV cache and attention:
 * ``feed(scratch, live, tokens, parents)``: run the draft model on new nodes
   (``[B, F]`` each; ``parents`` are node ids, -1 for the root) of the trees
   of ``scratch``; returns the nodes' ids (-1 where not fed, e.g. out of KV
-  scratch) and their draft distributions.
+  scratch) and their draft distributions (undefined where not fed).
 
 Distributions are :class:`kernels.draft_distribution.DraftDistribution`
 summaries (top ``top_k`` tokens and probabilities, confidence, top-``top_m``
@@ -116,16 +116,16 @@ class ModelDrafter:
         return nodes, dist, live & (nodes >= 0)
 
     def expand(self, handles: torch.Tensor, live: torch.Tensor) -> Candidates:
-        batch, width = handles.shape
         parents, dist, live = self.frontier(handles, live, self._tokens, self._parents)
-        tokens, q = dist.tokens[..., : self.fanout], dist.probs[..., : self.fanout].float()
-        q = torch.where(live.unsqueeze(-1), q, 0.0)
+        tokens, q = dist.tokens, dist.probs
+        if tokens.shape[-1] != self.fanout:  # a backend that keeps more than the fanout
+            tokens, q = tokens[..., : self.fanout], q[..., : self.fanout]
+        q = torch.where(live.unsqueeze(-1), q.float(), 0.0)
         fanout = q.shape[-1]
         self._tokens = tokens.flatten(1)
         self._parents = parents.unsqueeze(-1).expand(-1, -1, fanout).flatten(1)
-        handles = torch.arange(width * fanout, device=live.device).view(1, width, fanout).expand(batch, -1, -1)
-        entropy = dist.entropy if self.backend.top_m else None
-        return Candidates(tokens=tokens, q=q, handles=handles.clone(), entropy=entropy)
+        entropy = torch.where(live, dist.entropy, 0.0) if self.backend.top_m else None
+        return Candidates(tokens=tokens, q=q, entropy=entropy)
 
 
 class Eagle3Drafter(ModelDrafter):
