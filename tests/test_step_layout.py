@@ -78,3 +78,17 @@ def test_padding_rows_of_a_uniform_step_see_up_to_the_root_and_no_row_sees_them(
     assert mask[:5] == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 0, 0, 0]]
     assert mask[5:] == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [1, 0, 0, 0, 0], [1, 0, 0, 0, 0]]
     assert step.attention.batch_indices.tolist() == [0]  # the padded chain stays causal-exact
+
+
+def test_the_layout_dispatches_the_same_operations_at_every_batch_size():
+    """Laid out on the host for all requests at once: no torch operation per
+    request (the step's layout at batch 64 dispatches what it does at 8)."""
+    from dispatched_ops import dispatched
+
+    counts = []
+    for batch in (8, 64):
+        trees = [DraftTree(tokens=[5, 6, 7], parents=[-1, -1, 0], q=[0.6, 0.4, 1.0]), DraftTree.chain([8, 9])] * (batch // 2)
+        lengths = [1 + len(tree) for tree in trees]
+        starts = [sum(lengths[:k]) for k in range(batch)]
+        counts.append(dispatched(build_step, list(range(batch)), trees, starts, lengths, torch.device("cpu")))
+    assert counts[0] == counts[1]

@@ -1,4 +1,4 @@
-"""DraftTree and TreeBatch (docs/algorithms.md section 0: breadth-first layout)."""
+"""DraftTree, TreeBatch and HostTrees (docs/algorithms.md section 0: breadth-first layout)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from vllm_adaptive_spec.tree import ROOT, DraftTree, TreeBatch
+from vllm_adaptive_spec.tree import ROOT, DraftTree, HostTrees, TreeBatch
 
 
 def random_bfs_tree(rng: random.Random, n: int, vocab: int = 32) -> DraftTree:
@@ -112,6 +112,24 @@ def test_masks_and_depths_match_naive_walk(seed):
         assert rows[b, 0].tolist() == [True] + [False] * width
         for i in range(n):
             assert rows[b, i + 1].tolist() == [True] + expected[i]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_host_trees_match_the_naive_walk(seed):
+    """The host layout (numpy, the step's): the same ancestors, depths and
+    chains as walking every node's parents one by one."""
+    trees = random_trees(seed) + [DraftTree.chain([4, 5, 6])]
+    host = HostTrees.of(trees, width=24)
+    assert host.ancestors.shape == (len(trees), 24, 24)
+    for b, tree in enumerate(trees):
+        n = len(tree)
+        expected = [[j in naive_ancestors(tree, i) for j in range(24)] for i in range(n)]
+        assert host.ancestors[b].tolist() == expected + [[False] * 24] * (24 - n)
+        assert host.depths()[b].tolist() == tree.depths() + [0] * (24 - n)
+        assert host.tokens[b].tolist() == tree.tokens + [-1] * (24 - n)
+        assert host.parents[b].tolist() == tree.parents + [ROOT] * (24 - n)
+    assert host.branches().tolist() == [tree.branches() for tree in trees]
+    assert HostTrees.of([]).tokens.shape == (0, 0)
 
 
 def test_main_path_and_keep_best():

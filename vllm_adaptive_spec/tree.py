@@ -9,8 +9,11 @@ row ``i + 1`` is node ``i``.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 ROOT = -1
@@ -113,15 +116,7 @@ class TreeBatch:
 
     @staticmethod
     def from_trees(trees: list[DraftTree], width: int | None = None, device=None) -> "TreeBatch":
-        width = max([len(t) for t in trees] + [0]) if width is None else width
-        tokens = torch.full((len(trees), width), -1, dtype=torch.long)
-        parents = torch.full((len(trees), width), ROOT, dtype=torch.long)
-        for b, tree in enumerate(trees):
-            n = len(tree)
-            tokens[b, :n] = torch.tensor(tree.tokens, dtype=torch.long)
-            parents[b, :n] = torch.tensor(tree.parents, dtype=torch.long)
-        num_nodes = torch.tensor([len(t) for t in trees], dtype=torch.long)
-        return TreeBatch(tokens.to(device), parents.to(device), num_nodes.to(device))
+        return HostTrees.of(trees, width).batch(device)
 
     @property
     def width(self) -> int:
@@ -155,3 +150,66 @@ class TreeBatch:
         mask[:, :, 0] = True
         mask[:, 1:, 1:] = self.ancestor_mask() if ancestors is None else ancestors
         return mask
+
+
+class HostTrees(NamedTuple):
+    """A step's trees on the host, padded to width ``W`` as numpy arrays (the
+    layout of :class:`TreeBatch`): ``tokens``/``parents`` [B, W] int64,
+    ``num_nodes`` [B], ``ancestors`` [B, W, W] bool (ancestor-or-self).
+    numpy, not torch: a step's layout is built on the host every step from
+    arrays of a few hundred elements, where a numpy operation costs about a
+    microsecond and a torch one several; the step's one copy to the device
+    takes them as they are (``adapter/transfer``)."""
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    num_nodes: np.ndarray
+    ancestors: np.ndarray
+
+    @staticmethod
+    def of(trees: list[DraftTree], width: int | None = None) -> "HostTrees":
+        """The trees (each at most ``width`` nodes; default: the largest) in
+        one fill per array, not one per tree."""
+        counts = np.fromiter((len(tree) for tree in trees), dtype=np.int64, count=len(trees))
+        width = int(counts.max(initial=0)) if width is None else width
+        valid = np.arange(width) < counts[:, None]
+        total = int(counts.sum())
+        tokens = np.full((len(trees), width), -1, dtype=np.int64)
+        parents = np.full((len(trees), width), ROOT, dtype=np.int64)
+        tokens[valid] = np.fromiter(itertools.chain.from_iterable(t.tokens for t in trees), np.int64, total)
+        parents[valid] = np.fromiter(itertools.chain.from_iterable(t.parents for t in trees), np.int64, total)
+        return HostTrees(tokens, parents, counts, ancestors_of(parents, valid))
+
+    @property
+    def valid(self) -> np.ndarray:
+        """[B, W] which slots hold a node."""
+        return np.arange(self.tokens.shape[1]) < self.num_nodes[:, None]
+
+    def depths(self) -> np.ndarray:
+        """[B, W] each node's depth (1 for the root's children; 0 padding)."""
+        return self.ancestors.sum(-1)
+
+    def branches(self) -> np.ndarray:
+        """[B] whether each tree branches (is not a chain from the root)."""
+        chain = np.arange(self.tokens.shape[1]) - 1
+        return (self.valid & (self.parents != chain)).any(1)
+
+    def batch(self, device=None) -> TreeBatch:
+        """As torch tensors (on ``device``; on the host they share the arrays)."""
+        return TreeBatch(*(torch.from_numpy(x).to(device) for x in (self.tokens, self.parents, self.num_nodes)))
+
+
+def ancestors_of(parents: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """[B, W, W] ancestor-or-self masks of breadth-first trees (``parents``
+    [B, W], ``valid`` [B, W]): every node's chain to the root followed for
+    the whole batch at once, one round a tree level."""
+    batch, width = parents.shape
+    mask = np.zeros((batch, width, width), dtype=bool)
+    trees, nodes = np.indices((batch, width))
+    current = np.where(valid, nodes, ROOT)
+    live = current != ROOT
+    while live.any():
+        mask[trees[live], nodes[live], current[live]] = True
+        current = np.where(live, np.take_along_axis(parents, np.maximum(current, 0), 1), ROOT)
+        live = current != ROOT
+    return mask

@@ -20,9 +20,10 @@ width, in operations whose count depends on neither the batch nor the width.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from vllm_adaptive_spec.tree import ROOT, DraftTree, TreeBatch
+from vllm_adaptive_spec.tree import ROOT, DraftTree, HostTrees
 from vllm_adaptive_spec.tree_tensors import TreeTensors
 from vllm_adaptive_spec.verify import PAD
 
@@ -66,12 +67,12 @@ class TreeBuffers:
         tree's slot, then its tokens, parents, depths, node count and
         ancestor bitmasks, padded to the capacity (so that writing it leaves
         nothing of an earlier step in the row)."""
-        batch = TreeBatch.from_trees(trees, self.capacity)
-        ancestors = batch.ancestor_mask()
-        return torch.cat([
-            torch.tensor(slots, dtype=torch.long).unsqueeze(1), batch.tokens, batch.parents, ancestors.sum(-1),
-            batch.num_nodes.unsqueeze(1), pack_bits(ancestors, self.words).flatten(1),
-        ], dim=1)
+        host = HostTrees.of(trees, self.capacity)
+        bits = pack_bits(torch.from_numpy(host.ancestors), self.words).flatten(1).numpy()
+        return torch.from_numpy(np.concatenate([
+            np.asarray(slots, dtype=np.int64)[:, None], host.tokens, host.parents, host.depths(),
+            host.num_nodes[:, None], bits,
+        ], axis=1))
 
     def write(self, rows: torch.Tensor) -> torch.Tensor:
         """Scatter :meth:`host_rows`, now on the buffers' device, into the

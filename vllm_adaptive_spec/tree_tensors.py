@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_adaptive_spec.tree import ROOT, DraftTree, TreeBatch
+from vllm_adaptive_spec.tree import ROOT, DraftTree, HostTrees, TreeBatch
 from vllm_adaptive_spec.verify import PAD, Acceptance, accept, path_moves
 
 
@@ -43,9 +43,9 @@ class TreeTensors(NamedTuple):
     def from_trees(trees: list[DraftTree], width: int) -> "TreeTensors":
         """The host side: trees (each at most ``width`` nodes) into the fixed
         layout, ready for one copy to the device."""
-        batch = TreeBatch.from_trees(trees, width)
-        ancestors = batch.ancestor_mask()
-        return TreeTensors(batch.tokens, batch.parents, ancestors.sum(-1), batch.num_nodes, ancestors)
+        host = HostTrees.of(trees, width)
+        parts = (host.tokens, host.parents, host.depths(), host.num_nodes, host.ancestors)
+        return TreeTensors(*(torch.from_numpy(x) for x in parts))
 
     @property
     def batch(self) -> TreeBatch:

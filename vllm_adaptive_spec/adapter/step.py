@@ -12,14 +12,15 @@ and stay causal.
 
 from __future__ import annotations
 
-import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from vllm_adaptive_spec.adapter.transfer import packed_to_device, to_device
-from vllm_adaptive_spec.tree import DraftTree, TreeBatch
+from vllm_adaptive_spec.packed_ranges import packed_ranges
+from vllm_adaptive_spec.tree import DraftTree, HostTrees, TreeBatch
 from vllm_adaptive_spec.tree_buffers import TreeBuffers
 from vllm_adaptive_spec.tree_tensors import row_visibility
 
@@ -170,71 +171,68 @@ def build_step(
     to the root and which no row sees; earlier rows (if any) are causal, and
     every tree row sees them all. Only the requests whose tree branches need
     the tree path of the attention (:class:`AttentionRows`).
-    Built on the host; everything the device needs arrives in one pinned,
-    non-blocking copy (:func:`~vllm_adaptive_spec.adapter.transfer.packed_to_device`)."""
-    host_batch = TreeBatch.from_trees(trees)
-    ancestors = host_batch.ancestor_mask()
-    row_masks = host_batch.row_mask(ancestors)
-    depths = ancestors.sum(-1)
-    width = max(query_lens)
-    paddings = paddings or [0] * len(trees)
-    masks, rows, starts, node_rows, node_offsets, roots = [], [], [0], [], [], []
-    for b, (start, length, tree, pad) in enumerate(zip(query_starts, query_lens, trees, paddings)):
-        offset = length - 1 - len(tree) - pad
-        mask = torch.ones(length, width, dtype=torch.bool).tril()
-        size = 1 + len(tree)
-        mask[offset:offset + size, offset:offset + size] = row_masks[b, :size, :size]
-        mask[offset + size:, offset + 1:] = False
-        masks.append(mask)
-        rows.append(torch.arange(start, start + length))
-        starts.append(starts[-1] + length)
-        roots.append(start + offset)
-        node_rows.append(rows[-1][offset + 1: offset + size])
-        node_offsets.append(depths[b, : len(tree)] - torch.arange(1, len(tree) + 1))
-    branching = [k for k, tree in enumerate(trees) if tree.branches()]
-    lengths = [query_lens[k] for k in branching]
-    host_query_mask = torch.cat(masks)
-    host = [
-        torch.tensor(batch_indices), host_batch.tokens, host_batch.parents, host_batch.num_nodes, ancestors,
-        torch.cat(rows), torch.tensor(starts), host_query_mask, torch.cat(node_rows), torch.cat(node_offsets),
-        torch.tensor(roots),
-    ]
-    if branching:
-        host += [
-            torch.tensor([batch_indices[k] for k in branching]),
-            torch.cat([rows[k] for k in branching]),
-            torch.tensor([0, *itertools.accumulate(lengths)]),
-            torch.cat([masks[k][:, : max(lengths)] for k in branching]),
-        ]
-    moved = packed_to_device(host, device)
-    indices, tokens, parents, num_nodes, ancestors_d, query_rows, query_start_loc, query_mask, n_rows, n_offsets = moved[:10]
+    Built on the host as numpy arrays for all requests at once (no loop over
+    them); everything the device needs arrives in one pinned, non-blocking
+    copy (:func:`~vllm_adaptive_spec.adapter.transfer.packed_to_device`)."""
+    host = HostTrees.of(trees)
+    starts, lengths = np.asarray(query_starts, dtype=np.int64), np.asarray(query_lens, dtype=np.int64)
+    before = lengths - 1 - host.num_nodes - (0 if paddings is None else np.asarray(paddings, dtype=np.int64))
+    query_rows = packed_ranges(starts, lengths)
+    request = np.repeat(np.arange(len(trees)), lengths)
+    query_mask = _row_masks(host, request, query_rows - starts[request], before, int(lengths.max()))
+    roots = starts + before
+    valid = host.valid
+    node_offsets = host.depths()[valid] - 1 - np.nonzero(valid)[1]
+    parts = [np.asarray(batch_indices, dtype=np.int64), host.tokens, host.parents, host.num_nodes, host.ancestors,
+             query_rows, np.concatenate([[0], np.cumsum(lengths)]), query_mask,
+             packed_ranges(roots + 1, host.num_nodes), node_offsets, roots]
+    branching = np.flatnonzero(host.branches())
+    if branching.size:
+        mine, widest = np.isin(request, branching), int(lengths[branching].max())
+        parts += [parts[0][branching], query_rows[mine], np.concatenate([[0], np.cumsum(lengths[branching])]),
+                  query_mask[mine, :widest]]
+    moved = packed_to_device(parts, device)
+    indices, tokens, parents, num_nodes, ancestors_d, rows_d, query_start_loc, mask_d, n_rows, n_offsets = moved[:10]
     attention = None
-    if branching:
+    if branching.size:
         b_indices, b_rows, b_starts, b_mask = moved[11:]
-        attention = AttentionRows(
-            batch_indices=b_indices,
-            query_rows=b_rows,
-            query_start_loc=b_starts.to(torch.int32),
-            query_mask=b_mask.bool(),
-            max_query_len=max(lengths),
-        )
+        attention = AttentionRows(batch_indices=b_indices, query_rows=b_rows, query_start_loc=b_starts.to(torch.int32),
+                                  query_mask=b_mask.bool(), max_query_len=widest)
     return TreeStep(
         batch_indices=indices,
         trees=trees,
         tree_batch=TreeBatch(tokens, parents, num_nodes),
         ancestors=ancestors_d.bool(),
-        query_rows=query_rows,
+        query_rows=rows_d,
         query_start_loc=query_start_loc.to(torch.int32),
-        query_mask=query_mask.bool(),
+        query_mask=mask_d.bool(),
         host_batch_indices=list(batch_indices),
         host_first_rows=list(query_starts),
-        host_root_rows=roots,
+        host_root_rows=roots.tolist(),
         node_rows=n_rows,
         node_offsets=n_offsets,
         root_rows=moved[10],
-        host_query_mask=host_query_mask,
+        host_query_mask=torch.from_numpy(query_mask),
         attention=attention,
     )
+
+
+def _row_masks(host: HostTrees, request: np.ndarray, local: np.ndarray, before: np.ndarray, width: int) -> np.ndarray:
+    """[T, width] which of its request's query rows each row sees (row
+    ``local`` of request ``request``; ``before``: each request's rows ahead
+    of its root): causal, except in the tree's block (the root, then each
+    node seeing the root, its ancestors and itself) and for the padding rows
+    after it (they see the rows up to the root)."""
+    row, column = local[:, None], np.arange(width)[None, :]
+    first, size = before[request][:, None], 1 + host.num_nodes[request][:, None]
+    nodes = host.tokens.shape[1]
+    block = np.zeros((len(host.num_nodes), 1 + nodes, 1 + nodes), dtype=bool)
+    block[:, :, 0] = True
+    block[:, 1:, 1:] = host.ancestors
+    in_tree = (row >= first) & (row < first + size) & (column >= first) & (column < first + size)
+    seen = block[request[:, None], np.clip(row - first, 0, nodes), np.clip(column - first, 0, nodes)]
+    mask = np.where(in_tree, seen, column <= row)
+    return mask & ~((row >= first + size) & (column > first))
 
 
 def build_uniform_step(

@@ -11,6 +11,9 @@ packed or copied.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 from vllm.utils.torch_utils import PIN_MEMORY
 
@@ -23,18 +26,20 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return (host.pin_memory() if PIN_MEMORY else host).to(device, non_blocking=PIN_MEMORY)
 
 
-def packed_to_device(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Host tensors on ``device`` in one pinned, non-blocking copy: packed as
-    int64 into one buffer, split there and reshaped (on CUDA bool parts come
-    back as int64 0 / 1; the caller casts). Off CUDA: the parts as they are."""
+def packed_to_device(parts: list, device: torch.device) -> list[torch.Tensor]:
+    """Host tensors or numpy arrays on ``device`` in one pinned, non-blocking
+    copy: packed as int64 into one buffer (by numpy, a copy each), split
+    there and reshaped (on CUDA bool parts come back as int64 0 / 1; the
+    caller casts). Off CUDA: the parts as tensors sharing their memory."""
     if not _is_cuda(device):
-        return list(parts)
-    flat = torch.cat([part.reshape(-1).to(torch.int64) for part in parts]) if parts else torch.empty(0, dtype=torch.int64)
+        return [torch.as_tensor(part) for part in parts]
+    flat = torch.from_numpy(np.concatenate([np.asarray(part, dtype=np.int64).reshape(-1) for part in parts]
+                                           if parts else [np.empty(0, dtype=np.int64)]))
     if PIN_MEMORY:
         flat = flat.pin_memory()
     moved = flat.to(device, non_blocking=PIN_MEMORY)
-    sizes = [part.numel() for part in parts]
-    return [piece.view(part.shape) for piece, part in zip(moved.split(sizes), parts)]
+    sizes = [math.prod(part.shape) for part in parts]
+    return [piece.view(tuple(part.shape)) for piece, part in zip(moved.split(sizes), parts)]
 
 
 def _is_cuda(device) -> bool:
