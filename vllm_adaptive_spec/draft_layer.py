@@ -4,9 +4,12 @@ sets, positions and draft-KV slots, as tensor operations over ``[B, F]``
 (``B`` trees, ``F`` frontier slots) with no value read back, so the layout
 of every layer can be traced whole and replayed from a graph.
 
-The trees' scratch has ``N`` node columns plus one spill column (index
-``N``): an unfed frontier slot writes its depth and ancestor row there, so
-every scatter has the same shape whatever the layer fed. Node ``j`` of a
+The trees' scratch has ``N`` node columns, a spill column (index ``N``)
+and a root column (index ``N + 1``). An unfed frontier slot writes its
+depth and ancestor row into the spill, so every scatter has the same shape
+whatever the layer fed; the root's column is never written (depth 0, no
+ancestors), so a child of the root reads its parent's depth, ancestors and
+(an EAGLE-3 head's) hidden state as any other node does. Node ``j`` of a
 tree sits at position ``root + depth(j)`` and writes its draft KV at slot
 ``C + j`` after the request's committed draft context ``C`` (the engine
 reserves those slots), looked up in ``node_slots`` [B, N + 1], which the
@@ -24,8 +27,8 @@ import torch
 class TreeState(NamedTuple):
     """The trees grown so far: nodes fed per tree ``count`` [B], the most
     each may feed ``capacity`` [B] (its KV scratch), each node's ``depth``
-    [B, N + 1] and ancestor-or-self set ``ancestors`` [B, N + 1, N + 1]
-    (bool; the last column is the spill)."""
+    [B, N + 2] and ancestor-or-self set ``ancestors`` [B, N + 2, N + 2]
+    (bool; the last two columns: the spill, the root)."""
 
     count: torch.Tensor
     capacity: torch.Tensor
@@ -36,16 +39,15 @@ class TreeState(NamedTuple):
 class LayerRows(NamedTuple):
     """One layer's frontier slots ``[B, F]``: whether each is ``fed``, its
     node id ``node`` (``-1`` unfed) and scratch ``column`` (the spill
-    column ``N`` unfed), ``parent_slot`` (its parent's node id,
-    clamped to 0 for the root's children, see ``has_parent``), its
-    ``position``, its draft-KV ``slot`` (``-1`` unfed) and ``visible`` [B, F, N]:
-    the tree nodes it attends to (itself and its ancestors)."""
+    column ``N`` unfed), its parent's column ``parent_column`` (the
+    root's, ``N + 1``, for the root's children), its ``position``, its
+    draft-KV ``slot`` (``-1`` unfed) and ``visible`` [B, F, N]: the tree
+    nodes it attends to (itself and its ancestors)."""
 
     fed: torch.Tensor
     node: torch.Tensor
     column: torch.Tensor
-    parent_slot: torch.Tensor
-    has_parent: torch.Tensor
+    parent_column: torch.Tensor
     position: torch.Tensor
     slot: torch.Tensor
     visible: torch.Tensor
@@ -70,8 +72,8 @@ def empty_state(capacity: torch.Tensor, max_nodes: int) -> TreeState:
     return TreeState(
         torch.zeros(batch, dtype=torch.long, device=capacity.device),
         capacity,
-        torch.zeros(batch, max_nodes + 1, dtype=torch.long, device=capacity.device),
-        torch.zeros(batch, max_nodes + 1, max_nodes + 1, dtype=torch.bool, device=capacity.device),
+        torch.zeros(batch, max_nodes + 2, dtype=torch.long, device=capacity.device),
+        torch.zeros(batch, max_nodes + 2, max_nodes + 2, dtype=torch.bool, device=capacity.device),
     )
 
 
@@ -83,27 +85,26 @@ def lay_out_layer(state: TreeState, live: torch.Tensor, parents: torch.Tensor, r
     each request's root position; ``node_slots`` [B, N + 1]: the cache slot
     of each node id's draft KV (``-1`` in the spill column)."""
     batch, width = live.shape
-    spill = state.depth.shape[1] - 1
+    spill = state.depth.shape[1] - 2
+    root = spill + 1
     ids = torch.cumsum(live, dim=1) + (state.count - 1).unsqueeze(1)  # int64: the count of live slots so far
     fed = live & (ids < state.capacity.unsqueeze(1))
     node = torch.where(fed, ids, spill)
-    has_parent = parents >= 0
-    parent_slot = parents.clamp(min=0)
-    depth = torch.where(has_parent, state.depth.gather(1, parent_slot) + 1, 1)
-    lineage = state.ancestors.gather(1, parent_slot.unsqueeze(-1).expand(batch, width, spill + 1))
-    lineage = (lineage & has_parent.unsqueeze(-1)).scatter_(2, node.unsqueeze(-1), True)  # and itself
+    parent_column = torch.where(parents >= 0, parents, root)
+    depth = state.depth.gather(1, parent_column) + 1
+    lineage = state.ancestors.gather(1, parent_column.unsqueeze(-1).expand(batch, width, root + 1))
+    lineage = lineage.scatter_(2, node.unsqueeze(-1), True)  # and itself
     after = TreeState(
         state.count + fed.sum(1),
         state.capacity,
         state.depth.scatter(1, node, depth),
-        state.ancestors.scatter(1, node.unsqueeze(-1).expand(batch, width, spill + 1), lineage),
+        state.ancestors.scatter(1, node.unsqueeze(-1).expand(batch, width, root + 1), lineage),
     )
     rows = LayerRows(
         fed=fed,
         node=torch.where(fed, ids, -1),
         column=node,
-        parent_slot=parent_slot,
-        has_parent=has_parent,
+        parent_column=parent_column,
         position=root_position.unsqueeze(1) + depth,
         slot=node_slots.gather(1, node),
         visible=lineage[..., :spill] & fed.unsqueeze(-1),

@@ -145,8 +145,8 @@ class TreeScratch:
     the trees' ``state`` (``draft_layer.TreeState``: nodes fed, room,
     depths, ancestor sets), each node id's draft-KV slot (``node_slots``
     [B, N + 1], ``draft_layer.node_slots``), the committed context as the attention reads
-    it (``keys``), an EAGLE-3 head's hidden states (``hidden`` per node,
-    its last column the spill; ``root_hidden`` per request), the
+    it (``keys``), an EAGLE-3 head's hidden states (``hidden`` per scratch
+    column: the nodes, the spill, the root's), the
     contexts on the host (``host_context``, ``longest_context``: the
     attention metadata's bounds), and what a fixed loop's layers share
     (``fixed_shape``, made by its first fed layer).
@@ -161,7 +161,6 @@ class TreeScratch:
     block_table: torch.Tensor | None
     keys: tree_step.StepKeys | None = None
     hidden: torch.Tensor | None = None
-    root_hidden: torch.Tensor | None = None
     host_context: torch.Tensor | None = None
     longest_context: int = 0
     fixed_shape: FixedShape | None = None

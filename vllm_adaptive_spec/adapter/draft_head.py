@@ -45,12 +45,9 @@ def _root_hidden(roots: StepRoots, source: np.ndarray) -> torch.Tensor:
     its entries in order."""
     if roots.feeds_in_order(source):
         return roots.hidden
-    hidden = roots.hidden.new_zeros(source.size, roots.hidden.shape[-1])
-    if (source >= 0).any():
-        device = roots.hidden.device
-        at, picked = (torch.from_numpy(x).to(device) for x in (np.flatnonzero(source >= 0), source[source >= 0]))
-        hidden[at] = roots.hidden[picked]
-    return hidden
+    device = roots.hidden.device
+    picked = torch.from_numpy(np.maximum(source, 0)).to(device)
+    return torch.where(torch.from_numpy(source >= 0).to(device).unsqueeze(1), roots.hidden[picked], 0.0)
 
 
 class HeadDraftBackend(PagedDraftBackend):
@@ -148,9 +145,9 @@ class HeadDraftBackend(PagedDraftBackend):
         roots = self.roots
         if roots is None or roots.hidden is None:
             return scratch
-        scratch.root_hidden = _root_hidden(roots, roots.index[np.asarray(rows, dtype=np.int64)])
-        width = roots.hidden.shape[-1]
-        scratch.hidden = roots.hidden.new_zeros(len(rows), self.max_nodes + 1, width)  # the last: the spill
+        # The nodes' columns, the spill, and the root's (draft_layer): the root's hidden state in the last.
+        scratch.hidden = roots.hidden.new_zeros(len(rows), self.max_nodes + 2, roots.hidden.shape[-1])
+        scratch.hidden[:, -1] = _root_hidden(roots, roots.index[np.asarray(rows, dtype=np.int64)])
         return scratch
 
     def _target_ids(self) -> torch.Tensor | None:

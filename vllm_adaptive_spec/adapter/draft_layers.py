@@ -65,14 +65,12 @@ def _laid_out(scratch, live: torch.Tensor, parents: torch.Tensor) -> LayerRows:
 
 def _input_hidden(scratch, rows: LayerRows) -> torch.Tensor | None:
     """Each frontier slot's input hidden state ``[B, F, H]`` (an EAGLE-3
-    head's; None for a draft LM): its parent node's output, or for a child
-    of the root the first pass's last row."""
+    head's; None for a draft LM): its parent's output, from its parent's
+    column (a child of the root: the root's, the first pass's last row)."""
     if scratch.hidden is None:
         return None
-    device, size = scratch.hidden.device, scratch.hidden.shape[-1]
-    slots = rows.parent_slot.to(device).unsqueeze(-1).expand(-1, -1, size)
-    return torch.where(rows.has_parent.to(device).unsqueeze(-1), scratch.hidden.gather(1, slots),
-                       scratch.root_hidden.unsqueeze(1))
+    columns = rows.parent_column.to(scratch.hidden.device).unsqueeze(-1)
+    return scratch.hidden.gather(1, columns.expand(-1, -1, scratch.hidden.shape[-1]))
 
 
 class RaggedLayers:
@@ -119,8 +117,8 @@ class RaggedLayers:
         """The layer's rows for the tree path, or None where the layer is a
         chain's (one node per request that sees its whole tree): plain causal
         decoding, which vLLM's own kernel serves."""
-        request_of_row = torch.repeat_interleave(torch.arange(requests.shape[0]), per_request.long())
-        if bool((per_request == 1).all()) and bool((mask.sum(1) == window[request_of_row]).all()):
+        one_each = node.shape[0] == requests.shape[0]  # a row per request: row k is request k's
+        if one_each and bool((mask.sum(1) == window).all()):
             return None
         device = backend.runner.device
         return tree_step.DraftStep(
