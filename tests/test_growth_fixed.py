@@ -112,3 +112,27 @@ def test_the_same_operations_at_every_batch_and_budget():
         counts.append(dispatched(fixed_trees, roots, table, torch.full((batch,), budget)))
     assert all(count == counts[0] for count in counts)
     assert not reads(counts[0])
+
+
+def test_the_trees_reach_the_host_in_one_read(monkeypatch):
+    """Every field of the grown trees in one copy (on a GPU, one
+    synchronisation a drafting step), the same trees as reading each field,
+    the draft probabilities and entropies bit for bit."""
+    roots, table = tables(2, 4)
+    policy = C2TPolicy(top_k=4, max_depth=6, classifier=str(CLASSIFIER))
+    drafter = Eagle3Drafter()
+    drafter.bind(TableBackend(roots, table), policy.fanout, policy.entropy_top_m)
+    drafter.prepare([f"r{b}" for b in range(4)], [None] * 4, list(range(4)))
+    policy.begin([f"r{b}" for b in range(4)])
+    trees = grow_fixed(drafter, policy, torch.tensor([16, 5, 0, 24]), 6, policy.layer_width(24))
+    fields = [x.tolist() for x in (trees.tokens, trees.parents, trees.q, trees.entropy, trees.num_nodes)]
+    reads = []
+    for name in ("tolist", "cpu", "item", "numpy"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _f=original, _n=name, **k: reads.append(_n) or _f(self, *a, **k))
+    got = trees.to_trees()
+    assert reads == ["cpu", "numpy"]  # the packed copy, then its host view
+    assert sum(len(tree) for tree in got) > 8
+    for b, tree in enumerate(got):
+        n = fields[4][b]
+        assert (tree.tokens, tree.parents, tree.q, tree.parent_entropy) == tuple(f[b][:n] for f in fields[:4])

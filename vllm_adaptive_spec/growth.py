@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from vllm_adaptive_spec.tree import ROOT, DraftTree
@@ -251,11 +252,18 @@ class GrownTrees(NamedTuple):
     num_nodes: torch.Tensor
 
     def to_trees(self) -> list[DraftTree]:
-        """On the host, in one read."""
-        rows = [x.tolist() for x in (self.tokens, self.parents, self.q, self.num_nodes)]
-        entropy = self.entropy.tolist() if self.entropy is not None else None
+        """On the host, in one read (one synchronisation on a GPU, not one a
+        field): the slots packed into one int64 copy, ``q``'s and the
+        entropy's float64 bits as they are, then split there."""
+        width = self.tokens.shape[1]
+        floats = [self.q] if self.entropy is None else [self.q, self.entropy]
+        packed = torch.cat([self.tokens, self.parents, self.num_nodes.unsqueeze(1),
+                            *(x.double().view(torch.int64) for x in floats)], dim=1).cpu().numpy()
+        tokens, parents, counts = packed[:, :width].tolist(), packed[:, width:2 * width].tolist(), packed[:, 2 * width]
+        q = packed[:, 2 * width + 1:3 * width + 1].view(np.float64).tolist()
+        entropy = packed[:, 3 * width + 1:].view(np.float64).tolist() if self.entropy is not None else None
         return [DraftTree(t[:n], r[:n], w[:n], entropy[b][:n] if entropy is not None else [])
-                for b, (t, r, w, n) in enumerate(zip(*rows))]
+                for b, (t, r, w, n) in enumerate(zip(tokens, parents, q, counts.tolist()))]
 
 
 class Layers(NamedTuple):
