@@ -131,10 +131,16 @@ class StepRoots(NamedTuple):
     hidden: torch.Tensor | None
     block_table: torch.Tensor
 
-    def feeds_in_order(self, source: np.ndarray) -> bool:
-        """Whether trees started from entries ``source`` take every entry in
-        order (then the roots are the pass's rows as they are: nothing to gather)."""
-        return np.array_equal(source, np.arange(self.distribution.tokens.shape[0]))
+    def picked(self, values: torch.Tensor, source: np.ndarray, device) -> torch.Tensor:
+        """The rows of ``values`` (one per entry of the pass) of trees started
+        from entries ``source`` (-1: none, zeros), on ``device``. When the
+        trees take every entry in order (a steady step) they are the pass's
+        rows as they are: nothing to gather."""
+        if np.array_equal(source, np.arange(values.shape[0])):
+            return values.to(device)
+        index = torch.from_numpy(np.maximum(source, 0)).to(values.device)
+        has = torch.from_numpy(source >= 0).to(values.device).view(-1, *([1] * (values.dim() - 1)))
+        return torch.where(has, values[index], torch.zeros((), dtype=values.dtype, device=values.device)).to(device)
 
 
 @dataclass
@@ -365,19 +371,10 @@ class PagedDraftBackend:
 
     def _root_distributions(self, source: np.ndarray, device: torch.device) -> DraftDistribution:
         """The roots' distributions, ``[B, top_k]``, of the first pass's
-        entries ``source`` (-1: none, zero probabilities). When they are the
-        pass's entries in order (every drafting request fed, as on a
-        steady step) they are the pass's own, moved where the trees grow."""
-        if self.roots is not None and self.roots.feeds_in_order(source):
-            return DraftDistribution(*(x.to(device) for x in self.roots.distribution))
-        distribution = empty_distribution((source.size,), self.top_k, device)
-        ready = source >= 0
-        if ready.any():
-            at = torch.from_numpy(np.flatnonzero(ready)).to(device)
-            picked = torch.from_numpy(source[ready]).to(self.roots.distribution.tokens.device)
-            for mine, theirs in zip(distribution, self.roots.distribution):
-                mine[at] = theirs[picked].to(device)
-        return distribution
+        entries ``source`` (-1: none, zero probabilities)."""
+        if self.roots is None:
+            return empty_distribution((source.size,), self.top_k, device)
+        return DraftDistribution(*(self.roots.picked(x, source, device) for x in self.roots.distribution))
 
     def feed(self, scratch: TreeScratch, live: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor):
         """Run the draft model on the live frontier nodes ``[B, F]``; their

@@ -14,9 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_adaptive_spec.adapter.draft_backend import (
-    Committed, CommittedPass, PagedDraftBackend, PassRows, StepRoots, TreeScratch,
-)
+from vllm_adaptive_spec.adapter.draft_backend import Committed, CommittedPass, PagedDraftBackend, PassRows, TreeScratch
 from vllm_adaptive_spec.packed_ranges import packed_ranges
 from vllm_adaptive_spec.paused_rows import PausedRows
 
@@ -37,17 +35,6 @@ def _kept_first(following, hidden, source, own, first, kept):
     index[packed_ranges(offsets, back)] = packed_ranges(kept_offsets, back)
     index[packed_ranges(offsets + back, own)] = source
     return following, hidden, index, back
-
-
-def _root_hidden(roots: StepRoots, source: np.ndarray) -> torch.Tensor:
-    """[B, H] each tree's root hidden state: the first pass's last row of
-    entry ``source`` (-1: none, zeros); the pass's own when the trees take
-    its entries in order."""
-    if roots.feeds_in_order(source):
-        return roots.hidden
-    device = roots.hidden.device
-    picked = torch.from_numpy(np.maximum(source, 0)).to(device)
-    return torch.where(torch.from_numpy(source >= 0).to(device).unsqueeze(1), roots.hidden[picked], 0.0)
 
 
 class HeadDraftBackend(PagedDraftBackend):
@@ -147,7 +134,8 @@ class HeadDraftBackend(PagedDraftBackend):
             return scratch
         # The nodes' columns, the spill, and the root's (draft_layer): the root's hidden state in the last.
         scratch.hidden = roots.hidden.new_zeros(len(rows), self.max_nodes + 2, roots.hidden.shape[-1])
-        scratch.hidden[:, -1] = _root_hidden(roots, roots.index[np.asarray(rows, dtype=np.int64)])
+        scratch.hidden[:, -1] = roots.picked(roots.hidden, roots.index[np.asarray(rows, dtype=np.int64)],
+                                             roots.hidden.device)
         return scratch
 
     def _target_ids(self) -> torch.Tensor | None:
