@@ -121,18 +121,36 @@ def _choices(values) -> str:
 
 def parse_tree_config(spec: dict[str, Any]) -> TreeConfig:
     """Validate a user's speculative config with ``method == "adaptive_tree"``."""
-    budget = spec.get("num_speculative_tokens")
-    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET:
-        raise TreeConfigError(
-            f"speculative_config['num_speculative_tokens'] must be an integer from 1 to {MAX_BUDGET} "
-            f"(the node budget per request per step), got {budget!r}"
-        )
+    budget = _budget(spec)
     tree = spec.get("tree")
     if not isinstance(tree, dict):
         raise TreeConfigError(
             "speculative_config['tree'] must be a dict with at least 'drafter' "
             f"(one of {_choices(DRAFTERS)}), got {tree!r}"
         )
+    drafter, policy = _drafter_and_policy(spec, tree)
+    drafter_params, policy_params, engine = _params(tree, drafter, policy)
+    if policy == "c2t" and not policy_params["classifier"]:
+        policy_params["classifier"] = _default_classifier(spec["model"])
+    config = TreeConfig(drafter, policy, budget, drafter_params, policy_params, engine["load_budget"],
+                        engine["uniform_steps"], engine["draft_loop"], engine["grammar_forcing"])
+    _check_buildable(config)
+    return config
+
+
+def _budget(spec: dict[str, Any]) -> int:
+    budget = spec.get("num_speculative_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET:
+        raise TreeConfigError(
+            f"speculative_config['num_speculative_tokens'] must be an integer from 1 to {MAX_BUDGET} "
+            f"(the node budget per request per step), got {budget!r}"
+        )
+    return budget
+
+
+def _drafter_and_policy(spec: dict[str, Any], tree: dict[str, Any]) -> tuple[str, str]:
+    """The tree's drafter and policy (its drafter's first by default), and
+    whether a draft model is given exactly where the drafter runs one."""
     drafter = tree.get("drafter")
     if not isinstance(drafter, str) or drafter not in DRAFTERS:
         raise TreeConfigError(
@@ -151,43 +169,53 @@ def parse_tree_config(spec: dict[str, Any]) -> TreeConfig:
         raise TreeConfigError(
             f"speculative_config['model'] is not used by tree drafter {drafter!r}; remove it"
         )
+    return drafter, policy
 
-    drafter_schema, policy_schema = DRAFTERS[drafter].PARAMS, POLICIES[policy].PARAMS
-    known = {"drafter", "policy", *ENGINE_PARAMS, *drafter_schema, *policy_schema}
+
+def _params(tree: dict[str, Any], drafter: str, policy: str) -> list[dict[str, Any]]:
+    """The drafter's, the policy's and the engine's parameters, each checked
+    against its schema (defaults filled in, integers taken as floats where
+    a float is asked for); unknown keys are refused."""
+    schemas = (DRAFTERS[drafter].PARAMS, POLICIES[policy].PARAMS, ENGINE_PARAMS)
+    known = {"drafter", "policy", *(name for schema in schemas for name in schema)}
     unknown = sorted(set(tree) - known)
     if unknown:
         raise TreeConfigError(
             f"speculative_config['tree'] has unknown key(s) {unknown}; with drafter {drafter!r} and "
             f"policy {policy!r} the valid keys are {_choices(known)}"
         )
-    params = []
-    for schema in (drafter_schema, policy_schema, ENGINE_PARAMS):
-        values = {}
-        for name, param in schema.items():
-            value = tree.get(name, param.default)
-            wrong_type = isinstance(value, bool) and param.kind is not bool
-            if param.kind is float and isinstance(value, int) and not wrong_type:
-                value = float(value)
-            if wrong_type or not isinstance(value, param.kind) or not param.check(value):
-                raise TreeConfigError(
-                    f"speculative_config['tree'][{name!r}] must be {param.rule}, got {value!r}"
-                )
-            values[name] = value
-        params.append(values)
-    if policy == "c2t" and not params[1]["classifier"]:
-        default = os.path.join(spec["model"], FILE_NAME)
-        if not os.path.isfile(default):
-            raise TreeConfigError(
-                f"speculative_config['tree']['classifier'] must be given: the draft model has no {FILE_NAME} "
-                f"({default!r} not found); train one with `vllm-adaptive-spec c2t-train`"
-            )
-        params[1]["classifier"] = default
-    config = TreeConfig(drafter, policy, budget, params[0], params[1], params[2]["load_budget"],
-                        params[2]["uniform_steps"], params[2]["draft_loop"], params[2]["grammar_forcing"])
+    return [{name: _checked(tree, name, param) for name, param in schema.items()} for schema in schemas]
+
+
+def _checked(tree: dict[str, Any], name: str, param) -> Any:
+    value = tree.get(name, param.default)
+    wrong_type = isinstance(value, bool) and param.kind is not bool
+    if param.kind is float and isinstance(value, int) and not wrong_type:
+        value = float(value)
+    if wrong_type or not isinstance(value, param.kind) or not param.check(value):
+        raise TreeConfigError(f"speculative_config['tree'][{name!r}] must be {param.rule}, got {value!r}")
+    return value
+
+
+def _default_classifier(model: str) -> str:
+    """C2T's classifier shipped beside the draft model, where none is given."""
+    default = os.path.join(model, FILE_NAME)
+    if not os.path.isfile(default):
+        raise TreeConfigError(
+            f"speculative_config['tree']['classifier'] must be given: the draft model has no {FILE_NAME} "
+            f"({default!r} not found); train one with `vllm-adaptive-spec c2t-train`"
+        )
+    return default
+
+
+def _check_buildable(config: TreeConfig) -> None:
+    """Settings each valid alone that do not go together: a fixed draft loop
+    without a draft model's layers, drafter or policy parameters their
+    constructors refuse, more draft slots than a tree may take."""
     if config.draft_loop == "fixed" and not config.fixed_loop_capable:
         raise TreeConfigError(
             f"speculative_config['tree']['draft_loop'] 'fixed' runs a draft model's layers at fixed capacity; "
-            f"drafter {drafter!r} cannot (use one of {_choices(FIXED_LOOP_DRAFTERS)}, or 'hybrid' with "
+            f"drafter {config.drafter!r} cannot (use one of {_choices(FIXED_LOOP_DRAFTERS)}, or 'hybrid' with "
             "'matcher': 'tensors', or 'auto')"
         )
     try:
@@ -197,7 +225,6 @@ def parse_tree_config(spec: dict[str, Any]) -> TreeConfig:
         raise TreeConfigError(f"speculative_config['tree']: {exc}") from exc
     if config.draft_slots() > MAX_DRAFT_SLOTS:
         raise TreeConfigError(
-            f"speculative_config['tree']: policy {policy!r} with {config.policy_params} runs the drafter on "
-            f"{config.draft_slots()} nodes per tree; at most {MAX_DRAFT_SLOTS} (lower 'top_k' or 'depth')"
+            f"speculative_config['tree']: policy {config.policy!r} with {config.policy_params} runs the drafter "
+            f"on {config.draft_slots()} nodes per tree; at most {MAX_DRAFT_SLOTS} (lower 'top_k' or 'depth')"
         )
-    return config

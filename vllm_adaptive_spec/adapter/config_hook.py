@@ -75,34 +75,47 @@ def install() -> None:
             raise TreeConfigError(
                 f"method={METHOD!r} cannot run on this vLLM: missing internals {', '.join(missing)}"
             )
-        native = {k: v for k, v in spec.items() if k != "tree"}
-        native["method"] = NATIVE_METHOD[tree.model_kind]
-        if native["method"] == "custom_class":
-            native["model"] = PROPOSER_CLASS
-        else:
-            # vLLM reserves this many lookahead KV slots per request: the
-            # drafter's scratch while growing (its tree nodes).
-            native["num_speculative_tokens"] = tree.draft_slots()
-        if native["method"] == "eagle3":
-            native.setdefault("disable_eagle_block_drop", True)
-        self.speculative_config = native
+        self.speculative_config = _native_spec(spec, tree)
         try:
             result = original(self, target_model_config, target_parallel_config)
         finally:
             self.speculative_config = spec
         sampling_controls.mark_tree_speculation(result)
-        self.additional_config = {**(self.additional_config or {}), ADDITIONAL_CONFIG_KEY: tree.to_dict()}
-        target_parallel_config.worker_cls = WORKERS[platform]
-        # Grammar drafts and masks per tree node (``tree_scheduler``).
-        self.scheduler_cls = SCHEDULER
-        # The runner drafts after each step's bookkeeping (vLLM's synchronous order).
-        self.async_scheduling = False
-        # The tree hooks live in the V1 model runner; every process must agree.
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        _select_tree_engine(self, tree, WORKERS[platform], target_parallel_config)
         return result
 
     create_speculative_config._adaptive_tree_wrapper = True
     EngineArgs.create_speculative_config = create_speculative_config
+
+
+def _native_spec(spec: dict, tree) -> dict:
+    """The speculative config vLLM builds its own proposer from: the tree's
+    model kind's native method (the retrieval drafter as a custom class)."""
+    native = {k: v for k, v in spec.items() if k != "tree"}
+    native["method"] = NATIVE_METHOD[tree.model_kind]
+    if native["method"] == "custom_class":
+        native["model"] = PROPOSER_CLASS
+    else:
+        # vLLM reserves this many lookahead KV slots per request: the
+        # drafter's scratch while growing (its tree nodes).
+        native["num_speculative_tokens"] = tree.draft_slots()
+    if native["method"] == "eagle3":
+        native.setdefault("disable_eagle_block_drop", True)
+    return native
+
+
+def _select_tree_engine(engine_args, tree, worker_cls: str, target_parallel_config) -> None:
+    """The engine parts a tree needs, set on the engine's arguments: the tree
+    config for the workers, the tree worker and scheduler, synchronous
+    scheduling and vLLM's V1 runner."""
+    engine_args.additional_config = {**(engine_args.additional_config or {}), ADDITIONAL_CONFIG_KEY: tree.to_dict()}
+    target_parallel_config.worker_cls = worker_cls
+    # Grammar drafts and masks per tree node (``tree_scheduler``).
+    engine_args.scheduler_cls = SCHEDULER
+    # The runner drafts after each step's bookkeeping (vLLM's synchronous order).
+    engine_args.async_scheduling = False
+    # The tree hooks live in the V1 model runner; every process must agree.
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 
 
 def _platform() -> str:
