@@ -61,7 +61,7 @@ def git_rev(tree: Path) -> str:
     return done.stdout.strip() if done.returncode == 0 else "unknown"
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", type=Path, required=True, help="checkout of the code before the change")
     parser.add_argument("--after", type=Path, default=REPO, help="checkout of the code after (default: this one)")
@@ -76,65 +76,89 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--head", default=str(engines.HEAD))
     parser.add_argument("--worker-timeout", type=float, default=3600)
-    args = parser.parse_args(argv)
-    vllm_methods = [m for m in args.vllm_methods.split(",") if m]
-    unknown = sorted(set(vllm_methods) - set(VLLM_METHODS))
-    if unknown:
-        parser.error(f"--vllm-methods: unknown {', '.join(unknown)}; valid: {', '.join(VLLM_METHODS)}")
-    check_batches(parser, args)
-    batch_sizes, counts = args.batch_sizes, args.prompts_per_batch
+    return parser
+
+
+def _engine_scripts(parser: argparse.ArgumentParser, args) -> dict[str, Path]:
+    """Each side's ``benchmarks/engines.py``."""
     scripts = {}
     for side in ("before", "after"):
         script = getattr(args, side).resolve() / "benchmarks" / "engines.py"
         if not script.is_file():
             parser.error(f"--{side} {getattr(args, side)}: no benchmarks/engines.py there (not a checkout of this project)")
         scripts[side] = script
+    return scripts
 
-    from vllm_adaptive_spec.demo_model import ensure_demo_model
-    from vllm_adaptive_spec.prompts import load_prompts
 
-    model = str(ensure_demo_model())
-    base_job, prompts = engines.greedy_job(model, engines.interleave_categories(load_prompts(args.prompts)),
-                                           "float32", args.max_tokens, batch_sizes, counts)
-    base_job["sampling"] = args.sampling
+def _jobs(args, base_job: dict, vllm_methods: list[str], scripts: dict[str, Path]) -> tuple[dict, dict]:
+    """Every engine's job and script: no speculation and vLLM's methods by
+    the after checkout (vLLM's through its throughput worker, which empties
+    suffix's cache per pass), each ``--spec`` by both."""
     jobs = {"none": {**base_job, "speculative_config": None}}
     script_of = {"none": scripts["after"]}
     settings = argparse.Namespace(ngram_k=4, chain_k=4, head=args.head)
-    for method in vllm_methods:  # the after checkout's throughput worker (it empties suffix's cache per pass)
+    for method in vllm_methods:
         jobs[method] = {**base_job, "speculative_config": throughput.METHODS[method](settings)}
         script_of[method] = scripts["after"].with_name("throughput.py")
-    env = None
-    if "suffix" in vllm_methods:
-        suffix_dir, suffix_error = engines.suffix_decoding_dir()
-        if suffix_error is not None:
-            parser.error(f"--vllm-methods suffix: {suffix_error}")
-        env = engines.suffix_env(suffix_dir)
     for label, spec in args.spec:
         if "model" in spec:
             spec = {**spec, "model": args.head}
         for side in ("before", "after"):
             jobs[f"{label}-{side}"] = {**base_job, "speculative_config": spec}
             script_of[f"{label}-{side}"] = scripts[side]
+    return jobs, script_of
+
+
+def _rows(results: dict, names: list[str], batch_sizes: list[int], prompt_ids: list[str]) -> list[dict]:
+    """Each (batch size, engine)'s row against no speculation."""
+    rows = []
+    for b in batch_sizes:
+        base = [run for run in results["none"]["runs"] if run["batch_size"] == b]
+        for name in names:
+            passes = [run for run in results[name]["runs"] if run["batch_size"] == b]
+            row = compare(name, True, passes, base, results[name].get("error"), prompt_ids)
+            row.pop("token_ids", None)
+            rows.append({"batch_size": b, **row})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    vllm_methods = [m for m in args.vllm_methods.split(",") if m]
+    unknown = sorted(set(vllm_methods) - set(VLLM_METHODS))
+    if unknown:
+        parser.error(f"--vllm-methods: unknown {', '.join(unknown)}; valid: {', '.join(VLLM_METHODS)}")
+    check_batches(parser, args)
+    scripts = _engine_scripts(parser, args)
+    env = None
+    if "suffix" in vllm_methods:
+        suffix_dir, suffix_error = engines.suffix_decoding_dir()
+        if suffix_error is not None:
+            parser.error(f"--vllm-methods suffix: {suffix_error}")
+        env = engines.suffix_env(suffix_dir)
+
+    from vllm_adaptive_spec.demo_model import ensure_demo_model
+    from vllm_adaptive_spec.prompts import load_prompts
+
+    base_job, prompts = engines.greedy_job(str(ensure_demo_model()),
+                                           engines.interleave_categories(load_prompts(args.prompts)),
+                                           "float32", args.max_tokens, args.batch_sizes, args.prompts_per_batch)
+    base_job["sampling"] = args.sampling
+    jobs, script_of = _jobs(args, base_job, vllm_methods, scripts)
     args.out.mkdir(parents=True, exist_ok=True)
     results = engines.run_interleaved(jobs, args.out / "logs", args.rounds, args.worker_timeout,
                                       env_for=lambda name: env if name == "suffix" else None,
                                       script_for=script_of.get)
-    rows = []
-    for b in batch_sizes:
-        base = [run for run in results["none"]["runs"] if run["batch_size"] == b]
-        for name in list(jobs)[1:]:
-            passes = [run for run in results[name]["runs"] if run["batch_size"] == b]
-            row = compare(name, True, passes, base, results[name].get("error"), [p.id for p in prompts])
-            row.pop("token_ids", None)
-            rows.append({"batch_size": b, **row})
     report = {
         "vllm_version": installed_vllm_version(), "machine": machine(),
         "settings": {
             "before_rev": git_rev(args.before), "after_rev": git_rev(args.after), "specs": dict(args.spec),
             "vllm_methods": {m: jobs[m]["speculative_config"] for m in vllm_methods},
-            "batch_sizes": batch_sizes, "prompts_per_batch": counts, "max_tokens": args.max_tokens,
-            "rounds": args.rounds, "prompts": str(args.prompts), "sampling": args.sampling},
-        "rows": rows,
+            "batch_sizes": args.batch_sizes, "prompts_per_batch": args.prompts_per_batch,
+            "max_tokens": args.max_tokens, "rounds": args.rounds, "prompts": str(args.prompts),
+            "sampling": args.sampling},
+        "rows": _rows(results, list(jobs)[1:], args.batch_sizes, [p.id for p in prompts]),
     }
     write_report(args.out, "before_after", report, markdown(report))
 

@@ -228,7 +228,7 @@ def merge(reports: dict[str, dict]) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafters", default="retrieval,eagle3,draft_model,hybrid")
     parser.add_argument("--policies", help="comma list of policy cells (default all): "
@@ -253,20 +253,93 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker-timeout", type=float, default=3600)
     parser.add_argument("--merge", nargs="+", metavar="RUN_DIR",
                         help="instead of measuring: read these runs' floor_sweep.json as one table and plot in --out")
+    return parser
+
+
+def _merged(parser: argparse.ArgumentParser, runs: list[str]) -> dict:
+    """The runs' floor_sweep.json as one report."""
+    reports = {}
+    for run in runs:
+        path = Path(run) / "floor_sweep.json"
+        if not path.is_file():
+            parser.error(f"--merge: {path} not found (a floor sweep's --out directory holds it)")
+        reports[Path(run).name] = json.loads(path.read_text(encoding="utf-8"))
+    if len(reports) != len(runs):
+        parser.error("--merge: two runs have the same directory name; each names its controls")
+    try:
+        return merge(reports)
+    except ValueError as error:
+        parser.error(f"--merge: {error}")
+
+
+def _grid(parser: argparse.ArgumentParser, args) -> dict[str, dict]:
+    """The cells measured, by name: ``--cells``, else the product of
+    ``--drafters``, ``--policies`` and ``--budgets``."""
+    drafters = [d for d in args.drafters.split(",") if d]
+    unknown = [d for d in drafters if d not in FLOORS]
+    if unknown:
+        parser.error(f"unknown drafter(s) {unknown}; choose from {', '.join(FLOORS)}")
+    policies = [p for p in args.policies.split(",") if p] if args.policies else None
+    budgets = [int(n) for n in args.budgets.split(",")]
+    if not args.cells:  # built only now: a draft LM cell distills the draft LM when it is missing
+        grid = cells(drafters, policies, budgets, args.head, args.draft_lm)
+    else:
+        grid = _named_cells(parser, args)
+    if not grid:
+        parser.error("no cell matches --drafters and --policies")
+    return grid
+
+
+def _named_cells(parser: argparse.ArgumentParser, args) -> dict[str, dict]:
+    wanted = [c.strip() for c in args.cells.split(",") if c.strip()]
+    parts = [c.split("/") for c in wanted]
+    if any(len(p) != 3 or p[0] not in FLOORS or not p[2].startswith("N") or not p[2][1:].isdigit() for p in parts):
+        parser.error("--cells takes DRAFTER/POLICY/N, e.g. eagle3/talon/N32")
+    grid = {}
+    for drafter, policy, budget in parts:
+        grid.update(cells([drafter], [policy], [int(budget[1:])], args.head, args.draft_lm))
+    missing = [c for c in wanted if c not in grid]
+    if missing:
+        parser.error(f"unknown cell(s) {missing}; policies: {', '.join(MODEL_POLICIES)} (retrieval: retrieval, chain)")
+    return grid
+
+
+def _group_rows(args, base_job: dict, group: list[str], grid: dict, index: int, prompt_ids: list[str], log):
+    """One group's cells beside its two engines without speculation (``none``
+    and the group's control): each cell's and the control's rows."""
+    control = f"control/group{index}"  # a second engine without speculation
+    labels = {"none": None, control: None, **{name: grid[name] for name in group}}
+    jobs = {label.replace("/", "_"): {**base_job, "speculative_config": spec} for label, spec in labels.items()}
+    work = args.out / "logs" / f"group{index}"
+    work.mkdir(parents=True, exist_ok=True)
+    if args.engine_layout == "lockstep":
+        steps = step_profile.lockstep(jobs, args.batch_sizes, args.rounds, args.prompts_per_batch)
+    else:
+        results = engines.run_interleaved(jobs, work, args.rounds, args.worker_timeout, log=log)
+    rows = []
+    for name in [control, *group]:
+        for b in args.batch_sizes:
+            if args.engine_layout == "lockstep":
+                row = lockstep_row([r for r in steps if r["method"] == name.replace("/", "_") and r["batch_size"] == b])
+            else:
+                result = results[name.replace("/", "_")]
+                passes = [run for run in result["runs"] if run["batch_size"] == b]
+                base = [run for run in results["none"]["runs"] if run["batch_size"] == b]
+                row = compare(name, True, passes, base, result.get("error"), prompt_ids)
+            row["batch_size"] = b
+            r = summarize(name, row)
+            rows.append(r)
+            log(f"  {name} b={b}: {fmt(r['ratio'])}x (floor {r['floor']}), verified {r['verified']:.0%}, "
+                f"probes {r['probes']}, passes {r['draft_passes']}, same {r['same']}"
+                + (f", error {r['error']}" if r["error"] else ""))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.merge:
-        reports = {}
-        for run in args.merge:
-            path = Path(run) / "floor_sweep.json"
-            if not path.is_file():
-                parser.error(f"--merge: {path} not found (a floor sweep's --out directory holds it)")
-            reports[Path(run).name] = json.loads(path.read_text(encoding="utf-8"))
-        if len(reports) != len(args.merge):
-            parser.error("--merge: two runs have the same directory name; each names its controls")
-        try:
-            report = merge(reports)
-        except ValueError as error:
-            parser.error(f"--merge: {error}")
+        report = _merged(parser, args.merge)
         write_report(args.out, "floor_sweep", report, markdown(report), plot)
         return
 
@@ -278,77 +351,31 @@ def main(argv: list[str] | None = None) -> None:
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - t0:6.0f} s] {message}", flush=True)
 
-    drafters = [d for d in args.drafters.split(",") if d]
-    unknown = [d for d in drafters if d not in FLOORS]
-    if unknown:
-        parser.error(f"unknown drafter(s) {unknown}; choose from {', '.join(FLOORS)}")
-    policies = [p for p in args.policies.split(",") if p] if args.policies else None
-    budgets = [int(n) for n in args.budgets.split(",")]
     check_batches(parser, args)
-    batch_sizes, counts = args.batch_sizes, args.prompts_per_batch
-    if args.cells:
-        wanted = [c.strip() for c in args.cells.split(",") if c.strip()]
-        parts = [c.split("/") for c in wanted]
-        if any(len(p) != 3 or p[0] not in FLOORS or not p[2].startswith("N") or not p[2][1:].isdigit() for p in parts):
-            parser.error("--cells takes DRAFTER/POLICY/N, e.g. eagle3/talon/N32")
-        grid = {}
-        for drafter, policy, budget in parts:
-            grid.update(cells([drafter], [policy], [int(budget[1:])], args.head, args.draft_lm))
-        missing = [c for c in wanted if c not in grid]
-        if missing:
-            parser.error(f"unknown cell(s) {missing}; policies: {', '.join(MODEL_POLICIES)} (retrieval: retrieval, chain)")
-    else:  # built only now: a draft LM cell distills the draft LM when it is missing, which --cells may not need
-        grid = cells(drafters, policies, budgets, args.head, args.draft_lm)
-    if not grid:
-        parser.error("no cell matches --drafters and --policies")
+    grid = _grid(parser, args)
     if args.engine_layout == "lockstep":
         # The step profile's timers reach vLLM's worker as a function, which it pickles only with this set.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    model = str(ensure_demo_model())
-    base_job, prompts = engines.greedy_job(model, engines.interleave_categories(load_prompts(args.prompts)),
-                                           args.dtype, args.max_tokens, batch_sizes, counts)
-    out = args.out
+    base_job, prompts = engines.greedy_job(str(ensure_demo_model()),
+                                           engines.interleave_categories(load_prompts(args.prompts)),
+                                           args.dtype, args.max_tokens, args.batch_sizes, args.prompts_per_batch)
     rows = []
     names = list(grid)
     groups = [names[i: i + args.group_size] for i in range(0, len(names), args.group_size)]
     for index, group in enumerate(groups, 1):
         log(f"group {index}/{len(groups)}: {', '.join(group)}")
-        control = f"control/group{index}"  # a second engine without speculation
-        labels = {"none": None, control: None, **{name: grid[name] for name in group}}
-        jobs = {label.replace("/", "_"): {**base_job, "speculative_config": spec} for label, spec in labels.items()}
-        work = out / "logs" / f"group{index}"
-        work.mkdir(parents=True, exist_ok=True)
-        if args.engine_layout == "lockstep":
-            steps = step_profile.lockstep(jobs, batch_sizes, args.rounds, counts)
-        else:
-            results = engines.run_interleaved(jobs, work, args.rounds, args.worker_timeout, log=log)
-            base_runs = results["none"]["runs"]
-        for name in [control, *group]:
-            for b in batch_sizes:
-                if args.engine_layout == "lockstep":
-                    row = lockstep_row([r for r in steps if r["method"] == name.replace("/", "_") and r["batch_size"] == b])
-                else:
-                    result = results[name.replace("/", "_")]
-                    passes = [run for run in result["runs"] if run["batch_size"] == b]
-                    base = [run for run in base_runs if run["batch_size"] == b]
-                    row = compare(name, True, passes, base, result.get("error"), [p.id for p in prompts])
-                row["batch_size"] = b
-                rows.append(summarize(name, row))
-                r = rows[-1]
-                log(f"  {name} b={b}: {fmt(r['ratio'])}x (floor {r['floor']}), verified {r['verified']:.0%}, "
-                    f"probes {r['probes']}, passes {r['draft_passes']}, same {r['same']}"
-                    + (f", error {r['error']}" if r["error"] else ""))
+        rows += _group_rows(args, base_job, group, grid, index, [p.id for p in prompts], log)
         report = {
             "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "vllm_version": installed_vllm_version(), "machine": machine(),
             "settings": {
-                "cells": grid, "batch_sizes": batch_sizes, "prompts_per_batch": counts, "rounds": args.rounds,
-                "engine_layout": args.engine_layout,
+                "cells": grid, "batch_sizes": args.batch_sizes, "prompts_per_batch": args.prompts_per_batch,
+                "rounds": args.rounds, "engine_layout": args.engine_layout,
                 "max_tokens": args.max_tokens, "dtype": args.dtype, "prompts": args.prompts,
                 "prompt_ids": [p.id for p in prompts]},
             "rows": rows, "elapsed_s": time.perf_counter() - t0,
         }
-        write_report(out, "floor_sweep", report, markdown(report), plot)  # an interrupted sweep keeps what it measured
+        write_report(args.out, "floor_sweep", report, markdown(report), plot)  # an interrupted sweep keeps what it measured
 
 
 if __name__ == "__main__":

@@ -150,7 +150,7 @@ def plots(report: dict, out: Path) -> list[Path]:
     return written
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", help="comma list (default: all of the sweep)")
     parser.add_argument("--depths", default="6,10,18", help="DEAGLE's (and eagle2's) maximum depths")
@@ -165,12 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-layout", choices=("processes", "in-process"), default="in-process")
     parser.add_argument("--worker-timeout", type=float, default=1800)
     add_output(parser)
-    args = parser.parse_args(argv)
+    return parser
 
-    from vllm_adaptive_spec.demo_model import ensure_demo_model
-    from vllm_adaptive_spec.prompts import load_prompts
 
-    t0 = time.perf_counter()
+def _methods(parser: argparse.ArgumentParser, args) -> dict[str, dict | None]:
+    """The sweep's methods (``--methods`` of them), no speculation first."""
     depths = [int(d) for d in args.depths.split(",") if d.strip()]
     budgets = [int(n) for n in args.eagle2_budgets.split(",") if n.strip()]
     methods = sweep_methods(args.head, args.chain_k, depths, budgets)
@@ -180,61 +179,68 @@ def main(argv: list[str] | None = None) -> None:
         if unknown:
             parser.error(f"unknown method(s) {unknown}; choose from {', '.join(methods)}")
         methods = {m: methods[m] for m in chosen}
-    if "none" not in methods:
-        methods = {"none": None, **methods}
+    return methods if "none" in methods else {"none": None, **methods}
+
+
+def _engine_rows(method: str, temperature: float, result: dict, batch_sizes: list[int], base: dict) -> list[dict]:
+    """One engine's rows, a batch size each; ``base``: no speculation's tok/s by
+    (temperature, batch size), filled by its own rows."""
+    done = {run["batch_size"]: run for run in result["runs"]}
+    rows = []
+    for batch in batch_sizes:
+        row = {"method": method, "temperature": temperature, "batch_size": batch}
+        run = done.get(batch)
+        if run is None:
+            rows.append({**row, "error": result.get("error", "no result")})
+            continue
+        row.update(summarize(run["spec"], run.get("tree"), run["generated_tokens"], run["wall_s"]))
+        row["by_category"] = {
+            category: summarize(part["spec"], part.get("tree"), part["generated_tokens"], part["wall_s"])
+            for category, part in run["by_category"].items()
+        }
+        if method == "none":
+            base[(temperature, batch)] = row["tok_per_s"]
+        elif base.get((temperature, batch)):
+            row["ratio_vs_none"] = row["tok_per_s"] / base[(temperature, batch)]
+        print(f"  b={batch}: tau {fmt(row['tau'])} delta {fmt(row['delta'])} gamma {fmt(row['gamma'], '.1f')} "
+              f"{fmt(row['tok_per_s'], '.1f')} tok/s ({fmt(row.get('ratio_vs_none'))}x)", flush=True)
+        rows.append(row)
+    if "error" in result:
+        print(f"  FAILED: {result['error']}; log: {result.get('log')}", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+
+    from vllm_adaptive_spec.demo_model import ensure_demo_model
+    from vllm_adaptive_spec.prompts import load_prompts
+
+    t0 = time.perf_counter()
+    methods = _methods(parser, args)
     batch_sizes = args.batch_sizes
     temperatures = [float(t) for t in args.temperatures.split(",")]
     model = str(ensure_demo_model())
     prompts = engines.interleave_categories(load_prompts(args.prompts))
     sizes = [args.prompts_at_batch_1 if b == 1 else args.prompts_at_batch for b in batch_sizes]
     prompts = prompts[: max(sizes + [2])]
-    out = args.out
-    work = out / "logs"
+    work = args.out / "logs"
     work.mkdir(parents=True, exist_ok=True)
     base_job = {
-        "model": model,
-        "dtype": "float32",
+        "model": model, "dtype": "float32",
         "max_model_len": engines.needed_model_len(model, [p.messages for p in prompts], args.max_tokens),
-        "max_tokens": args.max_tokens,
-        "warmup_prompts": 2,
-        "conversations": [p.messages for p in prompts],
-        "categories": [p.category for p in prompts],
-        "by_category": [1],
-        "engine_layout": args.engine_layout,
-        "batch_sizes": batch_sizes,
-        "num_prompts": sizes,
-        "max_num_seqs": max(batch_sizes),
+        "max_tokens": args.max_tokens, "warmup_prompts": 2, "conversations": [p.messages for p in prompts],
+        "categories": [p.category for p in prompts], "by_category": [1], "engine_layout": args.engine_layout,
+        "batch_sizes": batch_sizes, "num_prompts": sizes, "max_num_seqs": max(batch_sizes),
     }
     rows, base = [], {}
     plan = [(t, m) for t in temperatures for m in methods]
     for index, (temperature, method) in enumerate(plan, 1):
         print(f"[{time.perf_counter() - t0:6.0f} s] engine {index}/{len(plan)}: {method}, temperature {temperature}", flush=True)
         job = {**base_job, "temperature": temperature, "speculative_config": methods[method]}
-        label = f"sweep-{method}-T{temperature:g}"
-        result = engines.run_engine(job, work, label, args.worker_timeout)
-        done = {run["batch_size"]: run for run in result["runs"]}
-        for batch in batch_sizes:
-            row = {"method": method, "temperature": temperature, "batch_size": batch}
-            run = done.get(batch)
-            if run is None:
-                row["error"] = result.get("error", "no result")
-                rows.append(row)
-                continue
-            row.update(summarize(run["spec"], run.get("tree"), run["generated_tokens"], run["wall_s"]))
-            row["by_category"] = {
-                category: summarize(part["spec"], part.get("tree"), part["generated_tokens"], part["wall_s"])
-                for category, part in run["by_category"].items()
-            }
-            if method == "none":
-                base[(temperature, batch)] = row["tok_per_s"]
-            elif base.get((temperature, batch)):
-                row["ratio_vs_none"] = row["tok_per_s"] / base[(temperature, batch)]
-            print(f"  b={batch}: tau {fmt(row['tau'])} delta {fmt(row['delta'])} gamma {fmt(row['gamma'], '.1f')} "
-                  f"{fmt(row['tok_per_s'], '.1f')} tok/s ({fmt(row.get('ratio_vs_none'))}x)", flush=True)
-            rows.append(row)
-        if "error" in result:
-            print(f"  FAILED: {result['error']}; log: {result.get('log')}", flush=True)
-
+        result = engines.run_engine(job, work, f"sweep-{method}-T{temperature:g}", args.worker_timeout)
+        rows += _engine_rows(method, temperature, result, batch_sizes, base)
     report = {
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "vllm_version": installed_vllm_version(),
@@ -245,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         "rows": rows,
         "elapsed_s": time.perf_counter() - t0,
     }
-    write_report(out, "policy_sweep", report, markdown(report), plots)
+    write_report(args.out, "policy_sweep", report, markdown(report), plots)
 
 
 if __name__ == "__main__":

@@ -174,15 +174,31 @@ def compare(config: ServeLoadConfig) -> dict:
                        batch_warmup_jobs(c.batch_warmup, max_model_len, model, c.max_tokens_cap)
                        if c.batch_warmup else [],
                        c.primitive_cache)
-    plain = runs[PLAIN]
-    ratios = {}
+    summaries = {label: summarize(run, jobs) for label, run in runs.items()}
+    report = {
+        "requests": c.requests, "concurrency": c.concurrency, "seed": c.seed, "blocks": c.blocks,
+        "warmup": c.warmup, "batch_warmup": c.batch_warmup,
+        "spec_configs": specs,
+        "note": _note(c, cpu), "servers": summaries, "ratios": _ratios(runs, summaries, specs),
+        "greedy": {label: greedy_comparison(runs[PLAIN], runs[label], jobs) for label in specs},
+    }
+    write_report(out, "serve_load", {**report, "runs": runs}, markdown(report), plot)
+    return report
+
+
+def _ratios(runs: dict, summaries: dict, specs: dict) -> dict:
+    """Each speculative server's tok/s against the plain one's: by block, their median, and in total."""
+    plain, ratios = runs[PLAIN], {}
     for label in specs:
         per_block = [(t / w) / (pt / pw) for t, w, pt, pw in zip(runs[label]["block_tokens"], runs[label]["block_wall_s"],
                                                                  plain["block_tokens"], plain["block_wall_s"])]
-        ratios[label] = {"blocks": per_block, "median": statistics.median(per_block)}
-    summaries = {label: summarize(run, jobs) for label, run in runs.items()}
-    for label in specs:
-        ratios[label]["total"] = summaries[label]["tok_per_s"] / summaries[PLAIN]["tok_per_s"]
+        ratios[label] = {"blocks": per_block, "median": statistics.median(per_block),
+                         "total": summaries[label]["tok_per_s"] / summaries[PLAIN]["tok_per_s"]}
+    return ratios
+
+
+def _note(c: ServeLoadConfig, cpu: bool) -> str:
+    """What the servers' settings differ in, and the CPU's allocator and oneDNN cache."""
     if not cpu:
         note = "every server with chunked prefill"
     elif c.chunked_spec:
@@ -196,15 +212,7 @@ def compare(config: ServeLoadConfig) -> dict:
     if cpu:
         note += f"; memory allocator: {allocator()}; oneDNN primitive cache: " + (
             f"{c.primitive_cache} primitives" if c.primitive_cache > 0 else "oneDNN's default (1,024)")
-    report = {
-        "requests": c.requests, "concurrency": c.concurrency, "seed": c.seed, "blocks": c.blocks,
-        "warmup": c.warmup, "batch_warmup": c.batch_warmup,
-        "spec_configs": specs,
-        "note": note, "servers": summaries, "ratios": ratios,
-        "greedy": {label: greedy_comparison(plain, runs[label], jobs) for label in specs},
-    }
-    write_report(out, "serve_load", {**report, "runs": runs}, markdown(report), plot)
-    return report
+    return note
 
 
 def allocator() -> str:

@@ -360,7 +360,7 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", default="none,ngram,tree-0,tree-1,tree-4,tree-16,tree-60,tree-adaptive-16")
     add_batches(parser, "1,8,64")
@@ -379,7 +379,41 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker-timeout", type=float, default=1800, help="seconds per engine process")
     add_output(parser)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _jobs(args, model: str, conversations: list) -> dict[str, dict]:
+    """Every listed method's engine job (a method listed twice runs twice, as ``NAME #2``)."""
+    jobs, listed = {}, Counter()
+    for method in args.methods.split(","):
+        spec = with_draft_model(method_config(method), args.head)
+        listed[method] += 1
+        name = method if listed[method] == 1 else f"{method} #{listed[method]}"
+        jobs[name] = {"model": model, "dtype": args.dtype, "speculative_config": spec,
+                      "batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens, "min_prompts": args.min_prompts,
+                      "max_model_len": engines.needed_model_len(model, conversations, args.max_tokens),
+                      "conversations": conversations, "engine_layout": args.engine_layout, "sampling": args.sampling,
+                      "runner": engine_worker.V1_SYNC if method == "none-v1-sync" else None}
+    return jobs
+
+
+def _one_after_another(args, jobs: dict[str, dict]) -> list[dict]:
+    """Each method's engine in a worker process of its own, in turn: its rows."""
+    rows = []
+    for name, job in jobs.items():
+        print(f"{name} ...", flush=True)
+        result = engines.run_engine(job, args.out, f"profile-{name.replace(' #', '-')}", args.worker_timeout,
+                                    script=Path(__file__).resolve())
+        if "error" in result:
+            rows += [{"method": name, "batch_size": b, "error": f"{result['error']}, see {result['log']}"}
+                     for b in args.batch_sizes]
+            continue
+        rows += [{"method": name, **r} for r in result["runs"]]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     if args.worker:
         worker(args.worker)
         return
@@ -388,37 +422,17 @@ def main(argv: list[str] | None = None) -> None:
     from vllm_adaptive_spec.prompts import load_prompts
 
     model = str(ensure_demo_model())
-    batch_sizes = args.batch_sizes
     conversations = [p.messages for p in engines.interleave_categories(load_prompts(args.prompts))]
-    conversations = conversations[: max(max(batch_sizes), args.min_prompts)]
-    out = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    jobs, listed = {}, Counter()
-    for method in args.methods.split(","):
-        spec = with_draft_model(method_config(method), args.head)
-        listed[method] += 1
-        name = method if listed[method] == 1 else f"{method} #{listed[method]}"
-        jobs[name] = {"model": model, "dtype": args.dtype, "speculative_config": spec,
-                      "batch_sizes": batch_sizes, "max_tokens": args.max_tokens, "min_prompts": args.min_prompts,
-                      "max_model_len": engines.needed_model_len(model, conversations, args.max_tokens),
-                      "conversations": conversations, "engine_layout": args.engine_layout, "sampling": args.sampling,
-                      "runner": engine_worker.V1_SYNC if method == "none-v1-sync" else None}
+    conversations = conversations[: max(max(args.batch_sizes), args.min_prompts)]
+    args.out.mkdir(parents=True, exist_ok=True)
+    jobs = _jobs(args, model, conversations)
     if args.engine_layout == "lockstep":
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        rows = lockstep(jobs, batch_sizes, args.passes)
+        rows = lockstep(jobs, args.batch_sizes, args.passes)
     else:
-        rows = []
-        for name, job in jobs.items():
-            print(f"{name} ...", flush=True)
-            result = engines.run_engine(job, out, f"profile-{name.replace(' #', '-')}", args.worker_timeout,
-                                        script=Path(__file__).resolve())
-            if "error" in result:
-                rows += [{"method": name, "batch_size": b, "error": f"{result['error']}, see {result['log']}"}
-                         for b in batch_sizes]
-                continue
-            rows += [{"method": name, **r} for r in result["runs"]]
+        rows = _one_after_another(args, jobs)
     report = {"settings": vars(args), "rows": rows}
-    write_report(out, "step_profile", report, table(report))
+    write_report(args.out, "step_profile", report, table(report))
 
 
 if __name__ == "__main__":

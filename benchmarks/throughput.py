@@ -166,37 +166,41 @@ def markdown(report: dict) -> str:
         "| batch | prompts | method | tok/s | vs none | tau | verified nodes/step | drafting | same as none |",
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for row in report["results"]:
-        if "error" in row:
-            lines.append(f"| {row['batch_size']} | {row['num_prompts']} | {row['method']} | error | | | | | |")
-            continue
-        same = row.get("same_as_none")
-        ratio = fmt(row.get("ratio_vs_none"), ".2f")
-        if len(row.get("ratio_per_round", ())) > 1:
-            ratio += f" ({min(row['ratio_per_round']):.2f}-{max(row['ratio_per_round']):.2f})"
-        lines.append(
-            f"| {row['batch_size']} | {row['num_prompts']} | {row['method']} | {row['tok_per_s']:.1f} | "
-            f"{ratio} | {fmt(row['tau'], '.2f')} | "
-            f"{fmt(row['verified_per_step'], '.2f')} | {fmt(row.get('drafting_share'), '.0%')} | "
-            f"{'n/a' if same is None else f'{same[0]}/{same[1]}'} |"
-        )
+    lines += [_result_line(row) for row in report["results"]]
     errors = [row for row in report["results"] if "error" in row]
     if errors:
         lines += ["", "Errors:"]
         lines += [f"- b={row['batch_size']} {row['method']}: {row['error']}" for row in errors]
-    categorised = [row for row in report["results"] if row.get("by_category")]
-    if categorised:
-        names = list(categorised[0]["by_category"])
-        lines += ["", "tau by prompt category (one timed pass per category):", "",
-                  "| batch | method | " + " | ".join(names) + " |", "|---:|---|" + "---:|" * len(names)]
-        for row in categorised:
-            cells = []
-            for name in names:
-                spec = row["by_category"].get(name, {}).get("spec", {})
-                cells.append(fmt(1 + spec["accepted_tokens"] / spec["drafts"] if spec.get("drafts") else None, ".2f"))
-            lines.append(f"| {row['batch_size']} | {row['method']} | " + " | ".join(cells) + " |")
+    lines += _category_lines([row for row in report["results"] if row.get("by_category")])
     lines += ["", f"Total elapsed: {report['elapsed_s']:.0f} s"]
     return "\n".join(lines) + "\n"
+
+
+def _result_line(row: dict) -> str:
+    if "error" in row:
+        return f"| {row['batch_size']} | {row['num_prompts']} | {row['method']} | error | | | | | |"
+    same = row.get("same_as_none")
+    ratio = fmt(row.get("ratio_vs_none"), ".2f")
+    if len(row.get("ratio_per_round", ())) > 1:
+        ratio += f" ({min(row['ratio_per_round']):.2f}-{max(row['ratio_per_round']):.2f})"
+    return (f"| {row['batch_size']} | {row['num_prompts']} | {row['method']} | {row['tok_per_s']:.1f} | "
+            f"{ratio} | {fmt(row['tau'], '.2f')} | {fmt(row['verified_per_step'], '.2f')} | "
+            f"{fmt(row.get('drafting_share'), '.0%')} | {'n/a' if same is None else f'{same[0]}/{same[1]}'} |")
+
+
+def _category_lines(categorised: list[dict]) -> list[str]:
+    """tau by prompt category, where the passes were timed by category."""
+    if not categorised:
+        return []
+    names = list(categorised[0]["by_category"])
+    lines = ["", "tau by prompt category (one timed pass per category):", "",
+             "| batch | method | " + " | ".join(names) + " |", "|---:|---|" + "---:|" * len(names)]
+    for row in categorised:
+        specs = [row["by_category"].get(name, {}).get("spec", {}) for name in names]
+        cells = [fmt(1 + spec["accepted_tokens"] / spec["drafts"] if spec.get("drafts") else None, ".2f")
+                 for spec in specs]
+        lines.append(f"| {row['batch_size']} | {row['method']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot(report: dict, out: Path) -> list[Path]:
@@ -222,7 +226,7 @@ def plot(report: dict, out: Path) -> list[Path]:
     return [out / "throughput.png"]
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--methods",
@@ -247,6 +251,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (engine seed 0)")
     parser.add_argument("--by-category", action="store_true",
                         help="time each prompt category in its own pass and report tau per category")
+    _add_engine_options(parser)
+    add_output(parser)
+    parser.add_argument("--worker", metavar="JOB_JSON", help=argparse.SUPPRESS)
+    return parser
+
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """How the engines are laid out, started and sized."""
     parser.add_argument("--engine-per", choices=("method", "run", "interleaved"), default="method",
                         help="one engine per method for all batch sizes (default), or per (batch size, method); "
                              "interleaved: every method's engine stays up and their passes alternate, in "
@@ -269,18 +281,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="0 (default): the longest prompt plus --max-tokens plus 128, rounded up to 128; "
                              "the KV cache is sized for max_num_seqs requests of this length")
     parser.add_argument("--worker-timeout", type=float, default=1800, help="seconds per engine process")
-    add_output(parser)
-    parser.add_argument("--worker", metavar="JOB_JSON", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
 
-    if args.worker:
-        worker(args.worker)
-        return
 
-    preset = QUICK if args.quick else DEFAULTS
-    for key, value in preset.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+def _methods(parser: argparse.ArgumentParser, args) -> tuple[list[str], dict[str, dict]]:
+    """The methods run (``--methods``, then the ``--spec`` labels) and every one's speculative config."""
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -288,82 +292,72 @@ def main(argv: list[str] | None = None) -> None:
     own = dict(args.spec)
     if set(own) & set(methods) or len(own) < len(args.spec):
         parser.error("--spec labels must differ from each other and from --methods")
-    methods += list(own)
-    batch_sizes = args.batch_sizes
     if args.num_prompts != "auto" and not (args.num_prompts.isdigit() and int(args.num_prompts) > 0):
         parser.error("--num-prompts must be a positive integer or auto")
+    methods += list(own)
+    return methods, {m: own[m] if m in own else METHODS[m](args) for m in methods}
 
-    from vllm_adaptive_spec.demo_model import ensure_demo_model
-    from vllm_adaptive_spec.prompts import load_prompts
 
-    t0 = time.perf_counter()
+class _Plan:
+    """The engines' jobs: every method's config on the workload's prompts."""
 
-    def log(message: str) -> None:
-        print(f"[{time.perf_counter() - t0:6.0f} s] {message}", flush=True)
+    def __init__(self, args, model: str, prompts: list, sizes_by_batch: dict[int, int], configs: dict) -> None:
+        self.sizes_by_batch, self.configs = sizes_by_batch, configs
+        self.base_job = {
+            "model": model, "dtype": args.dtype, "max_model_len": args.max_model_len, "max_tokens": args.max_tokens,
+            "warmup_prompts": args.warmup_prompts, "conversations": [p.messages for p in prompts],
+            "categories": [p.category for p in prompts], "by_category": args.by_category,
+            "temperature": args.temperature, "engine_layout": args.engine_layout, "sampling": args.sampling,
+        }
 
-    model = args.model or str(ensure_demo_model())
-    prompts = load_prompts(args.prompts)
-    if args.prompt_order == "interleaved":
-        prompts = engines.interleave_categories(prompts)
-    sizes_by_batch = workload_sizes(batch_sizes, args.num_prompts, len(prompts))
-    # Warm-up prompts come from the end of the order; they may overlap the workload
-    # (the prefix cache is reset before every timed pass).
-    prompts = prompts[: max(max(sizes_by_batch.values()), args.warmup_prompts)]
-    configs = {m: own[m] if m in own else METHODS[m](args) for m in methods}
-    work = args.out / "logs"
-    work.mkdir(parents=True, exist_ok=True)
-    if not args.max_model_len:
-        args.max_model_len = engines.needed_model_len(model, [p.messages for p in prompts], args.max_tokens)
-    base_job = {
-        "model": model, "dtype": args.dtype, "max_model_len": args.max_model_len, "max_tokens": args.max_tokens,
-        "warmup_prompts": args.warmup_prompts, "conversations": [p.messages for p in prompts],
-        "categories": [p.category for p in prompts], "by_category": args.by_category,
-        "temperature": args.temperature, "engine_layout": args.engine_layout, "sampling": args.sampling,
-    }
+    def job(self, method: str, sizes: list[int], max_num_seqs: int) -> dict:
+        return {**self.base_job, "speculative_config": self.configs[method], "runner": RUNNERS.get(method),
+                "batch_sizes": sizes, "num_prompts": [self.sizes_by_batch[b] for b in sizes],
+                "max_num_seqs": max_num_seqs}
 
-    def job_for(method: str, sizes: list[int], max_num_seqs: int) -> dict:
-        return {**base_job, "speculative_config": configs[method], "runner": RUNNERS.get(method), "batch_sizes": sizes,
-                "num_prompts": [sizes_by_batch[b] for b in sizes], "max_num_seqs": max_num_seqs}
 
-    # vLLM's suffix method imports arctic_inference.suffix_decoding, built here on demand.
+def _run_engines(args, methods: list[str], plan: _Plan, work: Path, log) -> tuple[list[tuple], str | None]:
+    """Every method's engine run as ``--engine-per`` lays them out: (method,
+    batch sizes, max_num_seqs, its result) each, and the suffix build's
+    directory (vLLM's suffix method imports arctic_inference.suffix_decoding,
+    built here on demand)."""
+    batch_sizes, results = args.batch_sizes, []
     suffix_dir = suffix_error = None
     if "suffix" in methods:
         log(f"suffix: building Arctic Inference's suffix tree ({engines.SUFFIX_BUILD_SCRIPT.relative_to(REPO)})")
         suffix_dir, suffix_error = engines.suffix_decoding_dir()
         print(f"  {suffix_error or suffix_dir}", flush=True)
+        if suffix_error is not None:
+            results.append(("suffix", batch_sizes, max(batch_sizes), {"runs": [], "error": suffix_error}))
 
     def env_for(method: str) -> dict | None:
-        if method != "suffix":
-            return None
-        return engines.suffix_env(suffix_dir)
+        return engines.suffix_env(suffix_dir) if method == "suffix" else None
 
     script = Path(__file__).resolve()
     runnable = [m for m in methods if not (m == "suffix" and suffix_error is not None)]
-    # (method, batch sizes, max_num_seqs, its result)
-    results: list[tuple[str, list[int], int, dict]] = []
-    if suffix_error is not None:
-        results.append(("suffix", batch_sizes, max(batch_sizes), {"runs": [], "error": suffix_error}))
-    planned = {m: job_for(m, batch_sizes, max(batch_sizes)) for m in runnable}
+    planned = {m: plan.job(m, batch_sizes, max(batch_sizes)) for m in runnable}
     problem = engines.memory_problem(planned, args.engine_per == "interleaved", engines.available_memory())
     if problem:
         raise SystemExit(f"throughput.py: {problem}")
     if args.engine_per == "interleaved":
-        jobs = planned
-        done = engines.run_interleaved(jobs, work, args.rounds, args.worker_timeout, env_for, log, lambda name: script,
-                                       start_together=args.start_together)
-        results += [(m, batch_sizes, max(batch_sizes), done[m]) for m in runnable]
-    else:
-        plan = ([(m, batch_sizes, max(batch_sizes)) for m in runnable] if args.engine_per == "method"
-                else [(m, [b], b) for b in batch_sizes for m in runnable])
-        for index, (method, sizes, max_num_seqs) in enumerate(plan, 1):
-            log(f"engine {index}/{len(plan)}: {method}, batch sizes {sizes}")
-            result = engines.run_engine(job_for(method, sizes, max_num_seqs), work,
-                                        f"{method}-b{'_'.join(map(str, sizes))}", args.worker_timeout,
-                                        env_for(method), script)
-            for run in result["runs"]:
-                print(f"  b={run['batch_size']}: {run['tok_per_s']:.1f} tok/s ({run['wall_s']:.1f} s)", flush=True)
-            results.append((method, sizes, max_num_seqs, result))
+        done = engines.run_interleaved(planned, work, args.rounds, args.worker_timeout, env_for, log,
+                                       lambda name: script, start_together=args.start_together)
+        return results + [(m, batch_sizes, max(batch_sizes), done[m]) for m in runnable], suffix_dir
+    layout = ([(m, batch_sizes, max(batch_sizes)) for m in runnable] if args.engine_per == "method"
+              else [(m, [b], b) for b in batch_sizes for m in runnable])
+    for index, (method, sizes, max_num_seqs) in enumerate(layout, 1):
+        log(f"engine {index}/{len(layout)}: {method}, batch sizes {sizes}")
+        result = engines.run_engine(plan.job(method, sizes, max_num_seqs), work,
+                                    f"{method}-b{'_'.join(map(str, sizes))}", args.worker_timeout,
+                                    env_for(method), script)
+        for run in result["runs"]:
+            print(f"  b={run['batch_size']}: {run['tok_per_s']:.1f} tok/s ({run['wall_s']:.1f} s)", flush=True)
+        results.append((method, sizes, max_num_seqs, result))
+    return results, suffix_dir
 
+
+def _rows(results: list[tuple], methods: list[str], plan: _Plan, batch_sizes: list[int], prompt_ids: list[str]):
+    """Each (batch size, method)'s row against no speculation, and each engine's record."""
     runs: dict[tuple[str, int], list[dict]] = {}
     errors: dict[tuple[str, int], str] = {}
     engine_records = []
@@ -379,30 +373,69 @@ def main(argv: list[str] | None = None) -> None:
     for b in batch_sizes:
         base = runs.get((BASELINE, b))
         for method in methods:
-            row = compare(method, configs[method] is not None, runs.get((method, b)),
-                                  base if method != BASELINE else None, errors.get((method, b)),
-                                  [p.id for p in prompts])
-            rows.append({**row, "batch_size": b, "num_prompts": sizes_by_batch[b]})
+            row = compare(method, plan.configs[method] is not None, runs.get((method, b)),
+                          base if method != BASELINE else None, errors.get((method, b)), prompt_ids)
+            rows.append({**row, "batch_size": b, "num_prompts": plan.sizes_by_batch[b]})
+    return rows, engine_records
 
+
+def _settings(args, methods: list[str], plan: _Plan, prompts: list, model: str, suffix_dir: str | None) -> dict:
+    return {
+        "methods": {m: plan.configs[m] for m in methods}, "batch_sizes": args.batch_sizes,
+        "num_prompts": args.num_prompts,
+        "prompts_per_batch_size": {str(b): n for b, n in plan.sizes_by_batch.items()},
+        "prompt_order": args.prompt_order, "prompt_ids": [p.id for p in prompts],
+        "max_tokens": args.max_tokens, "temperature": args.temperature, "by_category": args.by_category,
+        "sampling": args.sampling,
+        "chain_k": args.chain_k, "tree_budget": args.tree_budget, "ignore_eos": False, "dtype": args.dtype,
+        "engine_layout": args.engine_layout, "max_model_len": args.max_model_len, "budget": args.budget,
+        "ngram_k": args.ngram_k, "engine_per": args.engine_per,
+        "rounds": args.rounds if args.engine_per == "interleaved" else 1,
+        "warmup_prompts": args.warmup_prompts, "model": model, "quick": args.quick,
+        **({"suffix_decoding_dir": suffix_dir} if "suffix" in methods else {}),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker)
+        return
+    for key, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    methods, configs = _methods(parser, args)
+
+    from vllm_adaptive_spec.demo_model import ensure_demo_model
+    from vllm_adaptive_spec.prompts import load_prompts
+
+    t0 = time.perf_counter()
+
+    def log(message: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.0f} s] {message}", flush=True)
+
+    model = args.model or str(ensure_demo_model())
+    prompts = load_prompts(args.prompts)
+    if args.prompt_order == "interleaved":
+        prompts = engines.interleave_categories(prompts)
+    sizes_by_batch = workload_sizes(args.batch_sizes, args.num_prompts, len(prompts))
+    # Warm-up prompts come from the end of the order; they may overlap the workload
+    # (the prefix cache is reset before every timed pass).
+    prompts = prompts[: max(max(sizes_by_batch.values()), args.warmup_prompts)]
+    work = args.out / "logs"
+    work.mkdir(parents=True, exist_ok=True)
+    if not args.max_model_len:
+        args.max_model_len = engines.needed_model_len(model, [p.messages for p in prompts], args.max_tokens)
+    plan = _Plan(args, model, prompts, sizes_by_batch, configs)
+    results, suffix_dir = _run_engines(args, methods, plan, work, log)
+    rows, engine_records = _rows(results, methods, plan, args.batch_sizes, [p.id for p in prompts])
     versions = [r.get("vllm_version") for *_, r in results if r.get("vllm_version")]
     report = {
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "vllm_version": versions[0] if versions else installed_vllm_version(),
         "machine": machine(),
-        "settings": {
-            "methods": {m: configs[m] for m in methods}, "batch_sizes": batch_sizes,
-            "num_prompts": args.num_prompts,
-            "prompts_per_batch_size": {str(b): n for b, n in sizes_by_batch.items()},
-            "prompt_order": args.prompt_order, "prompt_ids": [p.id for p in prompts],
-            "max_tokens": args.max_tokens, "temperature": args.temperature, "by_category": args.by_category,
-            "sampling": args.sampling,
-            "chain_k": args.chain_k, "tree_budget": args.tree_budget, "ignore_eos": False, "dtype": args.dtype,
-            "engine_layout": args.engine_layout, "max_model_len": args.max_model_len, "budget": args.budget,
-            "ngram_k": args.ngram_k, "engine_per": args.engine_per,
-            "rounds": args.rounds if args.engine_per == "interleaved" else 1,
-            "warmup_prompts": args.warmup_prompts, "model": model, "quick": args.quick,
-            **({"suffix_decoding_dir": suffix_dir} if "suffix" in methods else {}),
-        },
+        "settings": _settings(args, methods, plan, prompts, model, suffix_dir),
         "engines": engine_records,
         "results": rows,
         "elapsed_s": time.perf_counter() - t0,
