@@ -160,62 +160,19 @@ def run_servers(specs: dict[str, dict | None], args_of: dict[str, list[str]], mo
             ports.append(next(port for port in iter(free_port, None) if port not in ports))
             servers[label] = Server(model, ports[-1], spec, args_of[label], out / f"server_{label}.log",
                                     primitive_cache)
-        ready, warm = {}, {}
         for server in servers.values():
             server.wait_healthy()
-        for label, server in servers.items():
-            ready[label] = server.memory_bytes()[0]
-            refused = [o for o in asyncio.run(drive(server.base, list(warmup), 1)) if o.status != 200]
-            if refused:
-                raise RuntimeError(f"{label}: warm-up request refused: {refused[0].error}")
-            # The mix holds deliberately bad requests (4xx) and disconnects; anything else must be answered.
-            failed = [o for o in asyncio.run(drive(server.base, list(batch_warmup), concurrency))
-                      if not o.disconnected and (o.status is None or o.status >= 500)]
-            if failed:
-                raise RuntimeError(f"{label}: batch warm-up request failed: {failed[0].status} {failed[0].error}")
-            warm[label] = server.memory_bytes()[0]
-        memory: dict[str, list[tuple[float, int, int]]] = {label: [] for label in servers}
-        done = threading.Event()
-
-        def sample() -> None:
-            while not done.is_set():
-                for label, server in servers.items():
-                    memory[label].append((time.monotonic(), *server.memory_bytes()))
-                done.wait(1.0)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        started = time.monotonic()
-        outcomes: dict[str, list[Outcome]] = {label: [] for label in servers}
-        block_walls: dict[str, list[float]] = {label: [] for label in servers}
-        block_tokens: dict[str, list[int]] = {label: [] for label in servers}
-        size = -(-len(jobs) // blocks)
-        labels = list(servers)
-        for index in range(blocks):
-            part = jobs[index * size: (index + 1) * size]
-            if not part:
-                break
-            shift = index % len(labels)
-            for label in labels[shift:] + labels[:shift]:
-                began = time.monotonic()
-                answered = asyncio.run(drive(servers[label].base, part, concurrency))
-                block_walls[label].append(time.monotonic() - began)
-                block_tokens[label].append(sum(len(ids) for o in answered for ids in o.token_ids))
-                outcomes[label] += answered
-            print(f"[serve_load] block {index + 1}/{blocks}: " + ", ".join(
-                f"{label} {block_tokens[label][-1] / block_walls[label][-1]:.1f} tok/s" for label in labels), flush=True)
-        time.sleep(2)  # the engine's last step tells the workers what finished
-        done.set()
-        sampler.join()
+        ready, warm = _warm_up(servers, warmup, batch_warmup, concurrency)
+        with _MemorySampler(servers) as memory:
+            blocks_run = _drive_blocks(servers, jobs, blocks, concurrency)
+            time.sleep(2)  # the engine's last step tells the workers what finished
         runs = {}
         for label, server in servers.items():
             spec = specs[label]
             runs[label] = {"label": label, "spec": spec, "server_args": args_of[label], "alive": server.alive(),
-                           "wall_s": sum(block_walls[label]), "block_wall_s": block_walls[label],
-                           "block_tokens": block_tokens[label], "started": started,
-                           "outcomes": [asdict(o) for o in outcomes[label]],
+                           **blocks_run[label], "started": memory.started,
                            "counters": counters(server.get("/metrics")),
-                           "memory": [(t - started, total, api) for t, total, api in memory[label]],
+                           "memory": [(t - memory.started, total, api) for t, total, api in memory.samples[label]],
                            "warmup_requests": len(warmup), "batch_warmup_requests": len(batch_warmup),
                            "memory_ready": ready[label], "memory_warm": warm[label]}
             if spec is not None and spec.get("method") == "adaptive_tree":
@@ -224,3 +181,77 @@ def run_servers(specs: dict[str, dict | None], args_of: dict[str, list[str]], mo
     finally:
         for server in servers.values():
             server.stop()
+
+
+def _warm_up(servers: dict[str, Server], warmup: list[Job], batch_warmup: list[Job],
+             concurrency: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Each server's memory when ready and after its warm-up requests (the
+    one-at-a-time ones, then the batch at ``concurrency``)."""
+    ready, warm = {}, {}
+    for label, server in servers.items():
+        ready[label] = server.memory_bytes()[0]
+        refused = [o for o in asyncio.run(drive(server.base, list(warmup), 1)) if o.status != 200]
+        if refused:
+            raise RuntimeError(f"{label}: warm-up request refused: {refused[0].error}")
+        # The mix holds deliberately bad requests (4xx) and disconnects; anything else must be answered.
+        failed = [o for o in asyncio.run(drive(server.base, list(batch_warmup), concurrency))
+                  if not o.disconnected and (o.status is None or o.status >= 500)]
+        if failed:
+            raise RuntimeError(f"{label}: batch warm-up request failed: {failed[0].status} {failed[0].error}")
+        warm[label] = server.memory_bytes()[0]
+    return ready, warm
+
+
+class _MemorySampler:
+    """Every server's memory (total and the API server's) each second while
+    the block is open: ``samples[label]`` of ``(monotonic time, total, api)``
+    from ``started``."""
+
+    def __init__(self, servers: dict[str, Server]) -> None:
+        self.servers = servers
+        self.samples: dict[str, list[tuple[float, int, int]]] = {label: [] for label in servers}
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.started = 0.0
+
+    def _sample(self) -> None:
+        while not self.done.is_set():
+            for label, server in self.servers.items():
+                self.samples[label].append((time.monotonic(), *server.memory_bytes()))
+            self.done.wait(1.0)
+
+    def __enter__(self) -> "_MemorySampler":
+        self.thread.start()
+        self.started = time.monotonic()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+
+
+def _drive_blocks(servers: dict[str, Server], jobs: list[Job], blocks: int, concurrency: int) -> dict[str, dict]:
+    """The workload in ``blocks`` blocks, each sent to every server in turn
+    (the order rotating by block): each server's outcomes and each block's
+    wall time and tokens."""
+    labels = list(servers)
+    outcomes: dict[str, list[Outcome]] = {label: [] for label in labels}
+    block_walls: dict[str, list[float]] = {label: [] for label in labels}
+    block_tokens: dict[str, list[int]] = {label: [] for label in labels}
+    size = -(-len(jobs) // blocks)
+    for index in range(blocks):
+        part = jobs[index * size: (index + 1) * size]
+        if not part:
+            break
+        shift = index % len(labels)
+        for label in labels[shift:] + labels[:shift]:
+            began = time.monotonic()
+            answered = asyncio.run(drive(servers[label].base, part, concurrency))
+            block_walls[label].append(time.monotonic() - began)
+            block_tokens[label].append(sum(len(ids) for o in answered for ids in o.token_ids))
+            outcomes[label] += answered
+        print(f"[serve_load] block {index + 1}/{blocks}: " + ", ".join(
+            f"{label} {block_tokens[label][-1] / block_walls[label][-1]:.1f} tok/s" for label in labels), flush=True)
+    return {label: {"wall_s": sum(block_walls[label]), "block_wall_s": block_walls[label],
+                    "block_tokens": block_tokens[label], "outcomes": [asdict(o) for o in outcomes[label]]}
+            for label in labels}

@@ -76,39 +76,11 @@ def workload(count: int, seed: int, max_model_len: int, model: str, max_tokens_c
     jobs = []
     for index in range(count):
         kind = rng.choices(kinds, weights)[0]
-        source = rng.random()
-        if source < LONG_SHARE:
-            question = "\n\n".join(rng.sample(prompts, 4)) + "\n\nAnswer the last question."
-            system = None
-        elif source < LONG_SHARE + SHARED_SHARE:
-            question, system = rng.choice(prompts), SHARED_SYSTEM
-        else:
-            question, system = rng.choice(prompts), None
-        # Prompts stay under half the model's length (about 4 characters a token).
-        question = question[: 2 * max_model_len]
+        question, system = _question(rng, prompts, max_model_len)
         max_tokens = min(int(math.exp(rng.uniform(0, math.log(max_tokens_cap)))), max_model_len // 4)
-        body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0}
-        if kind == "sampled":
-            body |= {"temperature": rng.uniform(0.6, 1.2), "top_p": 0.9, "top_k": 50}
-        elif kind == "seeded":
-            body |= {"temperature": 1.0, "top_p": 0.95, "seed": rng.randrange(1 << 30)}
-        elif kind == "n2":
-            body |= {"temperature": 0.8, "n": 2, "seed": rng.randrange(1 << 30)}
-        elif kind == "logprobs":
-            body |= {"logprobs": 5}
-        elif kind == "stop":
-            body |= {"stop": [rng.choice(["\n\n", ".", "```"])]}
-        elif kind == "penalty":
-            body |= {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2}
-        elif kind == "min_p":
-            body |= {"temperature": 0.8, "min_p": 0.1}
-        elif kind == "logit_bias":
-            body |= {"logit_bias": {str(rng.randrange(100, 30000)): rng.choice([-100, -5, 2]) for _ in range(4)}}
-        elif kind == "json":
-            body |= {"response_format": {"type": "json_schema", "json_schema": {"name": "item", "schema": JSON_SCHEMA}}}
+        body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0} | _options(rng, kind)
+        if kind == "json":
             question = "Describe one fruit as JSON with a name and a count."
-        elif kind == "bad":
-            body |= {"temperature": -1.0}
         endpoint = "completions" if rng.random() < COMPLETIONS_SHARE and kind not in ("json", "n2") else "chat"
         if endpoint == "chat":
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
@@ -123,6 +95,46 @@ def workload(count: int, seed: int, max_model_len: int, model: str, max_tokens_c
             body |= {"stream": True}
         jobs.append(Job(index, kind, endpoint, body, stream, disconnect))
     return jobs
+
+
+def _question(rng: random.Random, prompts: list[str], max_model_len: int) -> tuple[str, str | None]:
+    """A request's question and system prompt: four questions at once, one
+    behind the shared system prompt, or one alone; under half the model's
+    length (about 4 characters a token)."""
+    source = rng.random()
+    if source < LONG_SHARE:
+        question = "\n\n".join(rng.sample(prompts, 4)) + "\n\nAnswer the last question."
+        system = None
+    elif source < LONG_SHARE + SHARED_SHARE:
+        question, system = rng.choice(prompts), SHARED_SYSTEM
+    else:
+        question, system = rng.choice(prompts), None
+    return question[: 2 * max_model_len], system
+
+
+def _options(rng: random.Random, kind: str) -> dict:
+    """The sampling options of a request of ``kind``."""
+    if kind == "sampled":
+        return {"temperature": rng.uniform(0.6, 1.2), "top_p": 0.9, "top_k": 50}
+    if kind == "seeded":
+        return {"temperature": 1.0, "top_p": 0.95, "seed": rng.randrange(1 << 30)}
+    if kind == "n2":
+        return {"temperature": 0.8, "n": 2, "seed": rng.randrange(1 << 30)}
+    if kind == "logprobs":
+        return {"logprobs": 5}
+    if kind == "stop":
+        return {"stop": [rng.choice(["\n\n", ".", "```"])]}
+    if kind == "penalty":
+        return {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2}
+    if kind == "min_p":
+        return {"temperature": 0.8, "min_p": 0.1}
+    if kind == "logit_bias":
+        return {"logit_bias": {str(rng.randrange(100, 30000)): rng.choice([-100, -5, 2]) for _ in range(4)}}
+    if kind == "json":
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "item", "schema": JSON_SCHEMA}}}
+    if kind == "bad":
+        return {"temperature": -1.0}
+    return {}
 
 
 def warmup_jobs(count: int, max_model_len: int, model: str) -> list[Job]:
