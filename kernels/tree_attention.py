@@ -395,11 +395,9 @@ def tree_attention_triton(
     m_tiles = -(-packed // block_m)
     if splits_on_device:
         keys_per_split = 0  # cut per request in the kernel
-    elif num_splits is None:
-        num_splits, keys_per_split = _split_plan(max_seq_len, m_tiles * num_requests * num_kv_heads, block_n, query.device)
     else:
-        keys_per_split = -(-max_seq_len // (num_splits * block_n)) * block_n
-        num_splits = -(-max_seq_len // keys_per_split)
+        num_splits, keys_per_split = _splits(max_seq_len, num_splits, m_tiles * num_requests * num_kv_heads, block_n,
+                                             query.device)
     mask = query_mask.view(torch.uint8)
     upcast = query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
     if num_splits > 1:
@@ -445,19 +443,35 @@ def tree_attention_triton(
         num_stages=launch["num_stages"],
     )
     if num_splits > 1:
-        _merge_splits_kernel[(num_rows, num_heads)](
-            out,
-            partial,
-            lse,
-            num_splits,
-            head_dim,
-            *out.stride()[:2],
-            *partial.stride()[:3],
-            *lse.stride()[:2],
-            BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=triton.next_power_of_2(head_dim),
-        )
+        _merge_splits(out, partial, lse)
     return out
+
+
+def _splits(max_seq_len: int, num_splits: int | None, programs: int, block_n: int, device) -> tuple[int, int]:
+    """The key slices of a launch cut on the host: their number and the keys
+    each takes (a multiple of the key tile), the heuristic's unless
+    ``num_splits`` is given."""
+    if num_splits is None:
+        return _split_plan(max_seq_len, programs, block_n, device)
+    keys_per_split = -(-max_seq_len // (num_splits * block_n)) * block_n
+    return -(-max_seq_len // keys_per_split), keys_per_split
+
+
+def _merge_splits(out: torch.Tensor, partial: torch.Tensor, lse: torch.Tensor) -> None:
+    """``out`` from the slices' partial outputs and log-sum-exps."""
+    num_splits, num_rows, num_heads, head_dim = partial.shape
+    _merge_splits_kernel[(num_rows, num_heads)](
+        out,
+        partial,
+        lse,
+        num_splits,
+        head_dim,
+        *out.stride()[:2],
+        *partial.stride()[:3],
+        *lse.stride()[:2],
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
 
 
 def tree_attention(

@@ -181,13 +181,19 @@ def main(job_path: str, out_path: str) -> None:
             or job.get("step_guard"):
         # collective_rpc pickles the function only with this set.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    llm = _engine(job)
+    finished = _drive(llm.llm_engine, job)
+    with open(out_path, "w", encoding="utf-8") as handle:
+        json.dump(_results(llm, job, finished), handle)
 
-    from vllm import LLM, SamplingParams
+
+def _engine(job: dict):
+    """The job's engine, with the job's instruments sent into its worker."""
+    from vllm import LLM
 
     from vllm_adaptive_spec.kv_cache_size import engine_kwargs
 
-    prompts = job["prompt_token_ids"]
-    longest = max(len(ids) for ids in prompts) + job["max_tokens"] + 128
+    longest = max(len(ids) for ids in job["prompt_token_ids"]) + job["max_tokens"] + 128
     extra = {k: job[k] for k in ("max_num_batched_tokens", "num_gpu_blocks_override", "tensor_parallel_size") if k in job}
     llm = LLM(
         **engine_kwargs(
@@ -217,29 +223,40 @@ def main(job_path: str, out_path: str) -> None:
         import step_guard
 
         llm.collective_rpc(step_guard.install)
-    engine = llm.llm_engine
-    seeds = job.get("seeds") or [None] * len(prompts)
+    return llm
 
-    def submit(index: int) -> None:
-        params = SamplingParams(
-            temperature=job.get("temperature", 0.0),
-            top_p=job.get("top_p", 1.0),
-            top_k=job.get("top_k", 0),
-            max_tokens=job["max_tokens"],
-            seed=seeds[index],
-            stop=job.get("stop"),
-            ignore_eos=job.get("ignore_eos", False),
-            logprobs=job.get("logprobs"),
-            **(job.get("penalties", {}) if index in job.get("penalized", [index]) else {}),
-            **_extras(job, index),
-        )
-        engine.add_request(str(index), {"prompt_token_ids": prompts[index]}, params)
 
+def _sampling_params(job: dict, index: int):
+    from vllm import SamplingParams
+
+    seeds = job.get("seeds") or [None] * len(job["prompt_token_ids"])
+    return SamplingParams(
+        temperature=job.get("temperature", 0.0),
+        top_p=job.get("top_p", 1.0),
+        top_k=job.get("top_k", 0),
+        max_tokens=job["max_tokens"],
+        seed=seeds[index],
+        stop=job.get("stop"),
+        ignore_eos=job.get("ignore_eos", False),
+        logprobs=job.get("logprobs"),
+        **(job.get("penalties", {}) if index in job.get("penalized", [index]) else {}),
+        **_extras(job, index),
+    )
+
+
+def _drive(engine, job: dict) -> dict:
+    """Submit the job's requests (the serial ones first, one at a time; the
+    late ones after their steps), step until all have finished, aborting
+    those due; each finished request's output by request id."""
+    prompts = job["prompt_token_ids"]
     aborts = {str(k): v for k, v in job.get("abort_after_steps", {}).items()}
     later = {int(k): v for k, v in job.get("submit_after_steps", {}).items()}
     finished = {}
     steps = 0
     pending = {}  # prompt index -> the step count at which it is submitted
+
+    def submit(index: int) -> None:
+        engine.add_request(str(index), {"prompt_token_ids": prompts[index]}, _sampling_params(job, index))
 
     def drain() -> None:
         nonlocal steps
@@ -268,7 +285,11 @@ def main(job_path: str, out_path: str) -> None:
     # The workers learn which requests finished with the next step's schedule;
     # vLLM's server loop runs that step on its own, an offline loop must ask.
     engine.step()
+    return finished
 
+
+def _results(llm, job: dict, finished: dict) -> dict:
+    """The OUT keys (see the module's docstring)."""
     def result(index):
         out = finished.get(str(index))
         if out is None:
@@ -278,7 +299,7 @@ def main(job_path: str, out_path: str) -> None:
         ]
         return list(out.token_ids), out.text, out.finish_reason, logprobs
 
-    rows = [result(i) for i in range(len(prompts))]
+    rows = [result(i) for i in range(len(job["prompt_token_ids"]))]
     metrics = {
         m.name: getattr(m, "value", None)
         for m in llm.get_metrics()
@@ -287,30 +308,26 @@ def main(job_path: str, out_path: str) -> None:
     tree_stats = None
     if (job.get("speculative_config") or {}).get("method") == "adaptive_tree":
         tree_stats = llm.collective_rpc("adaptive_tree_stats")
-    with open(out_path, "w", encoding="utf-8") as handle:
-        json.dump(
-            {
-                "token_ids": [r[0] for r in rows],
-                "texts": [r[1] for r in rows],
-                "finish_reasons": [r[2] for r in rows],
-                "logprobs": [r[3] for r in rows],
-                "metrics": metrics,
-                "tree_stats": None if tree_stats is None else tree_stats[0],
-                "tree_stats_per_rank": tree_stats,
-                "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
-                # In this process vLLM loads its plugins before it configures logging, so
-                # the plugin's "registered" line is not in the log; ask the plugin.
-                "plugin_registered": getattr(sys.modules.get("vllm_adaptive_spec.plugin"), "_registered", False),
-                "roots": llm.collective_rpc(recorded_roots)[0] if job.get("record_roots") else None,
-                "step_guard": llm.collective_rpc(_step_guard_report)[0] if job.get("step_guard") else None,
-                **{key: llm.collective_rpc(functools.partial(counter, name=key))[0] if setting in job else None
-                   for key, setting in (("stash_drops", "stash_bytes"), ("split_passes", "max_pass_rows"),
-                                        ("probes", "pause_pattern"), ("probe_trees", "pause_pattern"),
-                                        ("paused_passes", "pause_pattern"),
-                                        ("draft_free_verifies", "pause_pattern"))},
-            },
-            handle,
-        )
+    return {
+        "token_ids": [r[0] for r in rows],
+        "texts": [r[1] for r in rows],
+        "finish_reasons": [r[2] for r in rows],
+        "logprobs": [r[3] for r in rows],
+        "metrics": metrics,
+        "tree_stats": None if tree_stats is None else tree_stats[0],
+        "tree_stats_per_rank": tree_stats,
+        "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+        # In this process vLLM loads its plugins before it configures logging, so
+        # the plugin's "registered" line is not in the log; ask the plugin.
+        "plugin_registered": getattr(sys.modules.get("vllm_adaptive_spec.plugin"), "_registered", False),
+        "roots": llm.collective_rpc(recorded_roots)[0] if job.get("record_roots") else None,
+        "step_guard": llm.collective_rpc(_step_guard_report)[0] if job.get("step_guard") else None,
+        **{key: llm.collective_rpc(functools.partial(counter, name=key))[0] if setting in job else None
+           for key, setting in (("stash_drops", "stash_bytes"), ("split_passes", "max_pass_rows"),
+                                ("probes", "pause_pattern"), ("probe_trees", "pause_pattern"),
+                                ("paused_passes", "pause_pattern"),
+                                ("draft_free_verifies", "pause_pattern"))},
+    }
 
 
 def serve() -> None:
