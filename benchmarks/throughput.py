@@ -292,8 +292,6 @@ def _methods(parser: argparse.ArgumentParser, args) -> tuple[list[str], dict[str
     own = dict(args.spec)
     if set(own) & set(methods) or len(own) < len(args.spec):
         parser.error("--spec labels must differ from each other and from --methods")
-    if args.num_prompts != "auto" and not (args.num_prompts.isdigit() and int(args.num_prompts) > 0):
-        parser.error("--num-prompts must be a positive integer or auto")
     methods += list(own)
     return methods, {m: own[m] if m in own else METHODS[m](args) for m in methods}
 
@@ -406,6 +404,8 @@ def main(argv: list[str] | None = None) -> None:
         if getattr(args, key) is None:
             setattr(args, key, value)
     methods, configs = _methods(parser, args)
+    if args.num_prompts != "auto" and not (args.num_prompts.isdigit() and int(args.num_prompts) > 0):
+        parser.error("--num-prompts must be a positive integer or auto")
 
     from vllm_adaptive_spec.demo_model import ensure_demo_model
     from vllm_adaptive_spec.prompts import load_prompts
