@@ -106,16 +106,23 @@ def _extras(job: dict, index: int) -> dict:
 
 def record_roots(worker) -> None:
     """After each first draft pass, record per drafting request ``[key, top-2
-    tokens, top-2 probabilities, caught_up]``: ``key`` names the prompt and
-    the root's position (so equal keys mean equal contexts under greedy
-    decoding), ``caught_up`` whether the pass fed rows of paused steps."""
+    tokens, top-2 probabilities, caught_up, padded]``: ``key`` names the
+    prompt and the root's position (so equal keys mean equal contexts under
+    greedy decoding), ``caught_up`` whether the pass fed rows of paused
+    steps, ``padded`` whether it was laid out at fixed width."""
     runner = worker.model_runner
     backend = runner._draft_backend
-    first_pass = backend.first_pass
+    first_pass, feed_rows = backend.first_pass, backend._feed_rows
     worker.recorded_roots = recorded = []
+    padded = [False]
+
+    def feeding(rows, *args, **kwargs):
+        padded[0] = rows.filled is not None
+        return feed_rows(rows, *args, **kwargs)
 
     def recording(*args, **kwargs):
-        kept = {r for r in runner.input_batch.req_ids if backend.paused_rows.rows(r)}
+        paused_rows = getattr(backend, "paused_rows", None)  # an EAGLE-3 head's; a draft LM keeps none
+        kept = {r for r in runner.input_batch.req_ids if paused_rows is not None and paused_rows.rows(r)}
         own_share = first_pass(*args, **kwargs)
         roots = backend.roots
         if roots is None:
@@ -127,10 +134,10 @@ def record_roots(worker) -> None:
             prompt = batch.token_ids_cpu[row, : int(batch.num_prompt_tokens[row])]
             key = f"{hashlib.sha1(prompt.tobytes()).hexdigest()}:{int(roots.context[row]) - 1}"
             recorded.append([key, roots.distribution.tokens[k, :2].tolist(), roots.distribution.probs[k, :2].tolist(),
-                             batch.req_ids[row] in kept])
+                             batch.req_ids[row] in kept, padded[0]])
         return own_share
 
-    backend.first_pass = recording
+    backend.first_pass, backend._feed_rows = recording, feeding
 
 
 def recorded_roots(worker) -> list:

@@ -96,19 +96,27 @@ def test_eagle3_eagle2_tree_greedy_equals_no_speculation(demo_model, prompt_ids,
     # blocks of 128 tokens): the plugin keeps the block vLLM drops for EAGLE, and
     # the roots below read its draft KV from the cache.
     assert run.metrics["vllm:prefix_cache_hits"] >= 2 * 128, run.metrics
+    compared, caught_up, _ = _roots_agree(run.roots)
+    assert compared >= 20 and caught_up >= 5, (compared, caught_up)
+
+
+def _roots_agree(recorded) -> tuple[int, int, int]:
+    """Check that roots drafted from the same context (``record_roots``)
+    agree, whichever pass gave them; how many pairs were compared, and of
+    them how many had one side caught up, or one side padded and the other not."""
     roots = defaultdict(list)
-    for key, tokens, probs, caught_up in run.roots:
-        roots[key].append((tokens, probs, caught_up))
-    compared = caught_up = 0
-    for entries in roots.values():
-        (tokens, probs, _), *others = entries
-        for other_tokens, other_probs, other_caught_up in others:
+    for key, tokens, probs, caught_up, padded in recorded:
+        roots[key].append((tokens, probs, caught_up, padded))
+    compared = caught_up = mixed = 0
+    for (tokens, probs, first_caught_up, first_padded), *others in roots.values():
+        for other_tokens, other_probs, other_caught_up, other_padded in others:
             assert other_probs[0] == pytest.approx(probs[0], abs=1e-3)
             tied = probs[0] - probs[1] < 1e-3
             assert other_tokens[0] == tokens[0] or tied, (tokens, probs, other_tokens, other_probs)
             compared += 1
-            caught_up += other_caught_up or entries[0][2]
-    assert compared >= 20 and caught_up >= 5, (compared, caught_up)
+            caught_up += other_caught_up or first_caught_up
+            mixed += other_padded != first_padded
+    return compared, caught_up, mixed
 
 
 def test_eagle3_requests_beyond_the_stash_bound_give_up_the_head(demo_model, prompt_ids, baseline, tmp_path):
@@ -142,19 +150,24 @@ def test_adaptive_policies_greedy_equal_no_speculation(policy, settings, demo_mo
 
 @pytest.mark.parametrize("datastore", ["off", "shared"])
 def test_hybrid_greedy_equals_no_speculation(datastore, demo_model, prompt_ids, baseline, tmp_path):
-    """The head's eagle2 tree merged with the retrieval trie (Talon's hybrid).
-    Without the shared datastore it runs on the device's path: the tensor
-    matcher's children, the layers at fixed capacity (``draft_loop: fixed``),
-    nothing read back until the trees. With the datastore of finished
-    outputs (the trie matcher's), the model also pauses (2 steps of 5, as
-    the load budget pauses it when its passes do not pay): the retrieval
-    trie alone drafts then."""
+    """The head's eagle2 tree merged with the retrieval trie (Talon's hybrid);
+    the model pauses 2 steps of 5 (as the load budget pauses it when its
+    passes do not pay): the retrieval trie alone drafts then. Without the
+    shared datastore it runs on the device's path: the tensor matcher's
+    children, the layers at fixed capacity (``draft_loop: fixed``), nothing
+    read back until the trees, and steady steps' first passes padded to the
+    step's width; their roots must equal those of ragged passes (catch-ups,
+    prompts) from the same context. With the datastore of finished outputs
+    (the trie matcher's), the layers are ragged."""
     device_path = {"matcher": "tensors", "draft_loop": "fixed"} if datastore == "off" else {}
     spec = adaptive("hybrid", HEAD, 24, policy="eagle2", top_k=4, depth=6, datastore=datastore, **device_path)
-    pause_pattern = [3, 2] if datastore == "shared" else None
-    run = _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec, pause_pattern)
+    run = _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec, [3, 2], record_roots=True)
     assert (run.tree_stats["datastore_tokens"] > 0) == (datastore == "shared")
-    assert (run.tree_stats["paused_trees"] > 0) == (datastore == "shared")
+    assert run.tree_stats["paused_trees"] > 0
+    compared, _, mixed = _roots_agree(run.roots)
+    padded = sum(padded for *_, padded in run.roots)
+    assert (padded > 0) == (datastore == "off"), padded
+    assert datastore == "shared" or (compared >= 15 and mixed >= 5), (compared, mixed)
 
 
 def test_uniform_steps_with_a_model_drafter(demo_model, prompt_ids, baseline, tmp_path):
@@ -205,3 +218,16 @@ def test_target_drafting_for_itself_is_accepted_in_full(demo_model, prompt_ids, 
     assert 0.2 < stats["drafting_share"] < 0.5, stats
     assert stats["tokens_accepted"] >= 0.97 * stats["nodes_verified"], stats
 
+
+def test_a_draft_lms_padded_first_pass_keeps_its_draft_kv_whole(demo_model, prompt_ids, baseline, tmp_path):
+    """The target drafting for itself with the layers at fixed capacity
+    (``draft_loop: fixed``): steady steps' first passes are padded to the
+    step's width plus the token after the chain; a padding row that wrote
+    KV, or a root read from the wrong row, would make its drafts stop
+    matching the target."""
+    spec = adaptive("draft_model", demo_model, 4, policy="chain", draft_loop="fixed")
+    run = _run(tmp_path, demo_model, prompt_ids[:5], spec, record_roots=True)
+    assert run.token_ids == baseline.token_ids[:5]
+    assert sum(padded for *_, padded in run.roots) > 0
+    stats = run.tree_stats
+    assert stats["tokens_accepted"] >= 0.97 * stats["nodes_verified"], stats

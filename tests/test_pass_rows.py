@@ -42,6 +42,20 @@ def test_a_split_takes_each_entrys_first_rows_and_leaves_the_rest():
     assert rest.batch_rows.tolist() == [4, 6, 9]
 
 
+def test_a_padded_pass_keeps_each_entrys_rows_then_repeats_its_last():
+    """``[entries, width]`` rows: an entry's own rows in order, then its last
+    row again (in range for every index), ``filled`` its own count."""
+    tokens = torch.arange(100, 106)
+    rows = PassRows(tokens, np.array([40, 41, 42, 7, 90, 91]), tokens[:, None].float(), np.array([3, 1, 2]),
+                    np.array([4, 6, 9]))
+    padded = rows.padded(4)
+    assert padded.tokens.tolist() == [100, 101, 102, 102, 103, 103, 103, 103, 104, 105, 105, 105]
+    assert padded.positions.tolist() == [40, 41, 42, 42, 7, 7, 7, 7, 90, 91, 91, 91]
+    assert padded.aux[:, 0].tolist() == [float(t) for t in padded.tokens.tolist()]
+    assert padded.lengths.tolist() == [4, 4, 4] and padded.batch_rows.tolist() == [4, 6, 9]
+    assert padded.own_lengths().tolist() == [3, 1, 2] and rows.own_lengths().tolist() == [3, 1, 2]
+
+
 def test_kept_rows_of_paused_steps_come_before_a_requests_own():
     """Entry 0 kept nothing; entry 1 kept two rows (in two parts) before its
     three of this step; entry 2 kept one."""

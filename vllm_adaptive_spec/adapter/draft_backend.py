@@ -15,6 +15,9 @@ Two variants over one base, :class:`PagedDraftBackend`: an EAGLE-3 head
    auxiliary hidden states of position ``p`` with token ``p + 1`` (the last
    row reads the new bonus token); a draft LM reads the tokens themselves plus
    the bonus token. The last row's distribution gives the root's children.
+   Where the tree layers run at fixed capacity, a steady step's pass is laid
+   out ``[requests, width]`` instead, each request's rows then padding
+   (:meth:`PagedDraftBackend._padded_width`): the shape a graph replays.
    While the load budget pauses drafting no pass runs; the next drafting
    step catches up (see :meth:`~PagedDraftBackend.first_pass`).
 2. :meth:`feed` runs one tree layer: node rows sit at position
@@ -77,16 +80,36 @@ class PassRows(NamedTuple):
     request): ``tokens`` ``[T]`` and an EAGLE-3 head's ``aux`` (the target's
     hidden states of those rows, ``[T, H]``; None for a draft LM) where the
     model runs, ``positions`` ``[T]`` on the host, and each entry's row
-    count (``lengths``) and ``batch_rows``."""
+    count (``lengths``) and ``batch_rows``. A padded pass (:meth:`padded`)
+    also says how many of each entry's rows are its own (``filled``; the
+    rest are padding)."""
 
     tokens: torch.Tensor
     positions: np.ndarray
     aux: torch.Tensor | None
     lengths: np.ndarray
     batch_rows: np.ndarray
+    filled: np.ndarray | None = None
 
     def total(self) -> int:
         return int(self.lengths.sum())
+
+    def own_lengths(self) -> np.ndarray:
+        """Each entry's own rows (all of them unless padded)."""
+        return self.lengths if self.filled is None else self.filled
+
+    def padded(self, width: int) -> "PassRows":
+        """Each entry's rows, then padding up to ``width`` rows: the
+        ``[entries, width]`` layout a graph replays. A padding row repeats
+        its entry's last row (token, hidden state, position: every index
+        stays in range); it writes no KV and its output is dropped
+        (:meth:`PagedDraftBackend._feed_rows`)."""
+        offsets = np.cumsum(self.lengths) - self.lengths
+        last = offsets + self.lengths - 1
+        source = np.minimum(offsets[:, None] + np.arange(width), last[:, None]).ravel()
+        at = torch.from_numpy(source).to(self.tokens.device)
+        return PassRows(self.tokens[at], self.positions[source], None if self.aux is None else self.aux[at],
+                        np.full(self.lengths.size, width, dtype=np.int64), self.batch_rows, self.lengths)
 
     def split(self, take: np.ndarray) -> tuple["PassRows", "PassRows"]:
         """The first ``take[e]`` rows of each entry (entries taking none left
@@ -178,6 +201,8 @@ class PagedDraftBackend:
     committed rows, the first pass, tree layers (as ``layers``, a
     ``draft_layers`` variant, runs them), the forward over vLLM's paged cache."""
 
+    ROWS_AFTER_CHAIN = 0  # rows a first pass feeds beyond a request's committed chain
+
     def __init__(self, runner, native, max_nodes: int, layers=None) -> None:
         self.runner = runner
         self.native = native
@@ -264,7 +289,9 @@ class PagedDraftBackend:
         if rows is None or not len(rows.batch_rows):
             return 0.0
         own_share = committed.own_rows / rows.total()
-        logits, out_hidden, last = self._feed_rows(self._feed_oldest(rows, block_table), block_table, drafting)
+        width = self._padded_width(committed)
+        rows = rows.padded(width) if width else self._feed_oldest(rows, block_table)
+        logits, out_hidden, last = self._feed_rows(rows, block_table, drafting)
         if drafting:
             num_reqs = self.runner.input_batch.num_reqs
             index, context = np.full(num_reqs, -1, dtype=np.int64), np.zeros(num_reqs, dtype=np.int64)
@@ -306,6 +333,27 @@ class PagedDraftBackend:
             drafts = np.isin(batch_rows, np.fromiter(only_rows, dtype=np.int64, count=len(only_rows)))
         return Committed(batch_rows, rows, np.cumsum(lengths), first, next_tokens, drafts)
 
+    def _padded_width(self, committed: CommittedPass) -> int:
+        """The rows each request takes in a first pass laid out at fixed
+        width, or 0 for a ragged pass. Where the tree layers run at fixed
+        capacity (the loop graphs replay), a steady step's pass (no rows
+        caught up, no prompt chunk) is ``[entries, width]``: ``width`` is
+        the step's widest scheduled request plus the rows the variant feeds
+        after a chain (``ROWS_AFTER_CHAIN``), known on the host before the
+        step, so the pass's shape depends on the batch and the step's width
+        only, not on what was accepted. Issue 53, item 2."""
+        rows = committed.rows
+        if not self.fixed_layers or committed.own_rows != rows.total():
+            return 0
+        query_start = self.runner.query_start_loc.np
+        scheduled = query_start[rows.batch_rows + 1] - query_start[rows.batch_rows]
+        width = int(scheduled.max()) + self.ROWS_AFTER_CHAIN
+        first = rows.positions[np.cumsum(rows.lengths) - rows.lengths]
+        steady = int(rows.lengths.max()) <= width <= 1 + self.max_nodes + self.ROWS_AFTER_CHAIN
+        fits = (width * rows.batch_rows.size <= self.max_pass_rows
+                and int(first.max()) + width <= self.runner.max_model_len)
+        return width if steady and fits else 0
+
     def _feed_oldest(self, rows: PassRows, block_table) -> PassRows:
         """While a pass's rows exceed what one draft forward takes (vLLM's
         buffers hold ``max_num_batched_tokens``; a catch-up after a long pause
@@ -323,18 +371,24 @@ class PagedDraftBackend:
 
     def _feed_rows(self, rows: PassRows, block_table, logits: bool):
         """One draft forward over ``rows``: the logits and hidden states of
-        each entry's last row (no logits unless ``logits``), and those rows'
-        indexes."""
+        each entry's last own row (no logits unless ``logits``), and those
+        rows' indexes. An entry's ``k``-th row sits at position ``p0 + k``
+        and sees keys up to it under the causal kernel (``seq_len = p0 +
+        length``); a padding row's slot is -1 (no KV written)."""
         ends = np.cumsum(rows.lengths)
+        offsets = ends - rows.lengths
         starts = torch.zeros(len(ends) + 1, dtype=torch.int32)
         starts[1:] = torch.from_numpy(ends)
         positions = torch.from_numpy(rows.positions)
         slots = self.slots(block_table, torch.from_numpy(np.repeat(rows.batch_rows, rows.lengths)), positions)
-        seq_lens = (rows.positions[ends - 1] + 1).astype(np.int32)  # each entry's last position
+        if rows.filled is not None:
+            padding = np.arange(ends[-1]) - np.repeat(offsets, rows.lengths) >= np.repeat(rows.filled, rows.lengths)
+            slots = slots.masked_fill(torch.from_numpy(padding).to(slots.device), -1)
+        seq_lens = (rows.positions[offsets] + rows.lengths).astype(np.int32)
         seq_lens_t = torch.from_numpy(seq_lens)
         layout = PassLayout(starts, seq_lens_t, seq_lens_t, block_table[torch.from_numpy(rows.batch_rows)],
                             int(rows.lengths.max()), int(seq_lens.max()))
-        last = torch.from_numpy(ends - 1)
+        last = torch.from_numpy(offsets + rows.own_lengths() - 1)
         out_logits, out_hidden = self.run(rows.tokens, positions, self._combine(rows.aux), slots, layout,
                                           logit_rows=last if logits else last[:0])
         return out_logits, out_hidden, last

@@ -15,6 +15,8 @@ from vllm_adaptive_spec.packed_ranges import packed_ranges
 
 
 class LMDraftBackend(PagedDraftBackend):
+    ROWS_AFTER_CHAIN = 1  # the token after the chain
+
     def __init__(self, runner, native, max_nodes: int, layers=None) -> None:
         super().__init__(runner, native, max_nodes, layers)
         self._stops: dict[str, int] = {}  # paused request -> first position without draft KV
