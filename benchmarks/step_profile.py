@@ -28,7 +28,9 @@ engine step (self time: a phase's time without the phases inside it):
   ``leaf`` share, so an overlap saves at most ``overlap <=`` of the step time
   (less for EAGLE-3, which needs step ``t``'s hidden states to draft at all);
 * ``graphs``: how many forwards replayed a FULL CUDA graph, a PIECEWISE one,
-  or none (always ``NONE`` on the CPU).
+  or none (always ``NONE`` on the CPU); ``draft graphs``: the same for a
+  model drafter's passes (the first pass and every tree layer), which replay
+  the PIECEWISE graphs vLLM captured for its drafter.
 
 Methods: ``none``, ``vllm-eagle3-K`` (vLLM's EAGLE-3 chain of K with ``--head``), ``none-v1-sync`` (no speculation on the plugin's runner
 and scheduling: vLLM's V1 runner, synchronous), ``ngram`` (vLLM's, K=4), ``tree-N`` (adaptive_tree
@@ -73,7 +75,7 @@ from pathlib import Path
 from benchmarks import engine_worker, engines
 from benchmarks.options import add_batches, add_output, add_sampling, add_workload
 from benchmarks.report import write_report
-from vllm_adaptive_spec.adapter.step_profile import GRAPH_KEY
+from vllm_adaptive_spec.adapter.step_profile import DRAFT_GRAPH_KEY, GRAPH_KEY
 
 
 MAX_LEN = 64  # l_max = l_min = 64: the suffix never matches, no tree is drafted
@@ -316,16 +318,17 @@ def lockstep(jobs: dict[str, dict], batch_sizes: list[int], passes: int, counts:
     return rows
 
 
-def graphs(phases: dict) -> str:
-    """The CUDA graph runtime modes the steps' forwards were dispatched to, as
-    ``FULL n / PIECEWISE n / NONE n`` (the modes that occurred)."""
-    counts = {key.removeprefix(GRAPH_KEY): value[1] for key, value in phases.items() if key.startswith(GRAPH_KEY)}
+def graphs(phases: dict, prefix: str = GRAPH_KEY) -> str:
+    """The CUDA graph runtime modes the steps' forwards (``prefix``: the
+    target's, or a model drafter's passes) were dispatched to, as ``FULL n /
+    PIECEWISE n / NONE n`` (the modes that occurred)."""
+    counts = {key.removeprefix(prefix): value[1] for key, value in phases.items() if key.startswith(prefix)}
     return " / ".join(f"{mode} {counts[mode]}" for mode in ("FULL", "PIECEWISE", "NONE") if counts.get(mode))
 
 
 def table(report: dict) -> str:
     head = ["method", "b", "tok/s", "vs first", "same", "tok/step", "ms/step", *COLUMNS, "engine", "leaf", "overlap <=",
-            "graphs"]
+            "graphs", "draft graphs"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in report["rows"]:
         if "error" in row:
@@ -347,7 +350,7 @@ def table(report: dict) -> str:
             cells += [f"{leaf:.0%}", f"{leaf * drafting / row['wall_s']:.1%}"]
         else:
             cells += ["", ""]
-        cells.append(graphs(row["phases"]))
+        cells += [graphs(row["phases"]), graphs(row["phases"], DRAFT_GRAPH_KEY)]
         lines.append("| " + " | ".join(cells) + " |")
         for kind, part in (row.get("by_kind") or {}).items():
             cols = self_times(part["phases"])
@@ -355,7 +358,7 @@ def table(report: dict) -> str:
                      f"{1000 * part['wall_s'] / part['steps']:.1f}"]
             cells += [f"{1000 * cols[c] / part['steps']:.2f}" for c in COLUMNS]
             cells += [f"{1000 * (part['wall_s'] - sum(cols.values())) / part['steps']:.2f}", "", "",
-                      graphs(part["phases"])]
+                      graphs(part["phases"]), graphs(part["phases"], DRAFT_GRAPH_KEY)]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

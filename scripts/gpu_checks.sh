@@ -22,12 +22,16 @@
 #      profile: benchmarks/step_profile.py in lockstep at batch 8 and 64: the graphs column
 #            (FULL for every draft-free and every uniform tree step) and the step times of none
 #            (vLLM's default), none-v1-sync, tree-0 (draft-free) and tree-16 / tree-adaptive-16;
+#            eagle3-16's draft graphs column (its first passes and tree layers replaying the
+#            PIECEWISE graphs vLLM captured for the head, issue 53);
 #      drafthost: benchmarks/draft_host_time.py at batch 8 and 64: a drafting step's host time outside
 #            torch operations for the tensor retrieval matcher and an EAGLE-3 tree (issue 53).
 #   2. throughput: benchmarks/throughput.py, bf16, held-out prompts, batch 1, 8, 32, 64: none,
 #            none-v1-sync, ngram, eagle3 (vLLM's chain), tree-retrieval (the trie) and
 #            tree-retrieval-tensors (issue 53's tensor matcher, which auto would pick if faster);
-#      greedy: the gpu tests' greedy equality for retrieval on both attention backends.
+#      greedy: the gpu tests' greedy equality for retrieval on both attention backends, and for
+#            an EAGLE-3 tree and a draft LM on FLASH_ATTN (their passes replayed from graphs: tau
+#            above 1.2 says the replays read this step's inputs).
 # OUT_DIR/checks.tgz holds every log, table and JSON; OUT_DIR/summary.txt each part's exit.
 set -u
 OUT=${1:?usage: gpu_checks.sh OUT_DIR [SECONDS]}
@@ -67,7 +71,7 @@ part drafthost "$WAVE1" python3 benchmarks/draft_host_time.py --drafters retriev
     --dtype bfloat16 --out "$WORK/drafthost" &
 PARTS="$PARTS $!"
 part profile "$WAVE1" python3 benchmarks/step_profile.py --dtype bfloat16 --engine-layout lockstep --passes 1 \
-    --methods none,none-v1-sync,tree-0,tree-16,tree-adaptive-16 --batch-sizes 8,64 --max-tokens 64 --out "$WORK/profile" &
+    --methods none,none-v1-sync,tree-0,tree-16,tree-adaptive-16,eagle3-16 --batch-sizes 8,64 --max-tokens 64 --out "$WORK/profile" &
 PARTS="$PARTS $!"
 wait $PARTS  # not the packer, which runs until the end
 
@@ -77,7 +81,9 @@ part throughput "$WAVE2" bash scripts/gpu_throughput.sh "$WORK/throughput" $(( W
 PARTS=$!
 part greedy "$WAVE2" python3 -m pytest -q -p no:cacheprovider -rfE \
     "tests/test_gpu_engine.py::test_greedy_equals_no_speculation_on_gpu[TRITON_ATTN-retrieval]" \
-    "tests/test_gpu_engine.py::test_greedy_equals_no_speculation_on_gpu[FLASH_ATTN-retrieval]" &
+    "tests/test_gpu_engine.py::test_greedy_equals_no_speculation_on_gpu[FLASH_ATTN-retrieval]" \
+    "tests/test_gpu_engine.py::test_greedy_equals_no_speculation_on_gpu[FLASH_ATTN-eagle3-eagle2]" \
+    "tests/test_gpu_engine.py::test_greedy_equals_no_speculation_on_gpu[FLASH_ATTN-draft_model]" &
 wait $PARTS $!
 
 kill "$PACKER" 2>/dev/null

@@ -55,6 +55,7 @@ class EngineRun:
     roots: list | None
     stash_drops: int | None
     split_passes: int | None
+    padded_draft_passes: int | None
     probes: int | None
     probe_trees: int | None
     paused_passes: int | None

@@ -13,7 +13,9 @@ step of each cycle is a probe that drafts for k requests), record_roots (a model
 root draft distribution at every drafting step, see ``record_roots``), stash_bytes (an
 EAGLE-3 head's bound on kept rows of paused steps; the out key stash_drops counts the
 steps on which requests gave theirs up), max_pass_rows (the most rows of a model drafter's forward; longer
-first passes are fed in several),
+first passes are fed in several), pad_draft_passes (m: every model-drafter forward padded to a
+multiple of m rows through the drafter's persistent buffers, as a CUDA graph's capture size
+pads it; the out key padded_draft_passes counts them),
 serial_first (k: the first k prompts run one at a time, batch size 1, before the
 others are submitted together), submit_after_steps ({prompt index: k}: that prompt is
 submitted k engine steps after the others instead of with them).
@@ -174,6 +176,23 @@ def limit_pass_rows(worker, rows: int) -> None:
     _count_calls(worker, "split_passes", backend, "_feed_oldest", lambda pass_rows, *args: pass_rows.total() > rows)
 
 
+def pad_draft_passes(worker, multiple: int) -> None:
+    """Pad every model-drafter forward to a multiple of ``multiple`` rows, as
+    vLLM's dispatcher pads one to a CUDA graph's capture size (the CPU has no
+    graphs: the mode stays NONE, the padding path is the GPU's)."""
+    native = worker.model_runner._draft_backend.native
+    decide, limit = native._determine_batch_execution_and_padding, native.input_ids.shape[0]
+    worker.padded_draft_passes = 0
+
+    def padded(num_tokens, *args, **kwargs):
+        mode, _, across_dp = decide(num_tokens, *args, **kwargs)
+        num_input = min(-(-num_tokens // multiple) * multiple, limit)
+        worker.padded_draft_passes += num_input != num_tokens
+        return mode, num_input, across_dp
+
+    native._determine_batch_execution_and_padding = padded
+
+
 def _step_guard_report(worker) -> dict:
     import step_guard
 
@@ -185,7 +204,7 @@ def main(job_path: str, out_path: str) -> None:
         job = json.load(handle)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if "pause_pattern" in job or job.get("record_roots") or "stash_bytes" in job or "max_pass_rows" in job \
-            or job.get("step_guard"):
+            or "pad_draft_passes" in job or job.get("step_guard"):
         # collective_rpc pickles the function only with this set.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     llm = _engine(job)
@@ -226,6 +245,8 @@ def _engine(job: dict):
         llm.collective_rpc(functools.partial(limit_stash, stash_bytes=job["stash_bytes"]))
     if "max_pass_rows" in job:
         llm.collective_rpc(functools.partial(limit_pass_rows, rows=job["max_pass_rows"]))
+    if "pad_draft_passes" in job:
+        llm.collective_rpc(functools.partial(pad_draft_passes, multiple=job["pad_draft_passes"]))
     if job.get("step_guard"):
         import step_guard
 
@@ -331,6 +352,7 @@ def _results(llm, job: dict, finished: dict) -> dict:
         "step_guard": llm.collective_rpc(_step_guard_report)[0] if job.get("step_guard") else None,
         **{key: llm.collective_rpc(functools.partial(counter, name=key))[0] if setting in job else None
            for key, setting in (("stash_drops", "stash_bytes"), ("split_passes", "max_pass_rows"),
+                                ("padded_draft_passes", "pad_draft_passes"),
                                 ("probes", "pause_pattern"), ("probe_trees", "pause_pattern"),
                                 ("paused_passes", "pause_pattern"),
                                 ("draft_free_verifies", "pause_pattern"))},

@@ -157,11 +157,16 @@ def test_hybrid_greedy_equals_no_speculation(datastore, demo_model, prompt_ids, 
     children, the layers at fixed capacity (``draft_loop: fixed``), nothing
     read back until the trees, and steady steps' first passes padded to the
     step's width; their roots must equal those of ragged passes (catch-ups,
-    prompts) from the same context. With the datastore of finished outputs
+    prompts) from the same context. Every forward there is also padded to a
+    multiple of 8 rows through the head's persistent buffers, as a CUDA
+    graph's capture size pads it. With the datastore of finished outputs
     (the trie matcher's), the layers are ragged."""
     device_path = {"matcher": "tensors", "draft_loop": "fixed"} if datastore == "off" else {}
+    graph_padding = {"pad_draft_passes": 8} if datastore == "off" else {}
     spec = adaptive("hybrid", HEAD, 24, policy="eagle2", top_k=4, depth=6, datastore=datastore, **device_path)
-    run = _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec, [3, 2], record_roots=True)
+    run = _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec, [3, 2], record_roots=True,
+                               **graph_padding)
+    assert (datastore == "shared") or run.padded_draft_passes > 0
     assert (run.tree_stats["datastore_tokens"] > 0) == (datastore == "shared")
     assert run.tree_stats["paused_trees"] > 0
     compared, _, mixed = _roots_agree(run.roots)
@@ -222,12 +227,13 @@ def test_target_drafting_for_itself_is_accepted_in_full(demo_model, prompt_ids, 
 def test_a_draft_lms_padded_first_pass_keeps_its_draft_kv_whole(demo_model, prompt_ids, baseline, tmp_path):
     """The target drafting for itself with the layers at fixed capacity
     (``draft_loop: fixed``): steady steps' first passes are padded to the
-    step's width plus the token after the chain; a padding row that wrote
+    step's width plus the token after the chain, and every forward to a
+    multiple of 8 rows (a graph's capture size); a padding row that wrote
     KV, or a root read from the wrong row, would make its drafts stop
     matching the target."""
     spec = adaptive("draft_model", demo_model, 4, policy="chain", draft_loop="fixed")
-    run = _run(tmp_path, demo_model, prompt_ids[:5], spec, record_roots=True)
+    run = _run(tmp_path, demo_model, prompt_ids[:5], spec, record_roots=True, pad_draft_passes=8)
     assert run.token_ids == baseline.token_ids[:5]
-    assert sum(padded for *_, padded in run.roots) > 0
+    assert sum(padded for *_, padded in run.roots) > 0 and run.padded_draft_passes > 0
     stats = run.tree_stats
     assert stats["tokens_accepted"] >= 0.97 * stats["nodes_verified"], stats

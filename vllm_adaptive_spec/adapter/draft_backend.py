@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from vllm.config import CUDAGraphMode
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -459,12 +460,15 @@ class PagedDraftBackend:
         """One draft-model forward over the rows of ``layout``; the logits of
         ``logit_rows`` only (all rows when None: the LM head is a large part
         of a small draft model's cost), over the head's own vocabulary where
-        it has one."""
+        it has one. Where vLLM captured the draft model's PIECEWISE CUDA
+        graphs (its drafter's, for every capture size) the forward replays
+        them (:meth:`_graph_inputs`)."""
         native = self.native
         num_tokens = int(tokens.shape[0])
         device = self.runner.device
         tokens, positions, slots = tokens.to(device), positions.to(device), slots.to(device)
         hidden = None if hidden is None else hidden.to(device)
+        mode, num_input, across_dp = native._determine_batch_execution_and_padding(num_tokens)
         metadata = CommonAttentionMetadata(
             query_start_loc=layout.query_start_loc.to(device),
             query_start_loc_cpu=layout.query_start_loc,
@@ -479,15 +483,34 @@ class PagedDraftBackend:
             positions=positions,
         )
         _, per_layer = native.build_per_group_and_layer_attn_metadata(metadata)
-        with set_forward_context(
-            per_layer, native.vllm_config, num_tokens=num_tokens, slot_mapping=native._get_slot_mapping(num_tokens, slots)
-        ):
-            normed, prenorm = self._forward(tokens, positions, hidden)
+        eager = mode == CUDAGraphMode.NONE and num_input == num_tokens
+        inputs = (tokens, positions, hidden) if eager else self._graph_inputs(tokens, positions, hidden, num_input)
+        with set_forward_context(per_layer, native.vllm_config, num_tokens=num_input, num_tokens_across_dp=across_dp,
+                                 cudagraph_runtime_mode=mode, slot_mapping=native._get_slot_mapping(num_input, slots)):
+            normed, prenorm = self._forward(*inputs)
+        if num_input != num_tokens:  # the padding rows of a graph's capture size
+            normed, prenorm = normed[:num_tokens], None if prenorm is None else prenorm[:num_tokens]
         if logit_rows is not None:
             normed = normed[logit_rows.to(device)]
         if self._target_ids() is not None:
             return native.model.logits_processor(native.model.lm_head, normed), prenorm
         return native.model.compute_logits(normed), prenorm
+
+    def _graph_inputs(self, tokens, positions, hidden, num_input: int):
+        """The pass's inputs in the drafter's persistent buffers, padded to
+        ``num_input`` rows (the capture size vLLM dispatched): a CUDA graph
+        replays reads from the addresses it was captured with (vLLM's
+        ``dummy_run`` captured them from these buffers). Padding rows keep
+        whatever an earlier pass left (valid tokens and positions); they
+        write no KV (slot -1) and their outputs are dropped."""
+        native, num_tokens = self.native, int(tokens.shape[0])
+        native.input_ids[:num_tokens].copy_(tokens)
+        native._set_positions(num_tokens, positions)
+        staged = None
+        if hidden is not None:
+            native.hidden_states[:num_tokens].copy_(hidden)
+            staged = native.hidden_states[:num_input]
+        return native.input_ids[:num_input], native._get_positions(num_input), staged
 
     def distribution(self, logits: torch.Tensor) -> DraftDistribution:
         """The pass's distributions, tokens in the target's vocabulary (ties:

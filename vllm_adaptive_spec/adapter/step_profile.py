@@ -74,18 +74,19 @@ def _wrap(owner, attribute: str, name: str, timer: _Timer | None) -> None:
     setattr(owner, attribute, timed)
 
 
-GRAPH_KEY = "graph "
+GRAPH_KEY = "graph "  # the target's forwards
+DRAFT_GRAPH_KEY = "draft graph "  # a model drafter's
 
 
-def _count_graphs(dispatcher, timer: _Timer) -> None:
-    """Count ``dispatcher``'s runtime modes on ``timer`` as ``graph MODE``."""
+def _count_graphs(dispatcher, timer: _Timer, prefix: str = GRAPH_KEY) -> None:
+    """Count ``dispatcher``'s runtime modes on ``timer`` as ``PREFIX MODE``."""
     fn = dispatcher.dispatch
     if getattr(fn, "_step_profile_wrapped", False):
         return
 
     def counted(*args, **kwargs):
         mode, descriptor = fn(*args, **kwargs)
-        key = GRAPH_KEY + mode.name
+        key = prefix + mode.name
         timer.seconds[key] += 0.0
         timer.calls[key] += 1
         return mode, descriptor
@@ -140,6 +141,7 @@ def install(worker) -> bool:
         _wrap(backend, "first_pass", "draft_first_pass", timer)
         _wrap(backend, "feed", "draft_pass", timer)
         _wrap(backend, "_feed_rows", "draft_forward", timer)
+        _count_graphs(backend.native.cudagraph_dispatcher, timer, DRAFT_GRAPH_KEY)
     if proposer is not None and getattr(runner, "rejection_sampler", None) is not None:
         verifier = runner.rejection_sampler
         verifier.on_accept = runner._after_acceptance
