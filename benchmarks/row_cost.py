@@ -17,6 +17,12 @@ The table gives the fastest of ``--repeats`` runs per ``T`` (each step's
 slopes, the milliseconds per added row. The engine runs in-process
 (the throughput benchmark's ``--engine-layout in-process``), float32 by default.
 
+``--batch-sizes`` also times steps of ``b`` such requests at once (the same
+cached context, ``T`` new tokens each): the step cost per (batch, rows a
+request) that a uniform tree step of width ``T - 1`` pays (issue 53's 8B
+table), as a prompt-chunk step (PIECEWISE graphs on a GPU, where a uniform
+tree step replays a FULL one: an upper bound by the launches).
+
 ``--shape llama3-8b`` times a model of Llama-3-8B's shape instead of the demo
 model (random weights: vLLM's ``load_format="dummy"``, no tokenizer; use
 ``--dtype bfloat16`` on a GPU), the cost a GPU user's target would have.
@@ -27,6 +33,7 @@ Reproduce (about 2 minutes on 2 CPU cores; writes ``row_cost.{json,md}``)::
 
     .venv/bin/vllm-adaptive-spec bench row-cost
     # on a GPU: .venv/bin/vllm-adaptive-spec bench row-cost --shape llama3-8b --dtype bfloat16 --rows 1,2,4,8,16,32,48,64,96,128
+    # the (batch, width) table: ... --shape llama3-8b --dtype bfloat16 --rows 1,3,5,9,17 --batch-sizes 1,8,32,64
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import time
 from pathlib import Path
 
 from benchmarks import engine_worker
-from benchmarks.options import RESULTS, add_output, int_list
+from benchmarks.options import RESULTS, add_batches, add_output, int_list
 from benchmarks.report import write_report
 
 
@@ -98,35 +105,68 @@ def model_path(shape: str, workdir: Path) -> tuple[str, dict]:
 
 
 def measure(context: int, rows: tuple[int, ...], repeats: int, dtype: str, shape: str = "demo",
-            workdir: Path = RESULTS) -> dict:
+            workdir: Path = RESULTS, batch_sizes: tuple[int, ...] = (1,)) -> dict:
     # logits_ms is sent to the worker, which vLLM only pickles with this set.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     model, settings = model_path(shape, workdir)
     max_len = -(-(context + max(rows) + 1) // BLOCK) * BLOCK
-    job = {"model": model, "dtype": dtype, "max_model_len": max_len, "max_num_seqs": 1, "block_size": BLOCK,
+    largest = max(batch_sizes)
+    job = {"model": model, "dtype": dtype, "max_model_len": max_len, "max_num_seqs": largest, "block_size": BLOCK,
            "engine_layout": "in-process"}
-    llm = engine_worker.open_engine(job, enable_prefix_caching=True, **settings)
-    base = [100 + (i * 7919) % 40000 for i in range(context)]
+    llm = engine_worker.open_engine(job, enable_prefix_caching=True,
+                                    max_num_batched_tokens=max(max_len, largest * max(rows)), **settings)
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=shape == "demo")
+    by_batch = {batch: _steps(llm, params, context, rows, repeats, batch) for batch in batch_sizes}
+    first = 1 if 1 in by_batch else batch_sizes[0]
+    best = {"step": by_batch[first],
+            "logits": llm.collective_rpc(logits_ms, args=(rows, 3 * repeats))[0]}
+    return {"shape": shape, "context": context, "repeats": repeats, "dtype": dtype, "batch": first, "best_ms": best,
+            "ms_per_row": {name: slope(sorted(by_rows.items())) for name, by_rows in best.items()},
+            "step_ms_by_batch": by_batch}
+
+
+def _steps(llm, params, context: int, rows: tuple[int, ...], repeats: int, batch: int) -> dict[int, float]:
+    """The fastest step of ``batch`` requests with ``T`` new tokens each over
+    the cached context, per ``T`` in ``rows`` (every request's tokens differ)."""
+    from vllm.inputs import TokensPrompt
+
+    base = [100 + (i * 7919) % 40000 for i in range(context)]
     llm.generate([TokensPrompt(prompt_token_ids=base)], params, use_tqdm=False)
     steps: dict[int, list[float]] = {}
     for repeat in range(repeats):
         for count in rows:
-            tail = [200 + (j * 31 + repeat * 977) % 40000 for j in range(count)]
+            prompts = [TokensPrompt(prompt_token_ids=base + [200 + (j * 31 + (repeat * batch + r) * 977) % 40000
+                                                             for j in range(count)]) for r in range(batch)]
             started = time.perf_counter()
-            llm.generate([TokensPrompt(prompt_token_ids=base + tail)], params, use_tqdm=False)
+            llm.generate(prompts, params, use_tqdm=False)
             steps.setdefault(count, []).append((time.perf_counter() - started) * 1e3)
-    best = {"step": {count: min(values) for count, values in steps.items()},
-            "logits": llm.collective_rpc(logits_ms, args=(rows, 3 * repeats))[0]}
-    return {"shape": shape, "context": context, "repeats": repeats, "dtype": dtype, "best_ms": best,
-            "ms_per_row": {name: slope(sorted(by_rows.items())) for name, by_rows in best.items()}}
+    return {count: min(values) for count, values in steps.items()}
+
+
+def replayed(by_batch: dict[int, dict[int, float]], results: list[dict]) -> list[dict]:
+    """What each speculative method of a throughput run (``results``: the
+    demo pair's acceptance) would give at this model's step costs: its tokens
+    a drafting step (``tau``) over the step of its rows a request (one plus
+    its mean drafts, rounded up to a timed row count), against a one-row
+    step. The target's cost only: a drafter sized for this model costs more
+    than the demo's."""
+    out = []
+    for row in results:
+        spec, steps = row.get("spec") or {}, by_batch.get(row.get("batch_size"))
+        if not spec.get("drafts") or not steps or 1 not in steps:
+            continue
+        width = 1 + spec["draft_tokens"] / spec["drafts"]
+        rows = min((count for count in steps if count >= width), default=None)
+        if rows is not None:
+            out.append({"method": row["method"], "batch_size": row["batch_size"], "tau": row["tau"], "rows": rows,
+                        "speedup": row["tau"] * steps[1] / steps[rows]})
+    return out
 
 
 def markdown(report: dict) -> str:
-    lines = [f"{report.get('shape', 'demo')} model, batch 1, context {report['context']} tokens (prefix-cached), "
+    lines = [f"{report.get('shape', 'demo')} model, batch {report.get('batch', 1)}, context {report['context']} tokens (prefix-cached), "
              f"{report['dtype']}, "
              f"fastest of {report['repeats']} steps", "",
              "| rows | step (last row's logits), ms | logits of every row, ms |", "|---:|---:|---:|"]
@@ -134,6 +174,19 @@ def markdown(report: dict) -> str:
     for count in step:
         lines.append(f"| {count} | {step[count]:.1f} | {logits[count]:.2f} |")
     lines.append(f"| ms per added row | {report['ms_per_row']['step']:.2f} | {report['ms_per_row']['logits']:.2f} |")
+    by_batch = report.get("step_ms_by_batch") or {}
+    if len(by_batch) > 1:
+        counts = list(next(iter(by_batch.values())))
+        lines += ["", "Step ms by batch (rows) and rows a request (columns):", "",
+                  "| batch | " + " | ".join(str(c) for c in counts) + " |", "|---:|" + "---:|" * len(counts)]
+        lines += [f"| {batch} | " + " | ".join(f"{steps[c]:.1f}" for c in counts) + " |"
+                  for batch, steps in by_batch.items()]
+    if report.get("replayed"):
+        lines += ["", "The throughput run's acceptance at these step costs (a drafting step's tokens over its "
+                  "step, against a one-row step):", "", "| method | batch | tau | rows a request | speedup |",
+                  "|---|---:|---:|---:|---:|"]
+        lines += [f"| {r['method']} | {r['batch_size']} | {r['tau']:.2f} | {r['rows']} | {r['speedup']:.2f}x |"
+                  for r in report["replayed"]]
     return "\n".join(lines) + "\n"
 
 
@@ -146,6 +199,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--shape", choices=("demo", "llama3-8b"), default="demo",
                         help="the demo model, or Llama-3-8B's shape with random weights")
+    add_batches(parser, "1")  # requests a step, each with the rows of --rows: the step cost per (batch, rows)
+    parser.add_argument("--acceptance", type=Path,
+                        help="a throughput.json (e.g. the demo pair's on the same GPU): each method's tau replayed "
+                             "at these step costs")
     add_output(parser)
     args = parser.parse_args(argv)
     if args.context % BLOCK:
@@ -154,7 +211,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--rows needs two distinct counts of at least 2 (the ms per row is their slope)")
     args.out.mkdir(parents=True, exist_ok=True)
     report = measure(args.context, tuple(args.rows), args.repeats, args.dtype,
-                     args.shape, args.out)
+                     args.shape, args.out, tuple(args.batch_sizes))
+    if args.acceptance is not None:
+        results = json.loads(args.acceptance.read_text(encoding="utf-8"))["results"]
+        report["replayed"] = replayed(report["step_ms_by_batch"], results)
     write_report(args.out, "row_cost", report, markdown(report))
 
 

@@ -53,6 +53,23 @@ def test_row_slope_leaves_the_first_row_out():
     assert row_cost.slope(points) == pytest.approx(2.5)
 
 
+def test_a_throughput_runs_acceptance_replayed_at_measured_step_costs():
+    """Each method's tau over the step of its rows a request (one plus its
+    mean drafts, rounded up to a timed count) against a one-row step; rows
+    without drafts, or at a batch not timed, are left out."""
+    by_batch = {8: {1: 10.0, 3: 11.0, 5: 12.5, 17: 20.0}}
+    results = [
+        {"method": "eagle3", "batch_size": 8, "tau": 2.0, "spec": {"drafts": 10, "draft_tokens": 40}},
+        {"method": "tree", "batch_size": 8, "tau": 3.0, "spec": {"drafts": 10, "draft_tokens": 120}},
+        {"method": "none", "batch_size": 8, "spec": {}},
+        {"method": "tree", "batch_size": 64, "tau": 3.0, "spec": {"drafts": 10, "draft_tokens": 120}},
+    ]
+    replay = row_cost.replayed(by_batch, results)
+    assert [(r["method"], r["rows"]) for r in replay] == [("eagle3", 5), ("tree", 17)]
+    assert replay[0]["speedup"] == pytest.approx(2.0 * 10.0 / 12.5)
+    assert replay[1]["speedup"] == pytest.approx(3.0 * 10.0 / 20.0)
+
+
 def test_the_tool_reports_every_setting_from_stored_answers(tmp_path):
     """``main`` on answers already on disk (no engine): one report entry and
     one markdown section per setting, with the cost it was estimated at."""
