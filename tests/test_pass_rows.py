@@ -54,6 +54,8 @@ def test_a_padded_pass_keeps_each_entrys_rows_then_repeats_its_last():
     assert padded.aux[:, 0].tolist() == [float(t) for t in padded.tokens.tolist()]
     assert padded.lengths.tolist() == [4, 4, 4] and padded.batch_rows.tolist() == [4, 6, 9]
     assert padded.own_lengths().tolist() == [3, 1, 2] and rows.own_lengths().tolist() == [3, 1, 2]
+    assert padded.padding().tolist() == [False] * 3 + [True] + [False] + [True] * 3 + [False] * 2 + [True] * 2
+    assert rows.padding() is None and rows.offsets().tolist() == [0, 3, 4]
 
 
 def test_kept_rows_of_paused_steps_come_before_a_requests_own():

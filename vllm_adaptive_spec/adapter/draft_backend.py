@@ -95,9 +95,19 @@ class PassRows(NamedTuple):
     def total(self) -> int:
         return int(self.lengths.sum())
 
+    def offsets(self) -> np.ndarray:
+        """Where each entry's rows start."""
+        return np.cumsum(self.lengths) - self.lengths
+
     def own_lengths(self) -> np.ndarray:
         """Each entry's own rows (all of them unless padded)."""
         return self.lengths if self.filled is None else self.filled
+
+    def padding(self) -> np.ndarray | None:
+        """Which rows are padding (None: an unpadded pass)."""
+        if self.filled is None:
+            return None
+        return (np.arange(int(self.lengths[0])) >= self.filled[:, None]).ravel()
 
     def padded(self, width: int) -> "PassRows":
         """Each entry's rows, then padding up to ``width`` rows: the
@@ -105,7 +115,7 @@ class PassRows(NamedTuple):
         its entry's last row (token, hidden state, position: every index
         stays in range); it writes no KV and its output is dropped
         (:meth:`PagedDraftBackend._feed_rows`)."""
-        offsets = np.cumsum(self.lengths) - self.lengths
+        offsets = self.offsets()
         last = offsets + self.lengths - 1
         source = np.minimum(offsets[:, None] + np.arange(width), last[:, None]).ravel()
         at = torch.from_numpy(source).to(self.tokens.device)
@@ -115,7 +125,7 @@ class PassRows(NamedTuple):
     def split(self, take: np.ndarray) -> tuple["PassRows", "PassRows"]:
         """The first ``take[e]`` rows of each entry (entries taking none left
         out), and the rest."""
-        offsets = np.cumsum(self.lengths) - self.lengths
+        offsets = self.offsets()
         picked = take > 0
         first = self._picked(packed_ranges(offsets[picked], take[picked]), take[picked], self.batch_rows[picked])
         rest = self._picked(packed_ranges(offsets + take, self.lengths - take), self.lengths - take, self.batch_rows)
@@ -349,7 +359,7 @@ class PagedDraftBackend:
         query_start = self.runner.query_start_loc.np
         scheduled = query_start[rows.batch_rows + 1] - query_start[rows.batch_rows]
         width = int(scheduled.max()) + self.ROWS_AFTER_CHAIN
-        first = rows.positions[np.cumsum(rows.lengths) - rows.lengths]
+        first = rows.positions[rows.offsets()]
         steady = int(rows.lengths.max()) <= width <= 1 + self.max_nodes + self.ROWS_AFTER_CHAIN
         fits = (width * rows.batch_rows.size <= self.max_pass_rows
                 and int(first.max()) + width <= self.runner.max_model_len)
@@ -376,14 +386,13 @@ class PagedDraftBackend:
         rows' indexes. An entry's ``k``-th row sits at position ``p0 + k``
         and sees keys up to it under the causal kernel (``seq_len = p0 +
         length``); a padding row's slot is -1 (no KV written)."""
-        ends = np.cumsum(rows.lengths)
-        offsets = ends - rows.lengths
-        starts = torch.zeros(len(ends) + 1, dtype=torch.int32)
-        starts[1:] = torch.from_numpy(ends)
+        offsets = rows.offsets()
+        starts = torch.zeros(len(offsets) + 1, dtype=torch.int32)
+        starts[1:] = torch.from_numpy(offsets + rows.lengths)
         positions = torch.from_numpy(rows.positions)
         slots = self.slots(block_table, torch.from_numpy(np.repeat(rows.batch_rows, rows.lengths)), positions)
-        if rows.filled is not None:
-            padding = np.arange(ends[-1]) - np.repeat(offsets, rows.lengths) >= np.repeat(rows.filled, rows.lengths)
+        padding = rows.padding()
+        if padding is not None:
             slots = slots.masked_fill(torch.from_numpy(padding).to(slots.device), -1)
         seq_lens = (rows.positions[offsets] + rows.lengths).astype(np.int32)
         seq_lens_t = torch.from_numpy(seq_lens)
