@@ -66,3 +66,24 @@ def test_stop_tokens_are_masked_while_the_output_and_path_are_too_short():
     masked = [sorted(torch.nonzero(row == float("-inf")).flatten().tolist()) for row in logits]
     assert masked == [[2, 9], [2, 9], [], [2, 9], []]
     assert has_min_tokens(metadata, [1, 0]) and not has_min_tokens(metadata, [1])
+
+
+def test_a_structured_rows_stop_token_stays_where_its_grammar_allows_nothing_else():
+    """vLLM's restore: a structured request (request 0) whose grammar, after a
+    row's path, allows only a stop token keeps that token on that row (masking
+    it would leave the row all ``-inf`` and draw token 0); its other rows and
+    an unstructured request's row (request 1) are masked as before."""
+    pending = MinTokensLogitsProcessor.__new__(MinTokensLogitsProcessor)
+    pending.min_toks = {0: (5, [4], {2, 9}, True), 1: (5, [4], {2, 9}, False)}
+    metadata = SimpleNamespace(logitsprocs=SimpleNamespace(non_argmax_invariant=[pending], argmax_invariant=[]))
+    owners, depths = [0, 0, 1], [0, 1, 0]
+    logits = torch.zeros(len(owners), VOCAB)
+    logits[1, :] = float("-inf")
+    logits[1, 2] = 0.5  # row 1: the grammar ended, only stop token 2 allowed
+    logits[2, :] = float("-inf")
+    logits[2, 9] = 0.25  # request 1 has no grammar: masked all the same
+    apply_row_min_tokens(logits, owners, depths, metadata)
+    masked = [sorted(torch.nonzero(row == float("-inf")).flatten().tolist()) for row in logits]
+    assert masked[0] == [2, 9]
+    assert masked[1] == [t for t in range(VOCAB) if t != 2] and logits[1, 2] == 0.5
+    assert masked[2] == list(range(VOCAB))

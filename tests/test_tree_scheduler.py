@@ -136,6 +136,8 @@ class JumpForwardGrammar(WordGrammar):
         self.matcher = self
 
     def find_jump_forward_string(self) -> str:
+        # xgrammar's matcher aborts once its stop token is accepted (``ignore_eos`` decodes on).
+        assert not self.is_terminated(), "Check failed: (!IsStopTokenAccepted())"
         words = [word[len(self.accepted):] for word in WORDS if word[: len(self.accepted)] == self.accepted]
         common = []
         for column in zip(*words) if words else ():
@@ -154,3 +156,12 @@ def test_jump_forward_tokens_spell_the_forced_string_but_its_last_token(start, l
     assert grammar.accepted == start
     # A tokenizer that spells the string otherwise: what the grammar accepts of it
     assert jump_forward_tokens(grammar, lambda text: [9] * len(text), limit) == []
+
+
+def test_a_terminated_grammar_forces_nothing_and_is_not_asked():
+    """A grammar that has ended (a request with ``ignore_eos`` decodes past
+    it, as vLLM lets it) forces no tokens, and its matcher is not asked for
+    a jump-forward string (xgrammar's check aborts the engine)."""
+    grammar = JumpForwardGrammar([1, 2, 3])
+    assert grammar.is_terminated()
+    assert jump_forward_tokens(grammar, lambda text: [int(c) for c in text], 5) == []

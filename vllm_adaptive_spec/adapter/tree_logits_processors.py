@@ -92,14 +92,25 @@ def has_min_tokens(sampling_metadata, requests: list[int]) -> bool:
 def apply_row_min_tokens(logits: torch.Tensor, owners: list[int], depths: list[int], sampling_metadata) -> None:
     """The stop tokens masked on the rows (``depths``: each row's path
     length, on the host) whose request's output plus path is still shorter
-    than its ``min_tokens``, in place."""
+    than its ``min_tokens``, in place. As vLLM does for a structured
+    request (``MinTokensLogitsProcessor``), a row whose grammar allows
+    nothing but a stop token keeps that token: masking it would leave the
+    row all ``-inf`` and draw token 0."""
     pending = _min_tokens(sampling_metadata)
-    rows, tokens = [], []
+    rows, tokens, structured = [], [], []
     for row, (owner, depth) in enumerate(zip(owners, depths)):
         entry = pending.get(owner)
         if entry is not None and len(entry[1]) + depth < entry[0]:
             rows.extend([row] * len(entry[2]))
             tokens.extend(entry[2])
-    if rows:
-        device = logits.device
-        logits[to_device(rows, torch.long, device), to_device(tokens, torch.long, device)] = -float("inf")
+            structured.extend([entry[3]] * len(entry[2]))
+    if not rows:
+        return
+    device = logits.device
+    index = (to_device(rows, torch.long, device), to_device(tokens, torch.long, device))
+    stop_logits = logits[index]
+    logits[index] = -float("inf")
+    if any(structured):
+        emptied = torch.isneginf(logits[index[0]]).all(dim=-1)
+        restore = emptied & torch.isfinite(stop_logits) & to_device(structured, torch.bool, device)
+        logits[index[0][restore], index[1][restore]] = stop_logits[restore]
