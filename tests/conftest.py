@@ -62,6 +62,8 @@ class EngineRun:
     draft_free_verifies: int | None
     plugin_registered: bool
     step_guard: dict | None
+    injected_failures: dict | None
+    spec_decode_metrics: list[dict | None] | None
     log: str
 
     @property
@@ -73,6 +75,9 @@ class EngineRun:
 
 def _job_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+STARTUP_SECONDS = 300
 
 
 class _ForkServer:
@@ -91,7 +96,8 @@ class _ForkServer:
         request = {"job": str(job_file), "out": str(out_file), "log": str(log_file), "env": env}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
-        pid = json.loads(self._answer(60))["pid"]
+        # The server imports vLLM before it forks its first child: minutes on a loaded 2-core machine.
+        pid = json.loads(self._answer(STARTUP_SECONDS))["pid"]
         try:
             return json.loads(self._answer(timeout))["returncode"]
         except TimeoutError:
@@ -111,7 +117,7 @@ class _ForkServer:
     def close(self) -> None:
         if self.proc is not None:
             self.proc.stdin.close()
-            self.proc.wait(timeout=60)
+            self.proc.wait(timeout=STARTUP_SECONDS)
 
 
 _FORK_SERVER = _ForkServer()

@@ -16,6 +16,13 @@ steps on which requests gave theirs up), max_pass_rows (the most rows of a model
 first passes are fed in several), pad_draft_passes (m: every model-drafter forward padded to a
 multiple of m rows through the drafter's persistent buffers, as a CUDA graph's capture size
 pads it; the out key padded_draft_passes counts them),
+fail_for ({place: prompt index}: the plugin's per-request work raises for that prompt's
+request: "drafting" (the retrieval drafter's index update), "grammar_forcing",
+"grammar_cut" (the scheduler's grammar walk over its tree), or "tree_rows" (every tree
+row's processing in the verifier, on every third step with trees); the out key
+injected_failures counts the raises), per_request_metrics (vLLM's
+--per-request-spec-decode-metrics level; the out key spec_decode_metrics holds each
+prompt's report),
 serial_first (k: the first k prompts run one at a time, batch size 1, before the
 others are submitted together), submit_after_steps ({prompt index: k}: that prompt is
 submitted k engine steps after the others instead of with them).
@@ -193,6 +200,43 @@ def pad_draft_passes(worker, multiple: int) -> None:
     native._determine_batch_execution_and_padding = padded
 
 
+INJECTED: dict[str, int] = {}
+
+
+def inject_failures(fail_for: dict[str, int]) -> None:
+    """Make the plugin's per-request work raise (see ``fail_for`` above), in
+    this process, where the in-process engine's scheduler and worker run."""
+    from vllm_adaptive_spec.adapter import tree_scheduler, verifier
+    from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
+
+    def failing(owner, name: str, place: str, fails) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            if fails(*args, **kwargs):
+                INJECTED[place] = INJECTED.get(place, 0) + 1
+                raise RuntimeError(f"injected failure: {place}")
+            return original(*args, **kwargs)
+
+        setattr(owner, name, wrapper)
+
+    def victim(place: str, request_id: str) -> bool:  # vLLM appends a suffix to the id a request is added with
+        return request_id.split("-")[0] == str(fail_for[place])
+
+    if "drafting" in fail_for:
+        failing(RetrievalDrafter, "prepare", "drafting",
+                lambda self, ids, *a, **k: any(victim("drafting", i) for i in ids))
+    if "grammar_forcing" in fail_for:
+        failing(tree_scheduler.TreeScheduler, "_forced", "grammar_forcing",
+                lambda self, grammar, request_id, limit: victim("grammar_forcing", request_id))
+    if "grammar_cut" in fail_for:
+        failing(tree_scheduler, "grammar_kept", "grammar_cut",
+                lambda grammar, request_id, *a: victim("grammar_cut", request_id))
+    if "tree_rows" in fail_for:
+        calls = itertools.count()
+        failing(verifier, "tree_row_targets", "tree_rows", lambda *a, **k: next(calls) % 3 == 0)
+
+
 def _step_guard_report(worker) -> dict:
     import step_guard
 
@@ -207,6 +251,8 @@ def main(job_path: str, out_path: str) -> None:
             or "pad_draft_passes" in job or job.get("step_guard"):
         # collective_rpc pickles the function only with this set.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if "fail_for" in job:
+        inject_failures(job["fail_for"])
     llm = _engine(job)
     finished = _drive(llm.llm_engine, job)
     with open(out_path, "w", encoding="utf-8") as handle:
@@ -221,6 +267,8 @@ def _engine(job: dict):
 
     longest = max(len(ids) for ids in job["prompt_token_ids"]) + job["max_tokens"] + 128
     extra = {k: job[k] for k in ("max_num_batched_tokens", "num_gpu_blocks_override", "tensor_parallel_size") if k in job}
+    if "per_request_metrics" in job:
+        extra["per_request_spec_decode_metrics"] = job["per_request_metrics"]
     llm = LLM(
         **engine_kwargs(
             job["model"],
@@ -350,6 +398,11 @@ def _results(llm, job: dict, finished: dict) -> dict:
         "plugin_registered": getattr(sys.modules.get("vllm_adaptive_spec.plugin"), "_registered", False),
         "roots": llm.collective_rpc(recorded_roots)[0] if job.get("record_roots") else None,
         "step_guard": llm.collective_rpc(_step_guard_report)[0] if job.get("step_guard") else None,
+        "injected_failures": dict(INJECTED) if "fail_for" in job else None,
+        "spec_decode_metrics": [
+            None if (out := finished.get(str(i))) is None or out.spec_decode_metrics is None
+            else out.spec_decode_metrics.to_dict() for i in range(len(job["prompt_token_ids"]))
+        ] if "per_request_metrics" in job else None,
         **{key: llm.collective_rpc(functools.partial(counter, name=key))[0] if setting in job else None
            for key, setting in (("stash_drops", "stash_bytes"), ("split_passes", "max_pass_rows"),
                                 ("padded_draft_passes", "pad_draft_passes"),

@@ -18,6 +18,9 @@ def test_each_request_is_counted_once_under_the_first_kind_that_applies():
                     {"allowed_token_ids": [1, 2]}):
         assert request_kind(SamplingParams(**options)) == "processors", options
     assert request_kind(SamplingParams(temperature=0.7, top_k=5)) == request_kind(None) == "plain"
+    off = SamplingParams(structured_outputs=grammar, extra_args={"speculation": "off"})
+    assert request_kind(off) == "opted_out"
+    assert request_kind(SamplingParams(extra_args={"speculation": "on"})) == "plain"
 
 
 def test_drafted_means_a_tree_verified_and_short_requests_are_left_out():

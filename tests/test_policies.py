@@ -302,6 +302,27 @@ def test_the_proposer_keeps_policy_state_per_request_until_it_is_forgotten():
     assert "a" not in history and "b" in history
 
 
+def test_a_request_whose_drafting_raises_loses_only_its_own_tree(monkeypatch):
+    """The drafter raises whenever request "b" is in its batch: the step's
+    requests are drafted again one by one, "b" goes without a tree, "a" and
+    "c" keep theirs (the same as without "b"), and nothing is raised."""
+    config = TreeConfig("retrieval", "retrieval", 8, load_budget="fixed")
+    proposer = proposer_for(config)
+    prepare = type(proposer.drafter).prepare
+
+    def failing(drafter, request_ids, *args, **kwargs):
+        if "b" in request_ids:
+            raise RuntimeError("injected")
+        return prepare(drafter, request_ids, *args, **kwargs)
+
+    monkeypatch.setattr(type(proposer.drafter), "prepare", failing)
+    tokens = np.array([[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3, 1, 2, 3, 1, 2], [4, 8, 9, 4, 8, 9, 4, 8]])
+    drafts = proposer.propose_trees(["a", "b", "c"], [[6], [2], [8]], np.array([8, 8, 8]), tokens, [True] * 3)
+    alone = proposer_for(config).propose_trees(["a", "c"], [[6], [8]], np.array([8, 8]), tokens[[0, 2]], [True] * 2)
+    assert drafts[1] == [] and [drafts[0], drafts[2]] == alone and all(alone)
+    assert proposer.failures.count == 2 and "b" not in proposer.trees
+
+
 def test_contexts_include_the_sampled_tokens_vllm_has_not_stored_yet():
     """Model drafters run before vLLM writes the step's sampled tokens into
     its token table: the retrieval side (hybrid) must still see them, so its

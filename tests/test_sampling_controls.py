@@ -36,3 +36,4 @@ def test_the_mark_survives_pickling_to_vllm_processes():
     assert sampling_controls.is_tree_speculation(pickle.loads(pickle.dumps(tree)))
     assert not sampling_controls.is_tree_speculation(_ngram())
     assert not sampling_controls.is_tree_speculation(None)
+

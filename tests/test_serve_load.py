@@ -55,6 +55,8 @@ def test_server_loses_nothing_and_changes_no_greedy_answer(demo_model, tmp_path)
     # Structured and penalised requests are speculated too (issue 54), and counted by kind.
     kinds = spec_side["tree_stats"][0]["drafted_by_kind"]
     assert kinds["plain"]["drafted"] > 0 and sum(c["requests"] for c in kinds.values()) >= 20, kinds
+    # Requests that switched speculation off got no tree and no grammar-forced draft.
+    assert kinds["opted_out"]["drafted"] == kinds["opted_out"]["forced"] == 0, kinds
     assert "requests that received trees: " in (tmp_path / "serve_load.md").read_text()
     assert len(report["ratios"]["retrieval"]["blocks"]) == 2
     assert 0 < spec_side["api_server_gib_end"] < spec_side["memory_gib_end"], spec_side

@@ -16,6 +16,7 @@ from vllm_adaptive_spec.adapter.tree_scheduler import (
     grammar_kept,
     jump_forward_tokens,
     only_token,
+    tree_rows,
     without_removed,
 )
 from vllm_adaptive_spec.tree import DraftTree
@@ -165,3 +166,20 @@ def test_a_terminated_grammar_forces_nothing_and_is_not_asked():
     grammar = JumpForwardGrammar([1, 2, 3])
     assert grammar.is_terminated()
     assert jump_forward_tokens(grammar, lambda text: [int(c) for c in text], 5) == []
+
+
+def test_a_walk_that_raises_leaves_the_matcher_where_it_began():
+    """A failure inside the grammar's walk (a cut, a bitmask row) costs the
+    request its tree for the step (``request_options.Failures``); the matcher
+    must still be where it was, or the request's later steps would read a
+    grammar state its output never reached."""
+    grammar = WordGrammar([])
+    tree = DraftTree([1, 2, 3], [-1, 0, 1], [1.0] * 3)
+
+    def fail_deep(node: int) -> None:
+        if node == 2:
+            raise RuntimeError("injected")
+
+    with pytest.raises(RuntimeError):
+        tree_rows(grammar, "r", tree.tokens, tree.parents, fail_deep, lambda row: None, -1)
+    assert grammar.accepted == []

@@ -225,7 +225,7 @@ def test_logprobs_are_read_for_emitted_slots_only_in_bounded_chunks(monkeypatch)
     monkeypatch.setattr(sampler, "gather_logprobs", counted)
     logits, starts, output = _emitted_slots(0, [1, 5, 3])
     width = output.shape[1]
-    tree_verifier = verifier.TreeVerifier(sampler, "raw_logprobs", lambda *_: None)
+    tree_verifier = verifier.TreeVerifier(sampler, "raw_logprobs", lambda *_: None, lambda indices: [])
     got = tree_verifier._logprobs(logits, starts, output, None, None,
                                   SimpleNamespace(max_num_logprobs=2, logprob_token_ids=None))
     assert chunks == [4, 4, 1]
@@ -252,7 +252,7 @@ def test_logprob_token_ids_are_vllms_for_every_emitted_slot(monkeypatch, chunk_r
     width = output.shape[1]
     ids = {0: [3, 9, 11], 2: [7]}
     metadata = SimpleNamespace(max_num_logprobs=None, logprob_token_ids=ids)
-    got = verifier.TreeVerifier(sampler, "raw_logprobs", lambda *_: None)._logprobs(
+    got = verifier.TreeVerifier(sampler, "raw_logprobs", lambda *_: None, lambda indices: [])._logprobs(
         logits, starts, output, None, None, metadata)
     slots = (output.flatten() >= 0).nonzero().squeeze(1)
     rows = starts.repeat_interleave(width)[slots]

@@ -26,7 +26,7 @@ JSON_SCHEMA = {
 }
 # Shares of the workload (the rest is plain greedy).
 MIX = {"sampled": 0.10, "seeded": 0.12, "n2": 0.05, "logprobs": 0.08, "stop": 0.07, "penalty": 0.07,
-       "json": 0.05, "min_p": 0.04, "logit_bias": 0.04, "bad": 0.03}
+       "json": 0.05, "min_p": 0.04, "logit_bias": 0.04, "bad": 0.03, "opt_out": 0.05}
 LONG_SHARE, SHARED_SHARE, COMPLETIONS_SHARE, STREAM_SHARE, DISCONNECT_SHARE = 0.15, 0.15, 0.2, 0.5, 0.08
 
 
@@ -44,7 +44,8 @@ class Job:
     @property
     def greedy(self) -> bool:
         """Deterministic answers, compared between the two servers."""
-        return self.kind in ("greedy", "logprobs", "stop", "penalty", "json", "logit_bias") and self.disconnect_after is None
+        return (self.kind in ("greedy", "logprobs", "stop", "penalty", "json", "logit_bias", "opt_out")
+                and self.disconnect_after is None)
 
 
 @dataclass
@@ -134,6 +135,8 @@ def _options(rng: random.Random, kind: str) -> dict:
         return {"response_format": {"type": "json_schema", "json_schema": {"name": "item", "schema": JSON_SCHEMA}}}
     if kind == "bad":
         return {"temperature": -1.0}
+    if kind == "opt_out":  # greedy, speculation switched off for this request (ignored without the plugin)
+        return {"vllm_xargs": {"speculation": "off"}}
     return {}
 
 

@@ -14,15 +14,21 @@ request.
 
 from __future__ import annotations
 
-KINDS = ("structured", "penalised", "processors", "plain")
+from vllm_adaptive_spec.adapter.request_options import speculation_allowed
+
+KINDS = ("opted_out", "structured", "penalised", "processors", "plain")
 
 
 def request_kind(params) -> str:
-    """``structured`` (a grammar), ``penalised`` (presence, frequency or
-    repetition penalty), ``processors`` (logit bias, ``min_p``, bad words,
-    ``min_tokens`` or allowed tokens) or ``plain``: the first that applies."""
+    """``opted_out`` (speculation switched off for the request,
+    ``request_options``), ``structured`` (a grammar), ``penalised``
+    (presence, frequency or repetition penalty), ``processors`` (logit bias,
+    ``min_p``, bad words, ``min_tokens`` or allowed tokens) or ``plain``: the
+    first that applies."""
     if params is None:
         return "plain"
+    if not speculation_allowed(params):
+        return "opted_out"
     if params.structured_outputs is not None:
         return "structured"
     if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:

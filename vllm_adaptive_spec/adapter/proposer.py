@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from vllm_adaptive_spec.adapter.config_hook import tree_config_of
+from vllm_adaptive_spec.adapter.request_options import Failures, speculation_allowed
 from vllm_adaptive_spec.budget import LoadBudget
 from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.growth import grow
@@ -95,8 +96,10 @@ def can_draft(sampling_params) -> bool:
     logit bias, ``min_p`` and ``min_tokens`` included: ``tree_history``,
     ``tree_logits_processors``; structured output masked per node by the
     scheduler, ``tree_scheduler``). Requests with a thinking budget are
-    served without speculation instead."""
-    return sampling_params is not None and sampling_params.thinking_token_budget is None
+    served without speculation instead, and so are those that switched it
+    off (``request_options``)."""
+    return (sampling_params is not None and sampling_params.thinking_token_budget is None
+            and speculation_allowed(sampling_params))
 
 
 class _Part(NamedTuple):
@@ -139,6 +142,7 @@ class TreeProposer:
         self._paused_part = (None, None) if paused_part is None else paused_part()
         self._from_paused_part: set[str] = set()  # requests whose last tree came from it
         self._verified: set[str] = set()  # requests that have had a tree verified (others are newcomers)
+        self.failures = Failures()  # drafting that raised costs the step's trees (``request_options``)
         self.cost_table: StepCostTable | None = None  # uniform steps' measured costs (``uniform``)
         self.load_budget, self.paused_budget = self._budgets_for(None)
 
@@ -315,8 +319,8 @@ class TreeProposer:
         active_ids = [request_ids[i] for i in active]
         plain = sum(1 for sampled in sampled_token_ids if sampled) - len(active)
         lens = None if prompt_lens is None else [int(prompt_lens[i]) for i in active]
-        trees = self._grown(part, decision.drafts, newcomers, active, active_ids, contexts, budgets, lens, plain,
-                            first_pass_seconds)
+        trees = self._isolated_trees(part, decision.drafts, newcomers, active, active_ids, contexts, budgets, lens,
+                                     plain, first_pass_seconds)
         if part.paused:
             self._from_paused_part.update(active_ids)
             self.stats.paused_trees += sum(1 for tree in trees if len(tree))
@@ -353,6 +357,33 @@ class TreeProposer:
         active = np.flatnonzero(drafting)
         pending = [sampled_token_ids[i] for i in active.tolist()] if sampled_pending else None
         return active.tolist(), budgets[active].tolist(), Contexts.gather(token_ids, active, lengths[active], pending)
+
+    def _isolated_trees(self, part: _Part, drafting: bool, newcomers: bool, active, active_ids, contexts, budgets,
+                        lens, plain: int, first_pass_seconds: float) -> list[DraftTree]:
+        """:meth:`_grown`, where an exception costs trees, never the engine
+        (``request_options``): the step's requests are drafted together,
+        and if that raises, one by one, so that only a request whose own
+        drafting raises goes without a tree. Decision: a model drafter's
+        passes serve the step's requests together, so there a failure costs
+        the step's trees to all of them."""
+
+        def alone(k: int) -> DraftTree:
+            return self._grown(part, drafting, newcomers, [active[k]], [active_ids[k]], contexts.rows([k]),
+                               [budgets[k]], None if lens is None else [lens[k]], plain + len(active) - 1,
+                               first_pass_seconds)[0]
+
+        def one_by_one() -> list[DraftTree]:
+            return [self.failures.run("drafting", [active_ids[k]], lambda k=k: alone(k), DraftTree)
+                    for k in range(len(active))]
+
+        def together() -> list[DraftTree]:
+            return self._grown(part, drafting, newcomers, active, active_ids, contexts, budgets, lens, plain,
+                               first_pass_seconds)
+
+        if getattr(part.drafter, "is_model", False):
+            return self.failures.run("drafting", active_ids, together, lambda: [DraftTree() for _ in active])
+        return self.failures.run("drafting a step's trees together", active_ids, together, one_by_one,
+                                 then="drafting them one by one")
 
     def _grown(self, part: _Part, drafting: bool, newcomers: bool, active, active_ids, contexts, budgets, lens,
                plain: int, first_pass_seconds: float) -> list[DraftTree]:

@@ -28,6 +28,8 @@ from __future__ import annotations
 import functools
 import logging
 
+from vllm_adaptive_spec.adapter.request_options import check_speculation_option
+
 logger = logging.getLogger("vllm.adaptive_spec")
 
 _MARK = "_adaptive_tree"
@@ -45,7 +47,8 @@ def is_tree_speculation(speculative_config) -> bool:
 
 def install() -> None:
     """Lift vLLM's API refusal of ``min_p`` and ``logit_bias`` for the
-    plugin's speculative configs (idempotent)."""
+    plugin's speculative configs, and check their per-request
+    ``speculation`` option there (``request_options``; idempotent)."""
     from vllm.sampling_params import SamplingParams
 
     original = SamplingParams._validate_spec_decode
@@ -55,6 +58,7 @@ def install() -> None:
     @functools.wraps(original)
     def _validate_spec_decode(self, speculative_config) -> None:
         if is_tree_speculation(speculative_config):
+            check_speculation_option(self)
             return
         original(self, speculative_config)
 

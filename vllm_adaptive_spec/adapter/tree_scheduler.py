@@ -54,6 +54,7 @@ from vllm.v1.core.sched.output import GrammarOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds
 
+from vllm_adaptive_spec.adapter.request_options import Failures, speculation_allowed
 from vllm_adaptive_spec.step_widths import drafted_nodes
 
 
@@ -99,15 +100,17 @@ def forced_tokens(grammar, request_id: str, scratch: torch.Tensor, limit: int) -
     tokenizer can leave by several tokens (``e`` or ``e"`` at the end of a
     key) forces nothing: the backends without a jump-forward string."""
     forced: list[int] = []
-    while len(forced) < limit and not grammar.is_terminated():
-        grammar.fill_bitmask(scratch, 0)
-        token = only_token(scratch[0])
-        if token is None or grammar.validate_tokens([token]) != [token]:
-            break
-        grammar.accept_tokens(request_id, [token])
-        forced.append(token)
-    if forced:
-        grammar.rollback(len(forced))
+    try:
+        while len(forced) < limit and not grammar.is_terminated():
+            grammar.fill_bitmask(scratch, 0)
+            token = only_token(scratch[0])
+            if token is None or grammar.validate_tokens([token]) != [token]:
+                break
+            grammar.accept_tokens(request_id, [token])
+            forced.append(token)
+    finally:
+        if forced:
+            grammar.rollback(len(forced))
     return forced
 
 
@@ -161,10 +164,12 @@ def _walk(grammar, request_id: str, tokens: list[int], children: dict[int, list[
             cut(node)
             return
         grammar.accept_tokens(request_id, [token])
-        accepted(node)
-        for child in children.get(node, ()):
-            walk(child)
-        grammar.rollback(1)
+        try:  # the matcher ends where it began even if a step of the walk raises
+            accepted(node)
+            for child in children.get(node, ()):
+                walk(child)
+        finally:
+            grammar.rollback(1)
 
     for root_child in children.get(-1, ()):
         walk(root_child)
@@ -199,6 +204,7 @@ class TreeScheduler(Scheduler):
                                                                  vllm_config.device_config.device_type)
         self._forcing_limit = config.budget if config is not None and config.grammar_forcing else 0
         self._scratch_mask: torch.Tensor | None = None  # one bitmask row for ``forced_tokens``
+        self._failures = Failures()
 
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
         parents = getattr(draft_token_ids, "parents", None)
@@ -213,7 +219,10 @@ class TreeScheduler(Scheduler):
                 continue
             request.tree_kept = None
             if request.use_structured_output and drafts:
-                drafts, tree_parents = self._validated(request, drafts, tree_parents)
+                drafts, tree_parents = self._failures.run(
+                    "the grammar's cut of its tree", (req_id,),
+                    lambda: self._validated(request, drafts, tree_parents),
+                    lambda: self._cut_all(request, drafts))
             request.tree_parents = tree_parents
             request.spec_token_ids = drafts
 
@@ -232,6 +241,11 @@ class TreeScheduler(Scheduler):
             return drafts, parents
         request.tree_kept = kept
         return without_removed(drafts, parents, kept, self._pad_removed)
+
+    def _cut_all(self, request, drafts: list[int]) -> tuple[list[int], list[int]]:
+        """A request's drafts with every node removed (its grammar's cut failed)."""
+        request.tree_kept = []
+        return [-1] * len(drafts) * self._pad_removed, []
 
     def schedule(self, *args, **kwargs):
         """vLLM's schedule, with ``tree_kept``: for each request whose tree
@@ -259,12 +273,15 @@ class TreeScheduler(Scheduler):
         for request in self.running:
             drafts = request.spec_token_ids
             if (not request.use_structured_output or request.num_tokens - request.num_computed_tokens != 1
-                    or any(token >= 0 for token in drafts) or (self._pad_removed and not drafts)):
+                    or any(token >= 0 for token in drafts) or (self._pad_removed and not drafts)
+                    or not speculation_allowed(request.sampling_params)):
                 continue
             grammar = self._grammar_from_start(request)
             if grammar is None:
                 continue
-            tokens = self._forced(grammar, request.request_id, len(drafts) if drafts else self._forcing_limit)
+            limit = len(drafts) if drafts else self._forcing_limit
+            tokens = self._failures.run("grammar forcing", (request.request_id,),
+                                        lambda: self._forced(grammar, request.request_id, limit), list)
             if tokens:
                 request.spec_token_ids = tokens + list(drafts[len(tokens):])
                 request.tree_parents, request.tree_kept = None, None

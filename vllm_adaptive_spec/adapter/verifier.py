@@ -37,6 +37,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
 from vllm_adaptive_spec.adapter import step as tree_step
+from vllm_adaptive_spec.adapter.request_options import Failures
 from vllm_adaptive_spec.adapter.transfer import to_device
 from vllm_adaptive_spec.adapter.tree_logits_processors import apply_row_logit_bias, apply_row_min_p, has_logit_bias
 from vllm_adaptive_spec.adapter.tree_history import RowHistories
@@ -186,57 +187,62 @@ def first_rows(metadata) -> torch.Tensor:
     return before + torch.arange(cu_drafts.shape[0], device=cu_drafts.device)
 
 
+def rejected(first_tokens: torch.Tensor, width: int) -> Acceptance:
+    """Trees none of whose nodes is accepted: each request emits
+    ``first_tokens`` (its first row's token) alone."""
+    batch = first_tokens.shape[0]
+    path = torch.full((batch, width), PAD, dtype=torch.long, device=first_tokens.device)
+    output = torch.cat([first_tokens.to(torch.long).unsqueeze(1), path], dim=1)
+    return Acceptance(torch.zeros(batch, dtype=torch.long, device=first_tokens.device), path, output)
+
+
 class TreeVerifier(torch.nn.Module):
     """``on_accept(step, acceptance)`` runs right after acceptance (KV
-    compaction and statistics), in the same engine step."""
+    compaction and statistics), in the same engine step;
+    ``request_ids(batch indices)`` names requests for the log. A failure in
+    the tree rows' work costs the step's trees, not the engine (``failures``,
+    ``request_options``): each tree request then emits the token vLLM's
+    sampler drew from its first row, as if it had drafted nothing."""
 
-    def __init__(self, sampler, logprobs_mode: str, on_accept: Callable[[tree_step.TreeStep, Acceptance], None]):
+    def __init__(self, sampler, logprobs_mode: str, on_accept: Callable[[tree_step.TreeStep, Acceptance], None],
+                 request_ids: Callable[[list[int]], list[str]]):
         super().__init__()
         self.sampler = sampler
         self.logprobs_mode = logprobs_mode
         self.on_accept = on_accept
+        self.request_ids = request_ids
+        self.failures = Failures()
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
         device = logits.device
         batch, width = len(metadata.num_draft_tokens), max(metadata.num_draft_tokens) + 1
         starts = first_rows(metadata)
-
         step = tree_step.current()
-        padded = self._padded(metadata, step)
-        # A copy (vLLM's sampler processes the rows it is given in place; logprobs are read
-        # from ``logits`` after it).
+        drafted = [i for i, n in enumerate(metadata.num_draft_tokens) if n]
+        # vLLM's sampler on each request's one row: its bonus row, or for a request with drafts
+        # (a tree or vLLM's placeholders) its first row, a copy (the sampler processes the rows
+        # it is given in place; logprobs are read from ``logits`` after it). A tree's token is its
+        # tree's acceptance; this one stands where the tree's rows fail (``_accepted_trees``).
         plain = self.sampler(
-            logits=logits[self._plain_rows(metadata, starts, padded)],
-            sampling_metadata=self._without_placeholders(sampling_metadata, padded),
+            logits=logits[self._plain_rows(metadata, starts, drafted)],
+            sampling_metadata=self._without_drafts(sampling_metadata, drafted),
             predict_bonus_token=True,
         )
         output = torch.full((batch, width), PAD, dtype=torch.int32, device=device)
         output[:, 0] = plain.sampled_token_ids[:, 0].to(torch.int32)
-
+        acceptance = None
         if step is not None and step.trees:
-            tree_batch = step.tree_batch
-            indices = step.batch_indices
-            # The tree requests' own rows, request after request.
-            host_counts = [metadata.num_draft_tokens[i] + 1 for i in step.host_batch_indices]
-            host_starts = list(itertools.accumulate((n + 1 for n in metadata.num_draft_tokens), initial=0))
-            histories = RowHistories.of(step, step.host_batch_indices, host_counts, sampling_metadata,
-                                        logits.shape[1])
-            targets = tree_row_targets(logits, host_starts, step.host_batch_indices, host_counts, sampling_metadata,
-                                       histories)
-            first = to_device(list(itertools.accumulate(host_counts, initial=0))[:-1], torch.long, device)
-            # [trees, width + 1] for acceptance: root and nodes (a uniform step's padding rows
-            # follow them); a tree's empty slots repeat its last node's target.
-            offsets = torch.arange(tree_batch.width + 1, device=device)
-            local = torch.minimum(offsets.unsqueeze(0), tree_batch.num_nodes.unsqueeze(1))
-            acceptance = accept(tree_batch, targets[first.unsqueeze(1) + local], step.ancestors)
+            acceptance = self.failures.run(
+                "verifying tree rows", self.request_ids(step.host_batch_indices),
+                lambda: self._accepted_trees(metadata, logits, sampling_metadata, step),
+                lambda: rejected(output.index_select(0, step.batch_indices)[:, 0], step.tree_batch.width))
             # A step's widest drafts may be a placeholder request's, wider than every tree;
             # scattered, so that the same operations run whatever the step's shapes.
-            rows = output.index_select(0, indices).scatter_(
-                1, offsets.expand(indices.shape[0], -1), acceptance.output_tokens.to(torch.int32))
-            output.index_copy_(0, indices, rows)
+            offsets = torch.arange(step.tree_batch.width + 1, device=device)
+            rows = output.index_select(0, step.batch_indices).scatter_(
+                1, offsets.expand(step.batch_indices.shape[0], -1), acceptance.output_tokens.to(torch.int32))
+            output.index_copy_(0, step.batch_indices, rows)
             self.on_accept(step, acceptance)
-        else:
-            acceptance = None
 
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None or sampling_metadata.logprob_token_ids:
@@ -244,34 +250,46 @@ class TreeVerifier(torch.nn.Module):
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
 
     @staticmethod
-    def _padded(metadata, step) -> list[int]:
-        """Requests with drafts but no tree: vLLM's placeholder drafts
-        (``runner.placeholder_drafts``)."""
-        trees = set() if step is None or not step.trees else set(step.host_batch_indices)
-        return [i for i, n in enumerate(metadata.num_draft_tokens) if n and i not in trees]
+    def _accepted_trees(metadata, logits, sampling_metadata, step) -> Acceptance:
+        """Each tree's accepted path: every tree row's target (processed as
+        vLLM's sampler processes a row, ``tree_row_targets``) walked by ``accept``."""
+        device = logits.device
+        tree_batch = step.tree_batch
+        # The tree requests' own rows, request after request.
+        host_counts = [metadata.num_draft_tokens[i] + 1 for i in step.host_batch_indices]
+        host_starts = list(itertools.accumulate((n + 1 for n in metadata.num_draft_tokens), initial=0))
+        histories = RowHistories.of(step, step.host_batch_indices, host_counts, sampling_metadata, logits.shape[1])
+        targets = tree_row_targets(logits, host_starts, step.host_batch_indices, host_counts, sampling_metadata,
+                                   histories)
+        first = to_device(list(itertools.accumulate(host_counts, initial=0))[:-1], torch.long, device)
+        # [trees, width + 1] for acceptance: root and nodes (a uniform step's padding rows
+        # follow them); a tree's empty slots repeat its last node's target.
+        offsets = torch.arange(tree_batch.width + 1, device=device)
+        local = torch.minimum(offsets.unsqueeze(0), tree_batch.num_nodes.unsqueeze(1))
+        return accept(tree_batch, targets[first.unsqueeze(1) + local], step.ancestors)
 
     @staticmethod
-    def _plain_rows(metadata, starts, padded: list[int]) -> torch.Tensor:
+    def _plain_rows(metadata, starts, drafted: list[int]) -> torch.Tensor:
         """The row vLLM's sampler samples for each request: the bonus row,
-        except for a request with placeholder drafts, whose token comes from
-        its first row (the rows after it were fed the placeholders)."""
-        if not padded:
+        except for a request with drafts, whose token comes from its first
+        row (the rows after it were fed its drafts)."""
+        if not drafted:
             return metadata.bonus_logits_indices
         rows = metadata.bonus_logits_indices.clone()
-        index = to_device(padded, torch.long, rows.device)
+        index = to_device(drafted, torch.long, rows.device)
         rows[index] = starts[index].to(rows.dtype)
         return rows
 
     @staticmethod
-    def _without_placeholders(sampling_metadata, padded: list[int]):
+    def _without_drafts(sampling_metadata, drafted: list[int]):
         """``sampling_metadata`` with no spec tokens for requests with
-        placeholder drafts: vLLM's sampler appends a request's spec tokens to
-        its output history for penalties and bad words, and a request whose
-        token comes from its first row has no history after it."""
+        drafts: vLLM's sampler appends a request's spec tokens to its output
+        history for penalties and bad words, and a request whose token comes
+        from its first row has no history after it."""
         spec = sampling_metadata.spec_token_ids
-        if not padded or not spec:
+        if not drafted or not spec:
             return sampling_metadata
-        cleared = set(padded)
+        cleared = set(drafted)
         return replace(sampling_metadata, spec_token_ids=[[] if i in cleared else s for i, s in enumerate(spec)])
 
     def _logprobs(self, logits, starts, output, step, acceptance, sampling_metadata):

@@ -44,6 +44,10 @@ class Contexts:
             tokens[b, : lengths[b]] = context
         return Contexts(tokens, lengths)
 
+    def rows(self, positions: Sequence[int]) -> "Contexts":
+        """The contexts at ``positions`` (of this step's drafting requests)."""
+        return Contexts(self.tokens[list(positions)], self.lengths[list(positions)])
+
     def __len__(self) -> int:
         return len(self.lengths)
 
