@@ -19,6 +19,10 @@ CODE = [{"role": "user", "content": "Add a docstring to this function and show t
          "def squares(numbers):\n    result = []\n    for number in numbers:\n        result.append(number * number)\n"
          "    return result\n```"}]
 FACTS = [{"role": "user", "content": "List three facts about the Moon, one per line."}]
+COLORS = [{"role": "user", "content": "List three colors, comma separated."}]
+REPEAT = [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog. "
+           "The quick brown fox jumps over the lazy dog."}]
+FOX = {"choice": ["the quick brown fox", "the lazy dog"]}
 EXTRACT = [{"role": "user", "content": "Alice is 31 and lives in Paris. Give her name and age as JSON."}]
 PROMPT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\n"
           "def fibonacci_memo(n, memo={}):\n")
@@ -36,6 +40,10 @@ class Case:
     endpoint: str  # "chat" or "completions"
     body: dict  # without "model"
     same_text: bool = False
+    # The plugin's own request option with a bad value: the server without speculation ignores
+    # it (vLLM ignores keys of ``vllm_xargs`` it does not know), the tree server refuses it with
+    # HTTP 400 and a message that matches this.
+    plugin_refusal: str | None = None
     # Sent after the others, alone: vLLM gives every request of a step in which any request asks
     # for ``logprob_token_ids`` that layout (no top logprobs), so such a request would change its
     # neighbours' answers by when it runs.
@@ -80,10 +88,24 @@ VALID = [
     chat("include_stop_str_in_output", True, **GREEDY, stop=["return"], include_stop_str_in_output=True),
     chat("max_tokens", True, temperature=0, max_tokens=5),
     chat("max_completion_tokens", True, temperature=0, max_completion_tokens=7),
+    chat("facts", True, messages=FACTS, temperature=0, max_tokens=48),
     chat("min_tokens", True, messages=FACTS, temperature=0, max_tokens=48, min_tokens=40),
     chat("ignore_eos", True, messages=FACTS, temperature=0, max_tokens=40, ignore_eos=True),
-    chat("presence_penalty", True, **GREEDY, presence_penalty=1.5),
-    chat("frequency_penalty", True, **GREEDY, frequency_penalty=1.0),
+    # A grammar that has ended, decoded past by ignore_eos (once stopped the engine in xgrammar).
+    chat("ignore_eos-regex", True, messages=COLORS, temperature=0, max_tokens=8, ignore_eos=True,
+         structured_outputs={"regex": "[a-z]{3,6} [0-9]{2}"}),
+    chat("ignore_eos-json_object", True, messages=COLORS, temperature=0, max_tokens=24, ignore_eos=True,
+         response_format={"type": "json_object"}),
+    # min_tokens beyond what the grammar's strings take: the stop token is all the grammar allows.
+    chat("choice-min_tokens", True, messages=REPEAT, temperature=0, max_tokens=16, min_tokens=12,
+         structured_outputs=FOX),
+    chat("choice-min_tokens-sampled", False, messages=REPEAT, temperature=0.8, n=3, min_tokens=12,
+         structured_outputs=FOX),
+    chat("speculation-off", True, **GREEDY, vllm_xargs={"speculation": "off"}),
+    chat("speculation-on", True, **GREEDY, vllm_xargs={"speculation": "on"}),
+    # On FACTS, whose answer repeats its words soon enough for these penalties to change it.
+    chat("presence_penalty", True, messages=FACTS, temperature=0, max_tokens=48, presence_penalty=1.5),
+    chat("frequency_penalty", True, messages=FACTS, temperature=0, max_tokens=48, frequency_penalty=1.0),
     chat("repetition_penalty", True, **GREEDY, repetition_penalty=1.3),
     chat("logit_bias", True, **GREEDY, logit_bias={str(FENCE): -100, str(HERE): 3}),
     chat("logit_bias-sampled", False, **SAMPLED, logit_bias={str(A): -100}),
@@ -165,6 +187,8 @@ MALFORMED = [
     bad("skip_special_tokens", skip_special_tokens="sometimes"),
     bad("ignore_eos", ignore_eos="x"),
     bad("messages", messages="not a list"),
+    Case("chat-bad-speculation", "chat", {"messages": CODE, **GREEDY, "vllm_xargs": {"speculation": "sometimes"}},
+         plugin_refusal=r"vllm_xargs\['speculation'\].*'on', 'off', got 'sometimes'"),
     Case("completions-bad-logprobs", "completions", {"prompt": PROMPT, **GREEDY, "logprobs": 50}),
     Case("completions-bad-prompt", "completions", {"prompt": 5, **GREEDY}),
     Case("completions-bad-echo-stream", "completions", {"prompt": PROMPT, **GREEDY, "echo": 3}),

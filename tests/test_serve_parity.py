@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -33,14 +37,7 @@ def answers(demo_model, tmp_path_factory):
     """Every case's normalised answer from each server: {"none": {...}, "tree": {...}},
     and the tree server's spec-decode counters."""
     out = tmp_path_factory.mktemp("parity")
-    servers = {}
-    try:
-        for label, spec in (("none", None), ("tree", SPEC)):
-            args = serve_load.server_args(demo_model, 1024, 4, "float32", spec, chunked=False)
-            args += ["--max-num-seqs", "8", "--distributed-executor-backend", "uni"]
-            servers[label] = Server(demo_model, free_port(), spec, args, out / f"{label}.log")
-        for server in servers.values():
-            server.wait_healthy()
+    with parity_servers(demo_model, out) as servers:
         result = {}
         together = [case for case in CASES if not case.alone]
         for label, server in servers.items():
@@ -51,6 +48,23 @@ def answers(demo_model, tmp_path_factory):
         result["counters"] = counters(servers["tree"].get("/metrics"))
         (out / "answers.json").write_text(json.dumps(result, indent=1))
         return result
+
+
+@contextmanager
+def parity_servers(model: str, out: Path) -> Iterator[dict[str, Server]]:
+    """The server without speculation ("none") and the one with ``SPEC``
+    ("tree"), both healthy (logs in ``out``); stopped on exit."""
+    servers = {}
+    try:
+        for label, spec in (("none", None), ("tree", SPEC)):
+            args = serve_load.server_args(model, 1024, 4, "float32", spec, chunked=False)
+            args += ["--max-num-seqs", "8", "--distributed-executor-backend", "uni"]
+            if spec is not None:  # vLLM's per-request report of what speculation did (``spec`` in ``answer``)
+                args += ["--per-request-spec-decode-metrics", "summary"]
+            servers[label] = Server(model, free_port(), spec, args, out / f"{label}.log")
+        for server in servers.values():
+            server.wait_healthy()
+        yield servers
     finally:
         for server in servers.values():
             server.stop()
@@ -58,7 +72,9 @@ def answers(demo_model, tmp_path_factory):
 
 def answer(base: str, model: str, case: Case) -> dict:
     """The status and the answer without its volatile fields (a stream merged
-    into one answer per choice), or the error message."""
+    into one answer per choice), or the error message; ``spec``: vLLM's
+    per-request speculative-decoding report, where the server gives one
+    (the tree server, for a request of one choice; not compared)."""
     path = "/v1/chat/completions" if case.endpoint == "chat" else "/v1/completions"
     request = urllib.request.Request(base + path, json.dumps({"model": model, **case.body}).encode(),
                                      {"Content-Type": "application/json"})
@@ -66,7 +82,9 @@ def answer(base: str, model: str, case: Case) -> dict:
         with urllib.request.urlopen(request, timeout=300) as response:
             if case.stream:
                 return {"status": response.status, "body": merge_stream(response)}
-            return {"status": response.status, "body": strip(json.load(response))}
+            body = json.load(response)
+            report = (body.pop("metrics", None) or {}).get("speculative_decoding")
+            return {"status": response.status, "body": strip(body), "spec": report}
     except urllib.error.HTTPError as error:
         return {"status": error.code, "error": json.loads(error.read() or b"{}").get("error", {}).get("message")}
 
@@ -119,6 +137,10 @@ def choice_count(result: dict) -> int:
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_tree_server_answers_as_the_server_without_speculation(answers, case):
     plain, tree = answers["none"][case.name], answers["tree"][case.name]
+    if case.plugin_refusal:
+        assert plain["status"] == 200 and tree["status"] == 400, (plain, tree)
+        assert re.search(case.plugin_refusal, tree["error"]), tree
+        return
     assert tree["status"] == plain["status"], (plain, tree)
     if plain["status"] != 200:
         assert 400 <= plain["status"] < 500 and plain["error"], plain
@@ -140,7 +162,24 @@ def test_the_cases_exercise_what_they_name(answers):
     assert text["chat-bad_words"] != text["chat-greedy"]
     assert text["chat-repetition_penalty"] != text["chat-greedy"]
     assert text["chat-min_p-seeded"] != text["chat-seeded-hot"]
+    assert text["chat-presence_penalty"] != text["chat-facts"]
+    assert text["chat-frequency_penalty"] != text["chat-facts"]
     assert json.loads(text["chat-structured-json"]).keys() == {"name", "age"}
+    usage = {name: tree[name]["body"]["usage"]["completion_tokens"] for name in text}
+    finish = {name: tree[name]["body"]["choices"][0]["finish_reason"] for name in text}
+    # min_tokens binds: without it the answer stops at its 40th token, with 40 it may not and runs on;
+    # ignore_eos runs to max_tokens, past a grammar's end too.
+    assert finish["chat-facts"] == "stop" and usage["chat-facts"] <= 40 < usage["chat-min_tokens"], usage
+    assert finish["chat-ignore_eos"] == "length" and usage["chat-ignore_eos"] == 40, (finish, usage)
+    assert usage["chat-ignore_eos-regex"] == 8 and usage["chat-ignore_eos-json_object"] == 24, usage
+    # A grammar that ends before min_tokens: its stop token is all it allows, so it stays (vLLM's restore).
+    assert finish["chat-choice-min_tokens"] == "stop" and usage["chat-choice-min_tokens"] < 12, usage
+    assert text["chat-choice-min_tokens"] in ("the quick brown fox", "the lazy dog")
+    # What speculation did per request (vLLM's report): nothing for a request that switched it off,
+    # trees for the same request with it on.
+    spec = {name: result.get("spec") for name, result in tree.items() if isinstance(result, dict)}
+    assert spec["chat-speculation-off"]["num_spec_steps"] == spec["chat-speculation-off"]["num_draft_tokens"] == 0
+    assert spec["chat-speculation-on"]["num_spec_steps"] > 0 and spec["chat-greedy"]["num_spec_steps"] > 0, spec
     # Trees were verified (27 in one run; the adaptive budget drafts where trees pay). Logprobs of
     # ``logprob_token_ids`` read from tree rows: ``test_verifier_sampling.py``.
     assert answers["counters"].get("vllm:spec_decode_num_drafts_total", 0) >= 10, answers["counters"]
