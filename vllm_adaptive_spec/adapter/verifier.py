@@ -224,7 +224,7 @@ class TreeVerifier(torch.nn.Module):
         # it is given in place; logprobs are read from ``logits`` after it). A tree's token is its
         # tree's acceptance; this one stands where the tree's rows fail (``_accepted_trees``).
         plain = self.sampler(
-            logits=logits[self._plain_rows(metadata, starts, drafted)],
+            logits=logits[self._plain_rows(metadata, starts)],
             sampling_metadata=self._without_drafts(sampling_metadata, drafted),
             predict_bonus_token=True,
         )
@@ -269,16 +269,13 @@ class TreeVerifier(torch.nn.Module):
         return accept(tree_batch, targets[first.unsqueeze(1) + local], step.ancestors)
 
     @staticmethod
-    def _plain_rows(metadata, starts, drafted: list[int]) -> torch.Tensor:
+    def _plain_rows(metadata, starts) -> torch.Tensor:
         """The row vLLM's sampler samples for each request: the bonus row,
         except for a request with drafts, whose token comes from its first
-        row (the rows after it were fed its drafts)."""
-        if not drafted:
-            return metadata.bonus_logits_indices
-        rows = metadata.bonus_logits_indices.clone()
-        index = to_device(drafted, torch.long, rows.device)
-        rows[index] = starts[index].to(rows.dtype)
-        return rows
+        row (the rows after it were fed its drafts); on the device, the same
+        operations whatever the step's drafts."""
+        bonus = metadata.bonus_logits_indices
+        return torch.where(bonus > starts, starts.to(bonus.dtype), bonus)
 
     @staticmethod
     def _without_drafts(sampling_metadata, drafted: list[int]):
