@@ -106,7 +106,7 @@ def needed_model_len(model: str, conversations: list, max_tokens: int) -> int:
 
 def draft_lm_path() -> str:
     """The draft LM of ``vllm-adaptive-spec draft-lm`` (trained on first use, about 6 minutes)."""
-    from vllm_adaptive_spec.training.draft_lm import ensure_draft_lm
+    from vllm_adaptive_spec.training.train_draft_lm import ensure_draft_lm
 
     return str(ensure_draft_lm(layers=4, minutes=6.0))
 

@@ -53,7 +53,7 @@ from benchmarks.options import add_output
 from benchmarks.report import write_report
 from kernels.kv_compaction import compact_kv_reference, compact_kv_triton
 from kernels.tree_attention import tree_attention_reference, tree_attention_triton
-from vllm_adaptive_spec.tree import ROOT, TreeBatch
+from vllm_adaptive_spec.trees.tree import ROOT, TreeBatch
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 REFERENCE_MAX_KEYS = 1 << 18

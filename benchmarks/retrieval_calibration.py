@@ -57,12 +57,12 @@ from benchmarks.chain_drafters import JumpForwardChains, NgramChains, SuffixChai
 from benchmarks.options import add_output, add_sampling, add_workload
 from benchmarks.report import write_report
 
-from vllm_adaptive_spec.budget import LoadBudget
+from vllm_adaptive_spec.budget.load_budget import LoadBudget
 from vllm_adaptive_spec.drafters.contexts import Contexts
-from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
-from vllm_adaptive_spec.growth import grow
+from vllm_adaptive_spec.drafters.retrieval_trie import RetrievalDrafter
+from vllm_adaptive_spec.trees.growth import grow
 from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy
-from vllm_adaptive_spec.tree import ROOT, DraftTree
+from vllm_adaptive_spec.trees.tree import ROOT, DraftTree
 
 # The trie's drafting time a step at batch 1 (step profile, `grow`), the load budget's drafting cost.
 TRIE_MS = 0.6

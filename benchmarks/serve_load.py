@@ -82,7 +82,7 @@ from pathlib import Path
 
 from benchmarks.options import REPO, add_output, add_workload, parse_spec
 from benchmarks.report import write_report
-from benchmarks.serving.report import greedy_comparison, markdown, plot, summarize
+from benchmarks.serving.serve_report import greedy_comparison, markdown, plot, summarize
 from benchmarks.serving.servers import run_servers
 from benchmarks.serving.workload import DEFAULT_SPEC, PLAIN, batch_warmup_jobs, warmup_jobs, workload
 

@@ -4,7 +4,7 @@ For every method and batch size b: b requests in flight (``max(b, 4)`` prompts
 in all, round-robin over the prompt categories, greedy, ``--max-tokens``
 each), the engine stepped by hand. Each step's wall time is measured around
 ``LLMEngine.step``; inside the worker the phases are timed by
-``vllm_adaptive_spec.adapter.step_profile``. The table gives milliseconds per
+``vllm_adaptive_spec.adapter.phase_times``. The table gives milliseconds per
 engine step (self time: a phase's time without the phases inside it):
 
 * ``forward``: the target model without attention; ``attn``: vLLM's C++
@@ -75,7 +75,7 @@ from pathlib import Path
 from benchmarks import engine_worker, engines
 from benchmarks.options import add_batches, add_output, add_sampling, add_workload
 from benchmarks.report import write_report
-from vllm_adaptive_spec.adapter.step_profile import DRAFT_GRAPH_KEY, GRAPH_KEY
+from vllm_adaptive_spec.adapter.phase_times import DRAFT_GRAPH_KEY, GRAPH_KEY
 
 
 MAX_LEN = 64  # l_max = l_min = 64: the suffix never matches, no tree is drafted
@@ -163,16 +163,16 @@ class ProfiledEngine:
     def __init__(self, llm, job: dict) -> None:
         from vllm import SamplingParams
 
-        from vllm_adaptive_spec.adapter import step_profile
+        from vllm_adaptive_spec.adapter import phase_times
 
-        self.llm, self.engine, self.profile = llm, llm.llm_engine, step_profile
+        self.llm, self.engine, self.profile = llm, llm.llm_engine, phase_times
         tokenizer = llm.get_tokenizer()
         self.prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
                         for m in job["conversations"]]
         self.params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"],
                                      **engine_worker.sampling_options(job.get("sampling", {})))
         self.tree_method = engine_worker.is_tree_method(job)
-        llm.collective_rpc(step_profile.install)
+        llm.collective_rpc(phase_times.install)
 
     def start(self, count: int, in_flight: int) -> None:
         self.llm.reset_prefix_cache()

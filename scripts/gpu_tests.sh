@@ -28,7 +28,7 @@ fi
 
 python3 -c "
 from vllm_adaptive_spec.demo_model import ensure_demo_model
-from vllm_adaptive_spec.training.draft_lm import ensure_draft_lm
+from vllm_adaptive_spec.training.train_draft_lm import ensure_draft_lm
 ensure_demo_model(); ensure_draft_lm(layers=4, minutes=0)" > "$LOG/prepare.log" 2>&1 \
     || { echo "preparing the demo model failed:"; tail -20 "$LOG/prepare.log"; exit 1; }
 

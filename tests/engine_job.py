@@ -67,7 +67,7 @@ def pause_drafting(worker, drafting: int, paused: int, probe_requests: int | Non
     """Replace the load budget's pause decision by a fixed pattern (sent into
     the worker with ``collective_rpc``); with ``probe_requests``, the first
     drafting step of each cycle is a probe that drafts for that many requests."""
-    from vllm_adaptive_spec.pause_control import StepDecision
+    from vllm_adaptive_spec.budget.pause_control import StepDecision
 
     steps = itertools.count()
     proposer = worker.model_runner.tree_proposer
@@ -207,7 +207,7 @@ def inject_failures(fail_for: dict[str, int]) -> None:
     """Make the plugin's per-request work raise (see ``fail_for`` above), in
     this process, where the in-process engine's scheduler and worker run."""
     from vllm_adaptive_spec.adapter import tree_scheduler, verifier
-    from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
+    from vllm_adaptive_spec.drafters.retrieval_trie import RetrievalDrafter
 
     def failing(owner, name: str, place: str, fails) -> None:
         original = getattr(owner, name)

@@ -119,7 +119,7 @@ def install(worker) -> None:
     verifier.forward = _guarded(verifier.forward, record, "tree_steps")
     runner._set_depth_positions = _guarded(runner._set_depth_positions, record, None)
     if runner._draft_backend is not None:
-        from vllm_adaptive_spec import growth
+        from vllm_adaptive_spec.trees import growth
 
         growth.grow_layers = _guarded(growth.grow_layers, record, "draft_loops")
         backend = runner._draft_backend

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.cli import TOOLS, main
+from benchmarks.bench import TOOLS, main
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 

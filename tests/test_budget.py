@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from test_tree import random_bfs_tree
 
-from vllm_adaptive_spec.budget import LoadBudget
-from vllm_adaptive_spec.node_allocation import allocate
-from vllm_adaptive_spec.step_cost import StepCostFit
-from vllm_adaptive_spec.tree import DraftTree
+from vllm_adaptive_spec.budget.load_budget import LoadBudget
+from vllm_adaptive_spec.budget.node_allocation import allocate
+from vllm_adaptive_spec.budget.step_cost import StepCostFit
+from vllm_adaptive_spec.trees.tree import DraftTree
 
 
 def _rate(p_hat, kept, alpha, beta, plain=0):

@@ -146,8 +146,8 @@ def test_the_default_classifier_is_the_draft_models_own(tmp_path):
 
 
 def test_rows_of_a_verified_tree():
-    from vllm_adaptive_spec.training.c2t import tree_rows
-    from vllm_adaptive_spec.tree import DraftTree
+    from vllm_adaptive_spec.training.train_c2t import tree_rows
+    from vllm_adaptive_spec.trees.tree import DraftTree
 
     tree = DraftTree([5, 6, 7], [-1, -1, 0], [0.5, 0.25, 0.5], [1.0, 1.0, 2.0])
     assert tree_rows(tree, [0, 2]).tolist() == [[0.5, 1.0, 1, 1.0], [0.25, 1.0, 1, 0.0], [0.25, 2.0, 2, 1.0]]
@@ -158,7 +158,7 @@ def test_training_finds_the_accepted_nodes_and_writes_a_loadable_classifier(tmp_
     recalls most accepted nodes while calling only part of the nodes positive."""
     from types import SimpleNamespace
 
-    from vllm_adaptive_spec.training.c2t import train
+    from vllm_adaptive_spec.training.train_c2t import train
 
     gen = torch.Generator().manual_seed(0)
     p = torch.rand(8_000, generator=gen) ** 2

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from vllm_adaptive_spec.config import TreeConfig, TreeConfigError, parse_tree_config
-from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
+from vllm_adaptive_spec.drafters.retrieval_trie import RetrievalDrafter
 from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy
 
 TREE_KEYS = ("'drafter', 'evidence_prior', 'grammar_forcing', 'l_max', 'l_min', 'load_budget', 'matcher', 'max_depth', 'max_matches', "

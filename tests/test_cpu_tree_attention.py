@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels.tree_attention import tree_attention_reference
-from vllm_adaptive_spec.tree import DraftTree, TreeBatch
+from vllm_adaptive_spec.trees.tree import DraftTree, TreeBatch
 
 
 def _random_tree(rng: torch.Generator, size: int) -> DraftTree:

@@ -26,9 +26,9 @@ from vllm_adaptive_spec.adapter.cudagraphs import (
     uniform_tree_rows,
 )
 from vllm_adaptive_spec.adapter.runner import TreeRunnerMixin
-from vllm_adaptive_spec.step_widths import step_widths
-from vllm_adaptive_spec.tree import DraftTree
-from vllm_adaptive_spec.tree_buffers import TreeBuffers
+from vllm_adaptive_spec.trees.step_widths import step_widths
+from vllm_adaptive_spec.trees.tree import DraftTree
+from vllm_adaptive_spec.trees.tree_buffers import TreeBuffers
 
 SPEC_TOKENS = 16  # vLLM's uniform decode batches: 17 rows a request
 SIZES = [17, 34, 51, 68]  # vLLM rounds capture sizes to multiples of 17 under speculation

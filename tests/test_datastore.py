@@ -8,8 +8,8 @@ import pytest
 from test_retrieval import draft, paths
 from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.drafters.datastore import Datastore
-from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
-from vllm_adaptive_spec.tree import DraftTree
+from vllm_adaptive_spec.drafters.retrieval_trie import RetrievalDrafter
+from vllm_adaptive_spec.trees.tree import DraftTree
 
 PROMPT, OUTPUT = [1, 2, 3], [10, 11, 12, 13, 14]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from dispatched_ops import dispatched, reads
 
-from vllm_adaptive_spec.draft_layer import empty_state, lay_out_layer, node_slots
+from vllm_adaptive_spec.trees.layer_layout import empty_state, lay_out_layer, node_slots
 
 MAX_NODES = 24
 

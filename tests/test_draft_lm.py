@@ -24,7 +24,7 @@ def test_truncated_draft_keeps_the_targets_first_layers(cache, demo_model):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from vllm_adaptive_spec.training.draft_lm import ensure_draft_lm
+    from vllm_adaptive_spec.training.train_draft_lm import ensure_draft_lm
 
     path = ensure_draft_lm(layers=2, minutes=0)
     assert path.parent == cache and ensure_draft_lm(layers=2, minutes=0) == path
@@ -38,7 +38,7 @@ def test_truncated_draft_keeps_the_targets_first_layers(cache, demo_model):
 
 
 def test_distillation_runs_and_logs(cache):
-    from vllm_adaptive_spec.training.draft_lm import ensure_draft_lm
+    from vllm_adaptive_spec.training.train_draft_lm import ensure_draft_lm
 
     path = ensure_draft_lm(layers=1, minutes=0.01)
     records = [json.loads(line) for line in (path / "distill_log.jsonl").read_text().splitlines()]

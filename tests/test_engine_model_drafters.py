@@ -198,7 +198,7 @@ def test_eagle3_chain_matches_native_eagle3(demo_model, prompt_ids, baseline, tm
 def test_draft_model_tree_greedy_equals_no_speculation(demo_model, prompt_ids, baseline, tmp_path):
     """Batch 8 under the default adaptive load budget (batch 1 is covered by the
     eagle3 test: both drafters share the draft backend)."""
-    from vllm_adaptive_spec.training.draft_lm import ensure_draft_lm
+    from vllm_adaptive_spec.training.train_draft_lm import ensure_draft_lm
 
     draft = str(ensure_draft_lm(layers=4, minutes=0))
     spec = adaptive("draft_model", draft, 16, policy="eagle2", top_k=4, depth=4, load_budget="adaptive")

@@ -55,7 +55,7 @@ def adaptive(drafter: str, budget: int, model: str | None = None, **tree) -> dic
 
 
 def _draft_lm() -> str:
-    from vllm_adaptive_spec.training.draft_lm import ensure_draft_lm
+    from vllm_adaptive_spec.training.train_draft_lm import ensure_draft_lm
 
     return str(ensure_draft_lm(layers=4, minutes=0))
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_adaptive_spec.growth import Candidates, grow
+from vllm_adaptive_spec.trees.growth import Candidates, grow
 from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy, top_by_path_probability
-from vllm_adaptive_spec.tree import ROOT, DraftTree
+from vllm_adaptive_spec.trees.tree import ROOT, DraftTree
 
 
 class FakeDrafter:

@@ -15,7 +15,7 @@ from dispatched_ops import dispatched, reads
 from test_model_drafter import TableBackend
 
 from vllm_adaptive_spec.drafters.model import Eagle3Drafter
-from vllm_adaptive_spec.growth import Candidates, grow, grow_fixed
+from vllm_adaptive_spec.trees.growth import Candidates, grow, grow_fixed
 from vllm_adaptive_spec.policies import C2TPolicy, ChainPolicy, DeaglePolicy, DynaTreePolicy, Eagle2Policy, TalonPolicy
 
 VOCAB = 1024  # C2T's classifier reads a top-1000 entropy

@@ -13,7 +13,7 @@ from test_model_drafter import TableBackend, make, paths
 from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.drafters.hybrid import NO_TRIE_NODE, HybridDrafter, merged
 from vllm_adaptive_spec.drafters.model import Eagle3Drafter
-from vllm_adaptive_spec.growth import Candidates, grow, grow_fixed
+from vllm_adaptive_spec.trees.growth import Candidates, grow, grow_fixed
 from vllm_adaptive_spec.policies import ChainPolicy, DynaTreePolicy, Eagle2Policy, TalonPolicy
 
 
@@ -83,7 +83,7 @@ def test_while_the_budget_pauses_the_model_the_retrieval_trie_still_drafts():
 
     from test_policies import proposer_for
     from vllm_adaptive_spec.config import TreeConfig
-    from vllm_adaptive_spec.pause_control import StepDecision
+    from vllm_adaptive_spec.budget.pause_control import StepDecision
 
     # No backend bound: a model pass would fail.
     proposer = proposer_for(TreeConfig("hybrid", "dynatree", 8, {"l_max": 2, "evidence_prior": 0.0}, {"window": 1}))
@@ -108,7 +108,7 @@ def test_the_retrieval_trie_has_a_budget_of_its_own():
 
     from test_policies import proposer_for
     from vllm_adaptive_spec.config import TreeConfig
-    from vllm_adaptive_spec.pause_control import StepDecision
+    from vllm_adaptive_spec.budget.pause_control import StepDecision
 
     proposer = proposer_for(TreeConfig("hybrid", "dynatree", 8, {"l_max": 2, "evidence_prior": 0.0}, {"window": 1}))
     model, trie = proposer.load_budget, proposer.paused_budget
@@ -137,7 +137,7 @@ def test_with_every_node_verified_a_paused_step_drafts_the_trie():
 
     from test_policies import proposer_for
     from vllm_adaptive_spec.config import TreeConfig
-    from vllm_adaptive_spec.pause_control import StepDecision
+    from vllm_adaptive_spec.budget.pause_control import StepDecision
 
     proposer = proposer_for(TreeConfig("hybrid", "dynatree", 8, {"l_max": 2, "evidence_prior": 0.0}, {"window": 1},
                                        load_budget="fixed"))
@@ -153,7 +153,7 @@ def test_uniform_steps_give_both_budgets_the_width_choice_over_one_cost_table():
     row count feed it), and still share one step-cost fit."""
     from test_policies import proposer_for
     from vllm_adaptive_spec.config import TreeConfig
-    from vllm_adaptive_spec.width_budget import WidthBudget
+    from vllm_adaptive_spec.budget.width_budget import WidthBudget
 
     proposer = proposer_for(TreeConfig("hybrid", "dynatree", 8, {"l_max": 2, "evidence_prior": 0.0}, {"window": 1}))
     proposer.uniform((2, 4, 8), batch_sizes=(1, 2, 4, 8))

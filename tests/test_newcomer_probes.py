@@ -7,12 +7,12 @@ import numpy as np
 from test_budget import _feed_steps
 from test_policies import proposer_for
 
-from vllm_adaptive_spec.budget import LoadBudget
+from vllm_adaptive_spec.budget.load_budget import LoadBudget
 from vllm_adaptive_spec.config import TreeConfig
-from vllm_adaptive_spec.pause_control import StepDecision
-from vllm_adaptive_spec.step_cost_table import StepCostTable
-from vllm_adaptive_spec.tree import DraftTree
-from vllm_adaptive_spec.width_budget import WidthBudget
+from vllm_adaptive_spec.budget.pause_control import StepDecision
+from vllm_adaptive_spec.budget.step_cost_table import StepCostTable
+from vllm_adaptive_spec.trees.tree import DraftTree
+from vllm_adaptive_spec.budget.width_budget import WidthBudget
 
 PAUSED = StepDecision(drafts=False)
 

@@ -9,7 +9,7 @@ import torch
 
 from vllm_adaptive_spec.adapter.draft_backend import Committed, PassRows
 from vllm_adaptive_spec.adapter.draft_head import _kept_first
-from vllm_adaptive_spec.packed_ranges import packed_ranges
+from vllm_adaptive_spec.trees.packed_ranges import packed_ranges
 
 
 def test_packed_ranges_are_the_ranges_one_after_another():

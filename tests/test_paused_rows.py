@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from vllm_adaptive_spec.paused_rows import PausedRows
+from vllm_adaptive_spec.trees.paused_rows import PausedRows
 
 WIDTH = 6
 

@@ -22,7 +22,7 @@ from vllm_adaptive_spec.policies import (
     Eagle2Policy,
     TalonPolicy,
 )
-from vllm_adaptive_spec.tree import DraftTree
+from vllm_adaptive_spec.trees.tree import DraftTree
 
 
 def table_model(seed: int, batch: int = 3, vocab: int = 24, sharpness: float = 4.0):

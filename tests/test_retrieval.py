@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from vllm_adaptive_spec.drafters.contexts import Contexts
-from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
-from vllm_adaptive_spec.growth import grow
+from vllm_adaptive_spec.drafters.retrieval_trie import RetrievalDrafter
+from vllm_adaptive_spec.trees.growth import grow
 from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy
-from vllm_adaptive_spec.tree import DraftTree
+from vllm_adaptive_spec.trees.tree import DraftTree
 
 CONTEXT = [1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 3]
 

@@ -18,7 +18,7 @@ from dispatched_ops import dispatched, reads
 
 from vllm_adaptive_spec.config import TreeConfig
 from vllm_adaptive_spec.drafters.contexts import Contexts
-from vllm_adaptive_spec.drafters.retrieval import EVIDENCE_EXPONENT, RetrievalDrafter, resolve_matcher
+from vllm_adaptive_spec.drafters.retrieval_trie import EVIDENCE_EXPONENT, RetrievalDrafter, resolve_matcher
 from vllm_adaptive_spec.drafters.retrieval_tensors import (
     TensorRetrievalDrafter,
     candidate_trees,
@@ -26,9 +26,9 @@ from vllm_adaptive_spec.drafters.retrieval_tensors import (
     evidence_table,
     longest_matches,
 )
-from vllm_adaptive_spec.growth import grow
+from vllm_adaptive_spec.trees.growth import grow
 from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy
-from vllm_adaptive_spec.tree import DraftTree
+from vllm_adaptive_spec.trees.tree import DraftTree
 
 PROMPTS = Path(__file__).parent.parent / "vllm_adaptive_spec" / "data" / "prompts.jsonl"
 

@@ -3,7 +3,7 @@
 import torch
 
 from vllm_adaptive_spec.adapter.step import build_step
-from vllm_adaptive_spec.tree import DraftTree
+from vllm_adaptive_spec.trees.tree import DraftTree
 
 
 def rows_repositioned(step, num_rows: int) -> list[int]:

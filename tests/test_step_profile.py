@@ -1,9 +1,9 @@
-"""The step profile's timers (``vllm_adaptive_spec/adapter/step_profile.py``):
+"""The step profile's timers (``vllm_adaptive_spec/adapter/phase_times.py``):
 engines stepped in turn in one process (``step_profile.py --engine-layout
 lockstep``) keep their phases apart, code they share included. Pure logic,
 no engine."""
 
-from vllm_adaptive_spec.adapter.step_profile import _Timer, _wrap
+from vllm_adaptive_spec.adapter.phase_times import _Timer, _wrap
 
 
 class _Attention:
@@ -47,7 +47,7 @@ def test_runners_stepped_in_turn_keep_their_own_phase_times():
 def test_the_graph_each_forward_was_dispatched_to_is_counted():
     from vllm.config import CUDAGraphMode
 
-    from vllm_adaptive_spec.adapter.step_profile import _count_graphs
+    from vllm_adaptive_spec.adapter.phase_times import _count_graphs
 
     from benchmarks.step_profile import graphs
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from vllm_adaptive_spec.tree import ROOT, DraftTree, HostTrees, TreeBatch
+from vllm_adaptive_spec.trees.tree import ROOT, DraftTree, HostTrees, TreeBatch
 
 
 def random_bfs_tree(rng: random.Random, n: int, vocab: int = 32) -> DraftTree:

@@ -10,9 +10,9 @@ import torch
 from test_tree import random_bfs_tree
 
 from vllm_adaptive_spec.adapter.step import build_step, build_uniform_step
-from vllm_adaptive_spec.tree import DraftTree
-from vllm_adaptive_spec.tree_buffers import TreeBuffers, num_words, pack_bits, unpack_bits
-from vllm_adaptive_spec.tree_tensors import TreeTensors
+from vllm_adaptive_spec.trees.tree import DraftTree
+from vllm_adaptive_spec.trees.tree_buffers import TreeBuffers, num_words, pack_bits, unpack_bits
+from vllm_adaptive_spec.trees.tree_tensors import TreeTensors
 
 CPU = torch.device("cpu")
 

@@ -13,7 +13,7 @@ from vllm.v1.sample.ops.bad_words import apply_bad_words
 from vllm.v1.sample.ops.penalties import apply_all_penalties
 
 from vllm_adaptive_spec.adapter.tree_history import RowHistories, apply_row_penalties, row_histories
-from vllm_adaptive_spec.tree import DraftTree, TreeBatch
+from vllm_adaptive_spec.trees.tree import DraftTree, TreeBatch
 
 VOCAB = 12
 

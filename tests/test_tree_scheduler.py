@@ -19,7 +19,7 @@ from vllm_adaptive_spec.adapter.tree_scheduler import (
     tree_rows,
     without_removed,
 )
-from vllm_adaptive_spec.tree import DraftTree
+from vllm_adaptive_spec.trees.tree import DraftTree
 
 WORDS = [[1, 2, 3], [1, 2, 4, 5], [2, 3], [3, 1, 1, 2]]  # the strings the grammar accepts (then it ends)
 

@@ -15,9 +15,9 @@ import torch
 from test_tree import random_bfs_tree
 from test_verify import naive_accept
 
-from vllm_adaptive_spec.tree import DraftTree, TreeBatch
-from vllm_adaptive_spec.tree_buffers import TreeBuffers
-from vllm_adaptive_spec.tree_tensors import (
+from vllm_adaptive_spec.trees.tree import DraftTree, TreeBatch
+from vllm_adaptive_spec.trees.tree_buffers import TreeBuffers
+from vllm_adaptive_spec.trees.tree_tensors import (
     TreeTensors,
     greedy_targets,
     row_positions,
@@ -26,7 +26,7 @@ from vllm_adaptive_spec.tree_tensors import (
     select_within_width,
     verify_step,
 )
-from vllm_adaptive_spec.verify import accept, path_moves
+from vllm_adaptive_spec.trees.verify import accept, path_moves
 
 VOCAB = 6  # small, so that drafts match their targets often and ties are common
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from vllm_adaptive_spec.tree import DraftTree, TreeBatch
-from vllm_adaptive_spec.verify import accept
+from vllm_adaptive_spec.trees.tree import DraftTree, TreeBatch
+from vllm_adaptive_spec.trees.verify import accept
 
 ALPHA = 1e-3
 VOCAB = 8

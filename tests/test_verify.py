@@ -11,8 +11,8 @@ import torch
 from scipy.stats import chisquare
 from test_tree import random_bfs_tree
 
-from vllm_adaptive_spec.tree import ROOT, DraftTree, TreeBatch
-from vllm_adaptive_spec.verify import accept, path_moves, sample_with_noise
+from vllm_adaptive_spec.trees.tree import ROOT, DraftTree, TreeBatch
+from vllm_adaptive_spec.trees.verify import accept, path_moves, sample_with_noise
 
 ALPHA = 1e-3  # false-alarm rate of every chi-square test below
 

@@ -7,10 +7,10 @@ import itertools
 import numpy as np
 import pytest
 
-from vllm_adaptive_spec.budget import LoadBudget
-from vllm_adaptive_spec.step_cost_table import StepCostTable
-from vllm_adaptive_spec.tree import DraftTree
-from vllm_adaptive_spec.width_budget import WidthBudget, best_width
+from vllm_adaptive_spec.budget.load_budget import LoadBudget
+from vllm_adaptive_spec.budget.step_cost_table import StepCostTable
+from vllm_adaptive_spec.trees.tree import DraftTree
+from vllm_adaptive_spec.budget.width_budget import WidthBudget, best_width
 
 WIDTHS = (2, 4, 8, 16)
 

@@ -15,12 +15,12 @@ COMMANDS = {
                      "train an EAGLE-3 head for the demo model (options: --help)"),
     "eval-eagle3": ("vllm_adaptive_spec.training.evaluate_head", "main",
                     "score EAGLE-3 heads against the target on the benchmark prompts (options: --help)"),
-    "draft-lm": ("vllm_adaptive_spec.training.draft_lm", "main", "build the demo model's draft LM (options: --help)"),
-    "c2t-collect": ("vllm_adaptive_spec.training.c2t", "collect_main",
+    "draft-lm": ("vllm_adaptive_spec.training.train_draft_lm", "main", "build the demo model's draft LM (options: --help)"),
+    "c2t-collect": ("vllm_adaptive_spec.training.train_c2t", "collect_main",
                     "record the drafter's tree nodes for C2T's classifier (options: --help)"),
-    "c2t-train": ("vllm_adaptive_spec.training.c2t", "train_main",
+    "c2t-train": ("vllm_adaptive_spec.training.train_c2t", "train_main",
                   "train C2T's classifier on collected rows (options: --help)"),
-    "bench": ("benchmarks.cli", "main", "run a benchmark tool (vllm-adaptive-spec bench --help lists them)"),
+    "bench": ("benchmarks.bench", "main", "run a benchmark tool (vllm-adaptive-spec bench --help lists them)"),
 }
 
 

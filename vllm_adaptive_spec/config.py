@@ -18,7 +18,7 @@ from typing import Any
 
 from vllm_adaptive_spec.classifier import FILE_NAME
 from vllm_adaptive_spec.drafters import DRAFTER_POLICIES, DRAFTERS
-from vllm_adaptive_spec.drafters.retrieval import matcher_of
+from vllm_adaptive_spec.drafters.retrieval_trie import matcher_of
 from vllm_adaptive_spec.drafters.retrieval_tensors import make_retrieval
 from vllm_adaptive_spec.policies import POLICIES, Param
 

@@ -48,8 +48,8 @@ from vllm.forward_context import BatchDescriptor
 from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
 from vllm_adaptive_spec.adapter import step as tree_step
-from vllm_adaptive_spec.step_widths import step_widths
-from vllm_adaptive_spec.tree_buffers import TreeBuffers
+from vllm_adaptive_spec.trees.step_widths import step_widths
+from vllm_adaptive_spec.trees.tree_buffers import TreeBuffers
 
 logger = init_logger(__name__)
 

@@ -47,8 +47,8 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from kernels.draft_distribution import DraftDistribution, draft_distribution
 from vllm_adaptive_spec.adapter import step as tree_step
 from vllm_adaptive_spec.adapter.draft_layers import FixedShape, PassLayout, RaggedLayers, empty_distribution
-from vllm_adaptive_spec.draft_layer import TreeState, empty_state, node_slots
-from vllm_adaptive_spec.packed_ranges import packed_ranges
+from vllm_adaptive_spec.trees.layer_layout import TreeState, empty_state, node_slots
+from vllm_adaptive_spec.trees.packed_ranges import packed_ranges
 
 
 class Committed(NamedTuple):

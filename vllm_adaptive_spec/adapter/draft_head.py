@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from vllm_adaptive_spec.adapter.draft_backend import Committed, CommittedPass, PagedDraftBackend, PassRows, TreeScratch
-from vllm_adaptive_spec.packed_ranges import packed_ranges
-from vllm_adaptive_spec.paused_rows import PausedRows
+from vllm_adaptive_spec.trees.packed_ranges import packed_ranges
+from vllm_adaptive_spec.trees.paused_rows import PausedRows
 
 
 def _kept_first(following, hidden, source, own, first, kept):

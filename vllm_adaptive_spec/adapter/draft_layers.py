@@ -25,7 +25,7 @@ import torch
 
 from kernels.draft_distribution import DraftDistribution
 from vllm_adaptive_spec.adapter import step as tree_step
-from vllm_adaptive_spec.draft_layer import LayerRows, lay_out_layer
+from vllm_adaptive_spec.trees.layer_layout import LayerRows, lay_out_layer
 
 
 class PassLayout(NamedTuple):

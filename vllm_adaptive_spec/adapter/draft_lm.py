@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from vllm_adaptive_spec.adapter.draft_backend import Committed, CommittedPass, PagedDraftBackend, PassRows
-from vllm_adaptive_spec.packed_ranges import packed_ranges
+from vllm_adaptive_spec.trees.packed_ranges import packed_ranges
 
 
 class LMDraftBackend(PagedDraftBackend):

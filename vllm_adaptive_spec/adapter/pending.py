@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_adaptive_spec.adapter import step as tree_step
-from vllm_adaptive_spec.verify import Acceptance
+from vllm_adaptive_spec.trees.verify import Acceptance
 
 
 @dataclass(frozen=True)

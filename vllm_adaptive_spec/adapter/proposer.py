@@ -18,15 +18,15 @@ import torch
 
 from vllm_adaptive_spec.adapter.config_hook import tree_config_of
 from vllm_adaptive_spec.adapter.request_options import Failures, speculation_allowed
-from vllm_adaptive_spec.budget import LoadBudget
+from vllm_adaptive_spec.budget.load_budget import LoadBudget
 from vllm_adaptive_spec.drafters.contexts import Contexts
-from vllm_adaptive_spec.growth import grow
-from vllm_adaptive_spec.pause_control import StepDecision
-from vllm_adaptive_spec.step_cost import StepCostFit
-from vllm_adaptive_spec.step_cost_table import StepCostTable
-from vllm_adaptive_spec.step_widths import uniform_drafts
-from vllm_adaptive_spec.tree import DraftTree
-from vllm_adaptive_spec.width_budget import WidthBudget
+from vllm_adaptive_spec.trees.growth import grow
+from vllm_adaptive_spec.budget.pause_control import StepDecision
+from vllm_adaptive_spec.budget.step_cost import StepCostFit
+from vllm_adaptive_spec.budget.step_cost_table import StepCostTable
+from vllm_adaptive_spec.trees.step_widths import uniform_drafts
+from vllm_adaptive_spec.trees.tree import DraftTree
+from vllm_adaptive_spec.budget.width_budget import WidthBudget
 
 
 @dataclass

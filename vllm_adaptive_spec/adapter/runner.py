@@ -47,9 +47,9 @@ from vllm_adaptive_spec.adapter.sampling_controls import builtin_logits_processo
 from vllm_adaptive_spec.adapter.tree_impl import check_tree_backends
 from vllm_adaptive_spec.adapter.tree_scheduler import TreeDraftTokenIds
 from vllm_adaptive_spec.adapter.verifier import TreeVerifier
-from vllm_adaptive_spec.step_widths import drafted_nodes, step_widths
-from vllm_adaptive_spec.tree import DraftTree
-from vllm_adaptive_spec.verify import Acceptance, path_moves
+from vllm_adaptive_spec.trees.step_widths import drafted_nodes, step_widths
+from vllm_adaptive_spec.trees.tree import DraftTree
+from vllm_adaptive_spec.trees.verify import Acceptance, path_moves
 
 SUPPORTED_LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
 

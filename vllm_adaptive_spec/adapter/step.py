@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from vllm_adaptive_spec.adapter.transfer import packed_to_device, to_device
-from vllm_adaptive_spec.packed_ranges import packed_ranges
-from vllm_adaptive_spec.tree import DraftTree, HostTrees, TreeBatch
-from vllm_adaptive_spec.tree_buffers import TreeBuffers
-from vllm_adaptive_spec.tree_tensors import row_visibility
+from vllm_adaptive_spec.trees.packed_ranges import packed_ranges
+from vllm_adaptive_spec.trees.tree import DraftTree, HostTrees, TreeBatch
+from vllm_adaptive_spec.trees.tree_buffers import TreeBuffers
+from vllm_adaptive_spec.trees.tree_tensors import row_visibility
 
 
 @dataclass

@@ -55,7 +55,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds
 
 from vllm_adaptive_spec.adapter.request_options import Failures, speculation_allowed
-from vllm_adaptive_spec.step_widths import drafted_nodes
+from vllm_adaptive_spec.trees.step_widths import drafted_nodes
 
 
 @dataclass

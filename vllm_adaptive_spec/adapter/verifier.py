@@ -41,7 +41,7 @@ from vllm_adaptive_spec.adapter.request_options import Failures
 from vllm_adaptive_spec.adapter.transfer import to_device
 from vllm_adaptive_spec.adapter.tree_logits_processors import apply_row_logit_bias, apply_row_min_p, has_logit_bias
 from vllm_adaptive_spec.adapter.tree_history import RowHistories
-from vllm_adaptive_spec.verify import PAD, Acceptance, accept, sample_with_noise
+from vllm_adaptive_spec.trees.verify import PAD, Acceptance, accept, sample_with_noise
 
 
 _GREEDY_BELOW = 1e-5  # vLLM's sampler treats smaller temperatures as greedy

@@ -3,7 +3,7 @@ LMs, and the hybrid of a model and retrieval)."""
 
 from vllm_adaptive_spec.drafters.hybrid import HybridDrafter
 from vllm_adaptive_spec.drafters.model import DraftModelDrafter, Eagle3Drafter
-from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
+from vllm_adaptive_spec.drafters.retrieval_trie import RetrievalDrafter
 
 DRAFTERS = {cls.name: cls for cls in (RetrievalDrafter, Eagle3Drafter, DraftModelDrafter, HybridDrafter)}
 # Which policies each drafter supports; the first is the default.

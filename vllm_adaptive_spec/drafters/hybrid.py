@@ -34,9 +34,9 @@ from __future__ import annotations
 import torch
 
 from vllm_adaptive_spec.drafters.model import ROOT_HANDLE, DraftBackend, DraftModelDrafter, Eagle3Drafter
-from vllm_adaptive_spec.drafters.retrieval import RetrievalDrafter
+from vllm_adaptive_spec.drafters.retrieval_trie import RetrievalDrafter
 from vllm_adaptive_spec.drafters.retrieval_tensors import TensorRetrievalDrafter, make_retrieval
-from vllm_adaptive_spec.growth import Candidates
+from vllm_adaptive_spec.trees.growth import Candidates
 from vllm_adaptive_spec.policies import Param
 from vllm_adaptive_spec.policies.retrieval import RetrievalPolicy
 

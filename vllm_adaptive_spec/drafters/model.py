@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 
 from kernels.draft_distribution import DraftDistribution
-from vllm_adaptive_spec.growth import Candidates
+from vllm_adaptive_spec.trees.growth import Candidates
 from vllm_adaptive_spec.policies import Param
 
 ROOT_HANDLE = -1

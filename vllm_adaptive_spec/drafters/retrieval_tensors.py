@@ -1,6 +1,6 @@
 """The retrieval drafter's trees as batched tensor operations (issue 53, item 1).
 
-The same trees as :class:`~vllm_adaptive_spec.drafters.retrieval.RetrievalDrafter`
+The same trees as :class:`~vllm_adaptive_spec.drafters.retrieval_trie.RetrievalDrafter`
 (its suffix index and lazy tries), ties included, computed for a whole batch
 at once from its tokens ``[B, L]`` (each request's context, left-aligned,
 ``lengths`` [B]), so that they can run where the tokens are (the GPU) with a
@@ -41,9 +41,9 @@ import torch
 
 from kernels.tree_gating import keep_best
 from vllm_adaptive_spec.drafters.contexts import Contexts
-from vllm_adaptive_spec.drafters.retrieval import EVIDENCE_EXPONENT, RetrievalDrafter, matcher_of
-from vllm_adaptive_spec.growth import Candidates
-from vllm_adaptive_spec.tree import ROOT, DraftTree
+from vllm_adaptive_spec.drafters.retrieval_trie import EVIDENCE_EXPONENT, RetrievalDrafter, matcher_of
+from vllm_adaptive_spec.trees.growth import Candidates
+from vllm_adaptive_spec.trees.tree import ROOT, DraftTree
 
 PAD = -1
 

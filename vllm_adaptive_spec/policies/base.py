@@ -3,7 +3,7 @@ the selection helpers.
 
 A policy turns each layer of the drafter's candidates into the next layer of
 the tree, or stops (docs/algorithms.md sections 2-6). The growth loop
-(:func:`vllm_adaptive_spec.growth.grow`) calls ``select`` once per draft
+(:func:`vllm_adaptive_spec.trees.growth.grow`) calls ``select`` once per draft
 pass for the whole batch; ``finish`` trims the grown trees. Policies with
 state per request (DynaTree's history tuning) keep it keyed by request id:
 ``begin`` before a step's growth, ``observe`` after its verification and
@@ -18,8 +18,8 @@ from typing import Any, Callable
 import torch
 
 from kernels.tree_gating import keep_best
-from vllm_adaptive_spec.growth import Layer
-from vllm_adaptive_spec.tree import DraftTree
+from vllm_adaptive_spec.trees.growth import Layer
+from vllm_adaptive_spec.trees.tree import DraftTree
 
 
 @dataclass(frozen=True)

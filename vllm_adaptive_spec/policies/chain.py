@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from vllm_adaptive_spec.growth import Layer
+from vllm_adaptive_spec.trees.growth import Layer
 from vllm_adaptive_spec.policies.base import TreePolicy
-from vllm_adaptive_spec.tree import ROOT, DraftTree
+from vllm_adaptive_spec.trees.tree import ROOT, DraftTree
 
 
 class ChainPolicy(TreePolicy):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_adaptive_spec.growth import Layer
+from vllm_adaptive_spec.trees.growth import Layer
 from vllm_adaptive_spec.policies.base import fraction, integer
 from vllm_adaptive_spec.policies.eagle2 import Eagle2Policy
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels.draft_distribution import MAX_M
-from vllm_adaptive_spec.growth import Layer
+from vllm_adaptive_spec.trees.growth import Layer
 from vllm_adaptive_spec.policies.base import TreePolicy, best_of_layer, integer, top_by_path_probability
 
 

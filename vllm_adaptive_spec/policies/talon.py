@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_adaptive_spec.growth import Layer
+from vllm_adaptive_spec.trees.growth import Layer
 from kernels.tree_gating import talon_gate
 from vllm_adaptive_spec.policies.base import Param, TreePolicy, integer, remaining
 

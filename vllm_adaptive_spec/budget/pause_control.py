@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from vllm_adaptive_spec.step_cost import StepCostFit
+from vllm_adaptive_spec.budget.step_cost import StepCostFit
 
 CONTROL_SPREAD, CONTROL_GAP = 0.02, 16
 

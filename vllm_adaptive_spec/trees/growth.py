@@ -4,7 +4,7 @@ A drafter proposes, for every frontier node of every request, its candidate
 children (top-``C`` tokens and draft probabilities, with an opaque *handle*
 the drafter uses to expand that child later). A policy picks the next layer
 among them, or stops. :func:`grow` runs that loop and returns one
-:class:`~vllm_adaptive_spec.tree.DraftTree` per request, breadth-first.
+:class:`~vllm_adaptive_spec.trees.tree.DraftTree` per request, breadth-first.
 
 Decision: a drafter whose candidates do not depend on what is chosen (the
 retrieval trie is known before growth) may hand over each request's whole
@@ -25,7 +25,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from vllm_adaptive_spec.tree import ROOT, DraftTree
+from vllm_adaptive_spec.trees.tree import ROOT, DraftTree
 
 
 @dataclass

@@ -34,7 +34,7 @@ import itertools
 
 import torch
 
-from vllm_adaptive_spec.packed_ranges import packed_ranges
+from vllm_adaptive_spec.trees.packed_ranges import packed_ranges
 
 
 class _Block:

@@ -25,8 +25,8 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_adaptive_spec.tree import ROOT, DraftTree, HostTrees, TreeBatch
-from vllm_adaptive_spec.verify import PAD, Acceptance, accept, path_moves
+from vllm_adaptive_spec.trees.tree import ROOT, DraftTree, HostTrees, TreeBatch
+from vllm_adaptive_spec.trees.verify import PAD, Acceptance, accept, path_moves
 
 
 class TreeTensors(NamedTuple):

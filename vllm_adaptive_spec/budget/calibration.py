@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_adaptive_spec.node_allocation import MAX_RHO
-from vllm_adaptive_spec.tree import DraftTree
+from vllm_adaptive_spec.budget.node_allocation import MAX_RHO
+from vllm_adaptive_spec.trees.tree import DraftTree
 
 MIN_RHO = 0.05  # the calibration's smallest value
 

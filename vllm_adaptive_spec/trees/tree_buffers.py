@@ -23,9 +23,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_adaptive_spec.tree import ROOT, DraftTree, HostTrees
-from vllm_adaptive_spec.tree_tensors import TreeTensors
-from vllm_adaptive_spec.verify import PAD
+from vllm_adaptive_spec.trees.tree import ROOT, DraftTree, HostTrees
+from vllm_adaptive_spec.trees.tree_tensors import TreeTensors
+from vllm_adaptive_spec.trees.verify import PAD
 
 WORD_BITS = 64
 

@@ -17,8 +17,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from vllm_adaptive_spec.step_cost import Fit
-from vllm_adaptive_spec.tree import DraftTree
+from vllm_adaptive_spec.budget.step_cost import Fit
+from vllm_adaptive_spec.trees.tree import DraftTree
 
 MAX_RHO = 2.0  # the calibration's largest value (``calibration.Calibration``)
 FLOOR_MARGIN = 0.8  # see :func:`floor`

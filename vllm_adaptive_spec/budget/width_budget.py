@@ -12,7 +12,7 @@ step's expected committed tokens per second::
     (B + sum over requests of their W best p_hat) / cost(B, 1 + W)
 
 ``W = 0`` (no node) included, ``B`` the step's decoding requests, ``p_hat``
-the calibrated acceptance of :class:`~vllm_adaptive_spec.budget.LoadBudget`.
+the calibrated acceptance of :class:`~vllm_adaptive_spec.budget.load_budget.LoadBudget`.
 Everything else is the load budget's: the calibration, the floor (its nodes
 are dropped first, so the floor guarantee holds as on the CPU), pauses,
 probes, windows and control steps, judged against the measured draft-free
@@ -28,10 +28,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from vllm_adaptive_spec.budget import Choice, LoadBudget
-from vllm_adaptive_spec.step_cost import StepCostFit
-from vllm_adaptive_spec.step_cost_table import StepCostTable
-from vllm_adaptive_spec.tree import DraftTree
+from vllm_adaptive_spec.budget.load_budget import Choice, LoadBudget
+from vllm_adaptive_spec.budget.step_cost import StepCostFit
+from vllm_adaptive_spec.budget.step_cost_table import StepCostTable
+from vllm_adaptive_spec.trees.tree import DraftTree
 
 
 def best_width(

@@ -58,9 +58,9 @@ import torch
 
 from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.drafters.datastore import Datastore, SuffixIndex
-from vllm_adaptive_spec.growth import Candidates
+from vllm_adaptive_spec.trees.growth import Candidates
 from vllm_adaptive_spec.policies import Param
-from vllm_adaptive_spec.tree import ROOT, DraftTree
+from vllm_adaptive_spec.trees.tree import ROOT, DraftTree
 
 ROOT_HANDLE = -1
 EVIDENCE_EXPONENT = 1.3

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_adaptive_spec.tree import TreeBatch
+from vllm_adaptive_spec.trees.tree import TreeBatch
 
 PAD = -1
 

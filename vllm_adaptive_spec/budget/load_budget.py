@@ -26,7 +26,7 @@ and that floor (which nodes to verify; ``node_allocation``), then
   that keeps no node is still judged, on the mean step time.
 * Down to no speculation: every measured step's rate with drafting is
   compared with the rate without (for the hybrid, the better of no drafting
-  and its retrieval trie alone) and :mod:`~vllm_adaptive_spec.pause_control`
+  and its retrieval trie alone) and :mod:`~vllm_adaptive_spec.budget.pause_control`
   pauses a drafter that does not pay.
 * Newcomers while paused: :meth:`probe` gives a request that has never had a
   tree verified its first one even while drafting is paused (the proposer
@@ -42,12 +42,12 @@ from __future__ import annotations
 import sys
 from typing import NamedTuple
 
-from vllm_adaptive_spec import node_allocation
-from vllm_adaptive_spec.calibration import Calibration
-from vllm_adaptive_spec.node_allocation import at_least, plan_nodes, shaped, within
-from vllm_adaptive_spec.pause_control import PauseControl, PauseSettings, StepDecision
-from vllm_adaptive_spec.step_cost import StepCostFit
-from vllm_adaptive_spec.tree import DraftTree
+from vllm_adaptive_spec.budget import node_allocation
+from vllm_adaptive_spec.budget.calibration import Calibration
+from vllm_adaptive_spec.budget.node_allocation import at_least, plan_nodes, shaped, within
+from vllm_adaptive_spec.budget.pause_control import PauseControl, PauseSettings, StepDecision
+from vllm_adaptive_spec.budget.step_cost import StepCostFit
+from vllm_adaptive_spec.trees.tree import DraftTree
 
 ROW_GROWTH = 2  # see "Trust region"
 
@@ -65,7 +65,7 @@ class LoadBudget:
     steps, of the fit and the calibration; ``realized``: windows judged on
     committed tokens (model drafters); ``request_half_life`` and
     ``request_prior``: a request's own calibration (``Calibration``);
-    ``settings``: :class:`~vllm_adaptive_spec.pause_control.PauseSettings`."""
+    ``settings``: :class:`~vllm_adaptive_spec.budget.pause_control.PauseSettings`."""
 
     def __init__(self, max_budget: int, fit: StepCostFit | None = None, half_life: float = 200.0,
                  cold_min_p: float = 0.3, realized: bool = True, request_half_life: float = 32.0,
@@ -110,7 +110,7 @@ class LoadBudget:
     # -- decisions ----------------------------------------------------------
 
     def begin_step(self) -> StepDecision:
-        """What this step does (:class:`~vllm_adaptive_spec.pause_control.StepDecision`)."""
+        """What this step does (:class:`~vllm_adaptive_spec.budget.pause_control.StepDecision`)."""
         return self.pauses.begin_step(self.fit)
 
     def floor(self, requests: int, plain: int = 0) -> float:

@@ -1,0 +1,1 @@
+"""The load budget: which drafted nodes a step verifies, over a measured cost model."""

@@ -1,0 +1,1 @@
+"""Draft trees: their host and device layouts, their growth and their verification."""
