@@ -22,13 +22,18 @@ from vllm_adaptive_spec.adapter.cudagraphs import (
     TreeCudagraphDispatcher,
     is_plain_decode_key,
     plain_decode_keys,
-    plugin_batch_sizes,
-    uniform_tree_rows,
 )
 from vllm_adaptive_spec.adapter.runner import TreeRunnerMixin
-from vllm_adaptive_spec.trees.step_widths import step_widths
+from vllm_adaptive_spec.adapter.step_mode import UniformLayout, UniformSteps
+from vllm_adaptive_spec.config import TreeConfig
+from vllm_adaptive_spec.trees.step_widths import plugin_batch_sizes, step_widths
 from vllm_adaptive_spec.trees.tree import DraftTree
 from vllm_adaptive_spec.trees.tree_buffers import TreeBuffers
+
+
+def uniform_tree_rows(budget: int, spec_tokens: int) -> frozenset[int]:
+    """The rows a request of a uniform step can have, as the step mode gives them."""
+    return UniformSteps(TreeConfig("retrieval", "retrieval", budget), spec_tokens, (), True).tree_rows
 
 SPEC_TOKENS = 16  # vLLM's uniform decode batches: 17 rows a request
 SIZES = [17, 34, 51, 68]  # vLLM rounds capture sizes to multiples of 17 under speculation
@@ -199,14 +204,19 @@ def test_every_uniform_tree_step_replays_a_full_graph(max_seqs, config, budget, 
 
 def test_a_branching_uniform_step_replays_its_full_graph():
     """A uniform step's trees run in the graph (the tree kernel is in it), so
-    FULL stays valid although the trees branch."""
+    FULL stays valid although the trees branch (their rows for the tree
+    path are there for a step no graph serves); without its graph-safe rows
+    the same step may not replay FULL."""
     d = tree_dispatcher(64, 16, 16)
     d.uniform_decode_query_len = 5
     uniform = tree_step.TreeStep.__new__(tree_step.TreeStep)
-    uniform.attention, uniform.uniform = None, tree_step.UniformRows(torch.zeros(1, 1, dtype=torch.bool), 5)
+    uniform.attention, uniform.uniform = object(), tree_step.UniformRows(torch.zeros(1, 1, dtype=torch.bool), 5)
     with tree_step.published(uniform):
         assert d.dispatch(7 * 5, uniform_decode=True) == (Mode.FULL, BatchDescriptor(num_tokens=40, num_reqs=8,
                                                                                      uniform=True))
+    uniform.uniform = None
+    with tree_step.published(uniform):
+        assert d.dispatch(7 * 5, uniform_decode=True)[0] != Mode.FULL
 
 
 class TreeGraphsRunnerBase(RecordingRunner):
@@ -258,12 +268,12 @@ def test_a_uniform_steps_masks_reach_the_persistent_buffer():
     step's rows are the graph-safe ones."""
     runner = TreeGraphsRunner()
     runner.input_batch = SimpleNamespace(num_reqs=3)
-    runner.tree_buffers = TreeBuffers(max_reqs=3, capacity=16, device=torch.device("cpu"))
+    runner._layout = UniformLayout(TreeBuffers(max_reqs=3, capacity=16, device=torch.device("cpu")))
     runner.device, runner.positions = torch.device("cpu"), torch.arange(9)
     tree = DraftTree(tokens=[5, 6], parents=[-1, -1], q=[0.6, 0.4])
     layout = ([0, 2], [tree, DraftTree.chain([7])], [0, 6], [3, 3], [0, 1])
     step = runner._lay_out(*layout, np.array([3, 3, 3]))
-    assert step.attention is None and step.uniform.rows == 3 and step.uniform.mask is runner.uniform_mask
+    assert step.uniform.rows == 3 and step.uniform.mask is runner.uniform_mask and runner._layout.steps == 1
     assert runner.uniform_mask[:9, :3].int().tolist() == [
         [1, 0, 0], [1, 1, 0], [1, 0, 1],  # the branching tree
         [1, 0, 0], [1, 1, 0], [1, 1, 1],  # no tree: causal

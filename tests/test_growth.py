@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_adaptive_spec.trees.growth import Candidates, grow
+from vllm_adaptive_spec.trees.growth import Candidates, Growth, grow
 from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy, top_by_path_probability
 from vllm_adaptive_spec.trees.tree import ROOT, DraftTree
 
@@ -17,6 +17,8 @@ from vllm_adaptive_spec.trees.tree import ROOT, DraftTree
 class FakeDrafter:
     """``tries[b]`` is a list of ``(parent, token, q)`` (parents first, any
     order otherwise); a handle is a node's index in that list (-1: the root)."""
+
+    growth = Growth.LAYERS
 
     def __init__(self, tries: list[list[tuple[int, int, float]]]) -> None:
         self.tries = tries

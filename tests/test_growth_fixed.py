@@ -15,7 +15,7 @@ from dispatched_ops import dispatched, reads
 from test_model_drafter import TableBackend
 
 from vllm_adaptive_spec.drafters.model import Eagle3Drafter
-from vllm_adaptive_spec.trees.growth import Candidates, grow, grow_fixed
+from vllm_adaptive_spec.trees.growth import Candidates, Growth, grow, grow_fixed
 from vllm_adaptive_spec.policies import C2TPolicy, ChainPolicy, DeaglePolicy, DynaTreePolicy, Eagle2Policy, TalonPolicy
 
 VOCAB = 1024  # C2T's classifier reads a top-1000 entropy
@@ -78,6 +78,8 @@ def test_a_width_too_narrow_cuts_the_trees_to_their_capacity():
 class TableDrafter:
     """A drafter of tensor operations only (a node's handle is its token):
     its children are the top-``fanout`` tokens of its row of the table."""
+
+    growth = Growth.LAYERS
 
     def __init__(self, roots: torch.Tensor, table: torch.Tensor, fanout: int) -> None:
         self.roots, self.table, self.fanout = roots, table, fanout

@@ -147,23 +147,24 @@ def test_with_every_node_verified_a_paused_step_drafts_the_trie():
     assert drafts[0][:3] == [4, 4, 4] and proposer.stats.paused_trees == 1
 
 
-def test_uniform_steps_give_both_budgets_the_width_choice_over_one_cost_table():
+def test_uniform_steps_give_both_budgets_the_width_choice_over_one_cost_model():
     """With uniform steps on, the model's and the trie's budgets choose
-    widths from one table of measured step shapes (decode-only steps of one
-    row count feed it), and still share one step-cost fit."""
+    widths over one cost model (decode-only steps of one row count feed its
+    table of measured step shapes), sharing its step-cost fit."""
     from test_policies import proposer_for
+    from vllm_adaptive_spec.budget.cost_models import ShapeCost
     from vllm_adaptive_spec.config import TreeConfig
-    from vllm_adaptive_spec.budget.width_budget import WidthBudget
 
-    proposer = proposer_for(TreeConfig("hybrid", "dynatree", 8, {"l_max": 2, "evidence_prior": 0.0}, {"window": 1}))
-    proposer.uniform((2, 4, 8), batch_sizes=(1, 2, 4, 8))
+    proposer = proposer_for(TreeConfig("hybrid", "dynatree", 8, {"l_max": 2, "evidence_prior": 0.0}, {"window": 1},
+                                       uniform_steps="on"))
     model, trie = proposer.load_budget, proposer.paused_budget
-    assert isinstance(model, WidthBudget) and isinstance(trie, WidthBudget)
-    assert model.table is trie.table is proposer.cost_table and model.fit is trie.fit
+    assert proposer.mode.uniform and proposer.mode.widths == (2, 4, 8)
+    assert isinstance(proposer.cost, ShapeCost) and model.cost is trie.cost is proposer.cost
+    assert model.fit is trie.fit is proposer.cost.fit
     assert model.pauses.realized and not trie.pauses.realized
-    proposer.observe_step(3 * 5, 0.02, 0, uniform_rows=5)  # 3 requests of 5 rows: the graph of 4
+    proposer.observe_step(3 * 5, 0.02, 0, uniform_rows=5)  # 3 requests of 5 rows
     proposer.observe_step(20, 0.03, 12)  # prompt chunks: not a step shape of the table
-    assert proposer.cost_table.measured(4, 5) == 0.02 and model.fit.steps_seen == 2
+    assert proposer.cost.table.measured(3, 5) == 0.02 and model.fit.steps_seen == 2
 
 
 class FixedTableBackend(TableBackend):

@@ -23,6 +23,7 @@ class TableBackend:
     reference as the engine's backend (``kernels.draft_distribution``)."""
 
     top_k, top_m = 1, 0
+    fixed_layers = False
 
     def __init__(self, roots: torch.Tensor, table: torch.Tensor, capacity: int = 1000) -> None:
         self.roots, self.table, self.capacity = roots, table, capacity

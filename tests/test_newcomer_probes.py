@@ -5,6 +5,7 @@ control; once verified it waits for the pause to end like every other."""
 
 import numpy as np
 from test_budget import _feed_steps
+from test_cost_models import shape_budget
 from test_policies import proposer_for
 
 from vllm_adaptive_spec.budget.load_budget import LoadBudget
@@ -12,7 +13,6 @@ from vllm_adaptive_spec.config import TreeConfig
 from vllm_adaptive_spec.budget.pause_control import StepDecision
 from vllm_adaptive_spec.budget.step_cost_table import StepCostTable
 from vllm_adaptive_spec.trees.tree import DraftTree
-from vllm_adaptive_spec.budget.width_budget import WidthBudget
 
 PAUSED = StepDecision(drafts=False)
 
@@ -57,7 +57,7 @@ def test_uniform_steps_probe_only_at_a_width_that_pays_once_the_batch_is_measure
     batch's draft-free step is measured, a probe is one node (the linear
     model's cold start); after, the best width's nodes, none where none pays."""
     table = StepCostTable(batch_sizes=(4,), half_life=1.0)
-    budget = WidthBudget(16, (2,), table)
+    budget = shape_budget(16, (2,), table)
     sure, weak = _chain(0.99, 12), _chain(0.05, 3)
     assert [len(t) for t in budget.probe([sure, weak], ["a", "b"], plain=2)] == [1, 1]
     table.observe(4, 1, 0.010)

@@ -10,6 +10,7 @@ import pytest
 
 from conftest import chat_token_ids, run_engine_job
 from vllm_adaptive_spec import adapter, plugin
+from vllm_adaptive_spec.adapter import config_hook
 from vllm_adaptive_spec.prompts import load_prompts, one_per_category
 
 
@@ -87,7 +88,7 @@ def test_register_on_unsupported_vllm_logs_one_line_and_installs_nothing(monkeyp
     installed = []
     monkeypatch.setattr(plugin, "_registered", False)
     monkeypatch.setattr(adapter, "installed_vllm_version", lambda: "0.31.0")
-    monkeypatch.setattr(adapter, "install", lambda: installed.append(True))
+    monkeypatch.setattr(config_hook, "install", lambda: installed.append(True))
     with caplog.at_level(logging.INFO, logger="vllm.adaptive_spec"):
         assert plugin.register() is False
     assert installed == []
@@ -100,7 +101,7 @@ def test_register_never_raises(monkeypatch, caplog):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(plugin, "_registered", False)
-    monkeypatch.setattr(adapter, "install", broken)
+    monkeypatch.setattr(config_hook, "install", broken)
     with caplog.at_level(logging.ERROR, logger="vllm.adaptive_spec"):
         assert plugin.register() is False
     assert "failed to register" in caplog.text and "boom" in caplog.text

@@ -10,7 +10,7 @@ import torch
 
 from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.drafters.retrieval_trie import RetrievalDrafter
-from vllm_adaptive_spec.trees.growth import grow
+from vllm_adaptive_spec.trees.growth import Growth, grow
 from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy
 from vllm_adaptive_spec.trees.tree import DraftTree
 
@@ -138,6 +138,8 @@ def prepared_steps(drafter, seed: int, requests: int, length: int, vocab: int, l
 
 class LayerByLayer:
     """The drafter without its whole candidate trees: growth runs the layer loop."""
+
+    growth = Growth.LAYERS
 
     def __init__(self, drafter):
         self.expand = drafter.expand

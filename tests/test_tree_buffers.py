@@ -1,4 +1,4 @@
-"""The persistent tree buffers (issue 52, item 2): ancestor bitmasks that
+"""The persistent tree buffers: ancestor bitmasks that
 round-trip, trees that read back as written whatever was in their rows, and
 a uniform step laid out from them exactly as the ragged layout lays it out."""
 
@@ -10,11 +10,18 @@ import torch
 from test_tree import random_bfs_tree
 
 from vllm_adaptive_spec.adapter.step import build_step, build_uniform_step
-from vllm_adaptive_spec.trees.tree import DraftTree
+from vllm_adaptive_spec.trees.tree import DraftTree, HostTrees
 from vllm_adaptive_spec.trees.tree_buffers import TreeBuffers, num_words, pack_bits, unpack_bits
 from vllm_adaptive_spec.trees.tree_tensors import TreeTensors
 
 CPU = torch.device("cpu")
+
+
+def reference_tensors(trees: list[DraftTree], width: int) -> TreeTensors:
+    """The trees at ``width`` node slots, from the host layout (``HostTrees``)."""
+    host = HostTrees.of(trees, width)
+    parts = (host.tokens, host.parents, host.depths(), host.num_nodes, host.ancestors)
+    return TreeTensors(*(torch.from_numpy(x) for x in parts))
 
 
 def test_bitmasks_round_trip_across_words_and_the_sign_bit():
@@ -35,7 +42,7 @@ def test_trees_read_back_as_written_in_any_slot_order():
         trees = [random_bfs_tree(rng, rng.randint(0, 8)) for _ in slots]
         index = buffers.write(buffers.host_rows(slots, trees))
         assert index.tolist() == slots
-        for got, want in zip(buffers.read(index, 8), TreeTensors.from_trees(trees, 8)):
+        for got, want in zip(buffers.read(index, 8), reference_tensors(trees, 8)):
             assert torch.equal(got, want)
         assert (buffers.tokens[index, 8:] == -1).all() and not buffers.bits[index, 8:].any()
 

@@ -1,5 +1,6 @@
-"""The step's device part at fixed capacity (issue 52), from the persistent
-tree buffers: equal to the reference path on random trees, ties included; traced whole by
+"""The uniform step's device part, from the persistent tree buffers: the
+layout (``step.uniform_layout``), the acceptance and the KV moves. Equal to
+the reference path on random trees, ties included; traced whole by
 ``torch.compile(fullgraph=True)`` (no host read, no data-dependent shape);
 the same torch operations whatever the batch and the width."""
 
@@ -9,23 +10,16 @@ import dataclasses
 import random
 from collections import Counter
 
-import pytest
 import dispatched_ops
+import pytest
 import torch
 from test_tree import random_bfs_tree
-from test_verify import naive_accept
+from test_tree_buffers import reference_tensors
 
+from vllm_adaptive_spec.adapter.step import uniform_layout
 from vllm_adaptive_spec.trees.tree import DraftTree, TreeBatch
 from vllm_adaptive_spec.trees.tree_buffers import TreeBuffers
-from vllm_adaptive_spec.trees.tree_tensors import (
-    TreeTensors,
-    greedy_targets,
-    row_positions,
-    row_visibility,
-    sampled_targets,
-    select_within_width,
-    verify_step,
-)
+from vllm_adaptive_spec.trees.tree_tensors import row_visibility
 from vllm_adaptive_spec.trees.verify import accept, path_moves
 
 VOCAB = 6  # small, so that drafts match their targets often and ties are common
@@ -48,9 +42,9 @@ def random_step(seed: int, batch: int, width: int):
     rng = random.Random(seed)
     trees = [tied_tree(rng, rng.randint(0, width)) for _ in range(batch)]
     gen = torch.Generator().manual_seed(seed)
-    logits = torch.randint(0, 3, (batch * (1 + width), VOCAB), generator=gen).float()  # argmax ties
-    base = torch.randint(5, 50, (batch,), generator=gen)
-    return trees, TreeTensors.from_trees(trees, width), logits, base
+    # Rows of every slot ``buffered`` writes to, each with argmax ties.
+    logits = torch.randint(0, 3, ((batch + 3) * (1 + width), VOCAB), generator=gen).float()
+    return trees, logits
 
 
 def buffered(trees: list[DraftTree], width: int) -> tuple[TreeBuffers, torch.Tensor]:
@@ -60,82 +54,51 @@ def buffered(trees: list[DraftTree], width: int) -> tuple[TreeBuffers, torch.Ten
     return buffers, buffers.write(buffers.host_rows(list(range(len(trees) + 2, 2, -1)), trees))
 
 
-def device_step(buffers: TreeBuffers, slots: torch.Tensor, width: int, base: torch.Tensor, logits: torch.Tensor,
-                noise: torch.Tensor, max_drafts: int):
-    """The step's device part: the trees read from the buffers, layout,
-    greedy and sampled acceptance, the output and the KV moves, and a
-    selection within half the width."""
-    tree = buffers.read(slots, width)
-    batch = tree.tokens.shape[0]
-    first_rows = torch.arange(batch, device=base.device) * (1 + width) + 1
-    greedy = verify_step(tree, greedy_targets(logits, batch), first_rows, max_drafts)
-    sampled = verify_step(tree, sampled_targets(logits.softmax(-1), noise, batch), first_rows, max_drafts)
-    path_p = tree.depth.float().neg().exp()  # ties within a depth
-    chosen = select_within_width(tree.tokens, tree.parents, path_p, tree.num_nodes, tree.ancestors, max(1, width // 2))
-    return row_positions(base, tree), row_visibility(tree), greedy, sampled, chosen
+def device_step(buffers: TreeBuffers, slots: torch.Tensor, width: int, logits: torch.Tensor):
+    """What a uniform step runs on the device: its trees read from the
+    buffers, its layout, the greedy acceptance of each row's target and the
+    accepted nodes' KV moves."""
+    layout = uniform_layout(buffers.read(slots, width), slots)
+    targets = logits.argmax(dim=-1)[layout.query_rows].view(-1, width + 1)
+    acceptance = accept(layout.tree.batch, targets, layout.tree.ancestors)
+    return layout, acceptance, path_moves(acceptance, layout.root_rows + 1)
 
 
-def test_select_within_width_keeps_what_keep_best_keeps():
-    rng = random.Random(0)
-    for _ in range(200):
-        capacity, width = rng.randint(1, 12), rng.randint(1, 12)
-        trees = [tied_tree(rng, rng.randint(0, capacity)) for _ in range(4)]
-        candidates = TreeTensors.from_trees(trees, capacity)
-        path_p = torch.zeros(4, capacity)
-        for b, tree in enumerate(trees):
-            path_p[b, : len(tree)] = torch.tensor(tree.path_probabilities())
-        chosen = select_within_width(candidates.tokens, candidates.parents, path_p, candidates.num_nodes,
-                                     candidates.ancestors, width)
-        expected = TreeTensors.from_trees([tree.keep_best(width) for tree in trees], width)
-        for got, want in zip(chosen, expected):
-            assert torch.equal(got, want)
-
-
-def test_layout_matches_the_reference_masks_and_depths():
-    trees, tree, _, base = random_step(1, 16, 8)
+def test_the_layout_matches_the_reference_masks_and_depths():
+    trees, logits = random_step(1, 16, 8)
+    buffers, slots = buffered(trees, 8)
+    layout = uniform_layout(buffers.read(slots, 8), slots)
+    tree = layout.tree
     visibility = row_visibility(tree)
     reference = TreeBatch.from_trees(trees, 8).row_mask()
     valid = torch.nn.functional.pad(tree.valid(), (1, 0), value=True)
     seen = valid.unsqueeze(1) & valid.unsqueeze(2)
     assert torch.equal(visibility & seen, reference & seen)
-    assert torch.equal(visibility[~valid], torch.nn.functional.one_hot(torch.zeros((~valid).sum(), dtype=torch.long), 9).bool())
+    one_hot = torch.nn.functional.one_hot(torch.zeros((~valid).sum(), dtype=torch.long), 9).bool()
+    assert torch.equal(visibility[~valid], one_hot)  # a padding row sees the root only
     assert not (visibility & ~valid.unsqueeze(1)).any()  # nobody sees a padding row
-    positions = row_positions(base, tree)
-    for b, t in enumerate(trees):
-        assert positions[b, : 1 + len(t)].tolist() == [int(base[b]) + d for d in [0, *t.depths()]]
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_verify_step_equals_the_naive_walk(seed):
-    width, max_drafts = 7, 9
-    trees, tree, logits, _ = random_step(seed, 12, width)
-    targets = greedy_targets(logits, 12)
-    first_rows = torch.arange(12) * (1 + width) + 1
-    out = verify_step(tree, targets, first_rows, max_drafts)
-    for b, t in enumerate(trees):
-        path, tokens = naive_accept(t, targets[b].tolist(), width)
-        assert out.acceptance.path[b, : len(path)].tolist() == path
-        assert out.sampled[b].tolist() == tokens + [-1] * (max_drafts - width)
-    src, dst = path_moves(out.acceptance, first_rows)
-    assert torch.equal(out.src_rows, src) and torch.equal(out.dst_rows, dst)
-    assert out.acceptance.num_accepted.sum() > 0  # the ties and the small vocabulary make matches
+    offsets = layout.node_offsets.view(16, 8)
+    for b, t in enumerate(trees):  # node i sits at its root's position plus its depth
+        assert [i + 1 + int(offsets[b, i]) for i in range(len(t))] == t.depths()
+    assert layout.root_rows.tolist() == (slots * 9).tolist()
 
 
 @pytest.mark.parametrize("batch, width", [(8, 4), (5, 16)])
 def test_the_device_step_compiles_whole_and_equals_eager(batch, width):
     torch._dynamo.reset()
-    trees, tree, logits, base = random_step(2, batch, width)
+    trees, logits = random_step(2, batch, width)
     buffers, slots = buffered(trees, width)
-    noise = torch.empty_like(logits).exponential_(generator=torch.Generator().manual_seed(3))
     compiled = torch.compile(device_step, fullgraph=True, dynamic=False, backend="aot_eager")
-    eager = device_step(buffers, slots, width, base, logits, noise, width + 2)
-    traced = compiled(buffers, slots, width, base, logits, noise, width + 2)
-    assert len(leaves(traced)) == len(leaves(eager)) == 19
+    eager = device_step(buffers, slots, width, logits)
+    traced = compiled(buffers, slots, width, logits)
+    assert len(leaves(traced)) == len(leaves(eager)) == 16
     for got, want in zip(leaves(traced), leaves(eager)):
         assert torch.equal(got, want)
-    # And equal to the reference acceptance on the same targets.
-    reference = accept(TreeBatch.from_trees(trees, width), greedy_targets(logits, batch))
-    assert torch.equal(traced[2].acceptance.output_tokens, reference.output_tokens)
+    # And equal to the reference acceptance of the same rows' targets.
+    targets = logits.argmax(-1)[traced[0].query_rows].view(batch, width + 1)
+    reference = accept(TreeBatch.from_trees(trees, width), targets)
+    assert torch.equal(traced[1].output_tokens, reference.output_tokens)
+    assert reference.num_accepted.sum() > 0  # the ties and the small vocabulary make matches
 
 
 def leaves(value) -> list[torch.Tensor]:
@@ -147,10 +110,9 @@ def leaves(value) -> list[torch.Tensor]:
 
 
 def dispatched(batch: int, width: int) -> Counter:
-    trees, _, logits, base = random_step(4, batch, width)
+    trees, logits = random_step(4, batch, width)
     buffers, slots = buffered(trees, width)
-    noise = torch.ones_like(logits)
-    return dispatched_ops.dispatched(device_step, buffers, slots, width, base, logits, noise, width)
+    return dispatched_ops.dispatched(device_step, buffers, slots, width, logits)
 
 
 def test_the_same_operations_at_every_batch_and_width():

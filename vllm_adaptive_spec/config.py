@@ -85,7 +85,7 @@ class TreeConfig:
 
     def make_drafter(self, device_type: str = "cpu"):
         """The drafter, for an engine on ``device_type`` (which picks the
-        retrieval drafter's matcher, ``retrieval.resolve_matcher``)."""
+        tensor matcher's device, ``retrieval_tensors.make_retrieval``)."""
         if self.drafter == "retrieval":
             return make_retrieval(device_type, **self.drafter_params)
         if self.drafter == "hybrid":
@@ -97,7 +97,7 @@ class TreeConfig:
         """Whether the drafter can grow at fixed capacity (``draft_loop``
         ``fixed``): a model drafter, or the hybrid over the tensor matcher."""
         return self.drafter in FIXED_LOOP_DRAFTERS or (
-            self.drafter == "hybrid" and matcher_of(self.drafter_params, "cuda") == "tensors")
+            self.drafter == "hybrid" and matcher_of(self.drafter_params) == "tensors")
 
     @property
     def model_kind(self) -> str | None:

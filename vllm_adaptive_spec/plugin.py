@@ -31,7 +31,9 @@ def register() -> bool:
         if problem:
             logger.warning(problem)
             return False
-        adapter.install()
+        from vllm_adaptive_spec.adapter import config_hook  # only once the installed vLLM is the one it hooks
+
+        config_hook.install()
     except Exception:
         logger.exception("vllm-adaptive-spec failed to register; vLLM runs without it")
         return False

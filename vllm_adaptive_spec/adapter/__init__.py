@@ -128,10 +128,3 @@ def _hook_exists(hook: str) -> bool:
             return False
         obj = getattr(obj, part)
     return True
-
-
-def install() -> None:
-    """Install the plugin's hooks into this process's vLLM (idempotent)."""
-    from vllm_adaptive_spec.adapter import config_hook
-
-    config_hook.install()

@@ -48,16 +48,16 @@ from vllm.forward_context import BatchDescriptor
 from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
 from vllm_adaptive_spec.adapter import step as tree_step
-from vllm_adaptive_spec.trees.step_widths import step_widths
-from vllm_adaptive_spec.trees.tree_buffers import TreeBuffers
+from vllm_adaptive_spec.trees.step_widths import plugin_batch_sizes, uniform_rows
 
 logger = init_logger(__name__)
 
 
 def branching_step() -> bool:
-    """Whether the step now laid out has rows for the tree path."""
+    """Whether the step now laid out has rows for the tree path and no
+    graph-safe launch (``TreeStep.uniform``) that a FULL graph replays."""
     current = tree_step.current()
-    return isinstance(current, tree_step.TreeStep) and current.attention is not None
+    return isinstance(current, tree_step.TreeStep) and current.attention is not None and current.uniform is None
 
 
 def graph_modes(valid_modes, invalid_modes, branching: bool):
@@ -69,29 +69,6 @@ def graph_modes(valid_modes, invalid_modes, branching: bool):
     if valid_modes is not None and not set(valid_modes) - invalid:
         return {CUDAGraphMode.NONE}, invalid - {CUDAGraphMode.NONE}
     return valid_modes, invalid
-
-
-def plugin_batch_sizes(max_num_seqs: int, max_tokens: int) -> list[int]:
-    """The batch sizes the plugin captures its draft-free FULL graphs for, in
-    vLLM's default pattern without speculation (1, 2, 4, every 8 to 256,
-    every 16 beyond) up to ``max_num_seqs`` and ``max_tokens`` (vLLM's
-    largest capture size, beyond which it dispatches no graph), that limit
-    itself included. Decision: the plugin's own list, since vLLM's sizes are
-    rounded to multiples of ``1 + num_speculative_tokens`` under speculation
-    (with 16 drafts and ``max_num_seqs`` 8 not one of them would be a batch
-    size)."""
-    limit = min(max_num_seqs, max_tokens)
-    pattern = [1, 2, 4, *range(8, 256, 8), *range(256, limit + 1, 16)]
-    return sorted({size for size in pattern if size < limit} | {limit}) if limit >= 1 else []
-
-
-def graph_batch_sizes(vllm_config) -> tuple[int, ...]:
-    """The batch sizes a decode step is padded to where graphs replay it
-    (:func:`plugin_batch_sizes`); none without graphs."""
-    compilation, scheduler = vllm_config.compilation_config, vllm_config.scheduler_config
-    if compilation.cudagraph_mode in (None, CUDAGraphMode.NONE):
-        return ()
-    return tuple(plugin_batch_sizes(scheduler.max_num_seqs, compilation.max_cudagraph_capture_size or 0))
 
 
 def plain_decode_keys(cudagraph_mode: CUDAGraphMode, uniform_decode_query_len: int, max_tokens: int,
@@ -121,26 +98,10 @@ def tree_step_keys(tree_rows: frozenset[int], max_num_seqs: int, max_tokens: int
             for rows in sorted(tree_rows) for size in plugin_batch_sizes(max_num_seqs, max_tokens // rows)]
 
 
-def uniform_tree_rows(budget: int, num_speculative_tokens: int) -> frozenset[int]:
-    """The rows a request of a uniform tree step can have: ``1 + W`` for the
-    budget's widths, and vLLM's own ``1 + num_speculative_tokens``."""
-    return frozenset({1 + width for width in step_widths(budget)} | {1 + num_speculative_tokens})
-
-
 def is_plain_decode_key(desc: BatchDescriptor) -> bool:
     """Whether ``desc`` is one of :func:`plain_decode_keys` (vLLM's own
     uniform keys have ``num_reqs < num_tokens`` under speculation)."""
     return desc.uniform and desc.num_reqs == desc.num_tokens
-
-
-def plain_decode_step(max_query_len: int, num_tokens: int, num_reqs: int) -> bool:
-    """Whether a step is draft-free decoding: every request one row."""
-    return max_query_len == 1 and num_tokens == num_reqs
-
-
-def uniform_rows(max_query_len: int, num_tokens: int, num_reqs: int) -> int | None:
-    """Every request's row count when they all have the same, else None."""
-    return max_query_len if num_reqs and num_tokens == num_reqs * max_query_len else None
 
 
 class TreeCudagraphDispatcher(CudagraphDispatcher):
@@ -200,22 +161,18 @@ class DecodeGraphsMixin:
     runner and its dispatcher; for those steps and keys it is their own."""
 
     uniform_mask: torch.Tensor | None = None  # [max tokens, max rows]: each row's visible rows
-    tree_buffers: TreeBuffers | None = None  # a uniform step's trees, one row per batch slot
 
     def __init__(self, vllm_config, device) -> None:
         super().__init__(vllm_config, device)
-        widths = self.tree_proposer.widths
-        if widths is None or vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE:
+        mode = self.tree_proposer.mode
+        if not mode.uniform or not mode.graphs:
             return
-        rows = uniform_tree_rows(self.tree_proposer.config.budget,
-                                 vllm_config.speculative_config.num_speculative_tokens)
-        self.cudagraph_dispatcher.tree_rows = rows
+        self.cudagraph_dispatcher.tree_rows = mode.tree_rows
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         # Every row sees its request's root: a graph replayed for placeholder drafts only
         # (vLLM's, whose token comes from the root's row) reads the buffer as it was.
-        self.uniform_mask = torch.zeros(max_tokens, max(rows), dtype=torch.bool, device=device)
+        self.uniform_mask = torch.zeros(max_tokens, max(mode.tree_rows), dtype=torch.bool, device=device)
         self.uniform_mask[:, 0] = True
-        self.tree_buffers = TreeBuffers(vllm_config.scheduler_config.max_num_seqs, max(rows) - 1, device)
 
     @contextmanager
     def _rows_a_request(self, rows: int):
@@ -260,22 +217,20 @@ class DecodeGraphsMixin:
         """The rows a request of this step has, if it is a uniform tree step
         the captured graphs serve (every request the same ``1 + W`` rows)."""
         num_reqs = self.input_batch.num_reqs
-        rows = int(num_scheduled_tokens[0]) if num_reqs else 0
-        if (self.uniform_mask is None or rows == 1 or rows not in self.cudagraph_dispatcher.tree_rows
-                or not (num_scheduled_tokens[:num_reqs] == rows).all()):
+        rows = self._layout.uniform_rows(num_scheduled_tokens, num_reqs)
+        if self.uniform_mask is None or rows not in self.cudagraph_dispatcher.tree_rows:
             return None
         return rows
 
     def _lay_out(self, batch_indices, trees, starts, lengths, paddings, num_scheduled_tokens):
-        """A uniform tree step is laid out on the device from the persistent
-        tree buffers (``build_uniform_step``), and every request's row masks
-        (its tree's, causal for a request without one) go to the persistent
-        buffer the captured graphs read; any other step keeps the ragged layout."""
+        """A uniform tree step a captured graph serves (laid out from the
+        persistent tree buffers by the step mode) also gets every request's
+        row masks (its tree's, causal for a request without one) in the
+        persistent buffer the graphs read."""
+        step = super()._lay_out(batch_indices, trees, starts, lengths, paddings, num_scheduled_tokens)
         rows = self._uniform_graph_rows(num_scheduled_tokens)
         if rows is None:
-            return super()._lay_out(batch_indices, trees, starts, lengths, paddings, num_scheduled_tokens)
-        step = tree_step.build_uniform_step(batch_indices, trees, rows, self.tree_buffers, self.device)
-        self._set_depth_positions(step)
+            return step
         num_reqs = self.input_batch.num_reqs
         masks = self.uniform_mask[: num_reqs * rows, :rows].view(num_reqs, rows, rows)
         masks.copy_(torch.ones(rows, rows, dtype=torch.bool, device=masks.device).tril())

@@ -478,6 +478,7 @@ class PagedDraftBackend:
         tokens, positions, slots = tokens.to(device), positions.to(device), slots.to(device)
         hidden = None if hidden is None else hidden.to(device)
         mode, num_input, across_dp = native._determine_batch_execution_and_padding(num_tokens)
+        num_input = self.layers.pass_rows(num_tokens, num_input, native.input_ids.shape[0])
         metadata = CommonAttentionMetadata(
             query_start_loc=layout.query_start_loc.to(device),
             query_start_loc_cpu=layout.query_start_loc,

@@ -1,12 +1,12 @@
-"""How a model drafter's tree layer reaches the draft model (issue 53, item 2):
-two variants over one layout (``draft_layer.lay_out_layer``), chosen by the
-tree config's ``draft_loop``.
+"""How a model drafter's tree layer reaches the draft model: two variants
+over one layout (``layer_layout.lay_out_layer``), chosen by the step mode
+(``step_mode``) and the tree config's ``draft_loop``.
 
-* :class:`RaggedLayers` (the CPU's): the forward takes the fed rows only, and
+* :class:`RaggedLayers` (ragged steps'): the forward takes the fed rows only, and
   a layer shaped like a chain goes to vLLM's own kernel. Finding those rows
   reads the layer's layout back once, which costs nothing where the layout
   already is (the host), and on the CPU every padded row would cost a row.
-* :class:`FixedLayers` (the choice where CUDA graphs replay steps): every
+* :class:`FixedLayers` (uniform steps', the step CUDA graphs replay): every
   layer is ``B x F`` rows whatever was fed. Unfed rows are padding: they
   write no KV (slot ``-1``), see no tree node, and their outputs are
   discarded. The trees' scratch, the layout and the distributions stay on
@@ -15,6 +15,9 @@ tree config's ``draft_loop``.
   scratch), so the draft loop reads nothing back and its shapes depend on
   the batch, the width and the depth only: what a graph per layer replays.
   ``growth.grow`` then grows at fixed capacity (``growth.grow_fixed``).
+  Where no graph replays the step (the CPU), every forward is padded to the
+  plugin's batch sizes and staged in the draft model's persistent buffers
+  as a replay's would be (``padded``), so that path runs there too.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 from kernels.draft_distribution import DraftDistribution
 from vllm_adaptive_spec.adapter import step as tree_step
 from vllm_adaptive_spec.trees.layer_layout import LayerRows, lay_out_layer
+from vllm_adaptive_spec.trees.step_widths import padded_rows
 
 
 class PassLayout(NamedTuple):
@@ -78,6 +82,11 @@ class RaggedLayers:
 
     fixed = False
     device = torch.device("cpu")
+    padded_passes = 0
+
+    def pass_rows(self, num_tokens: int, dispatched: int, limit: int) -> int:
+        """The rows a draft forward of ``num_tokens`` rows runs: what vLLM's dispatcher chose."""
+        return dispatched
 
     def feed(self, backend, scratch, live: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor):
         """Run the draft model on the live frontier nodes; their node ids
@@ -162,8 +171,21 @@ class FixedLayers:
 
     fixed = True
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, padded: bool = False) -> None:
         self.device = device
+        self.padded = padded  # pad every forward as graphs would, where none do (the CPU's uniform steps)
+        self.padded_passes = 0
+
+    def pass_rows(self, num_tokens: int, dispatched: int, limit: int) -> int:
+        """The rows a draft forward of ``num_tokens`` rows runs: what vLLM's
+        dispatcher chose (a graph's capture size), or with ``padded`` and no
+        graph the next of the plugin's batch sizes, the forward then staged in
+        the draft model's persistent buffers as a replay's would be."""
+        if not self.padded or dispatched != num_tokens:
+            return dispatched
+        rows = padded_rows(num_tokens, limit)
+        self.padded_passes += rows != num_tokens
+        return rows
 
     def feed(self, backend, scratch, live: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor):
         """As :meth:`RaggedLayers.feed`, over every frontier slot; an unfed

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from vllm_adaptive_spec.adapter import step_mode
 from vllm_adaptive_spec.adapter.config_hook import tree_config_of
 from vllm_adaptive_spec.adapter.request_options import Failures, speculation_allowed
 from vllm_adaptive_spec.budget.load_budget import LoadBudget
@@ -23,10 +24,7 @@ from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.trees.growth import grow
 from vllm_adaptive_spec.budget.pause_control import StepDecision
 from vllm_adaptive_spec.budget.step_cost import StepCostFit
-from vllm_adaptive_spec.budget.step_cost_table import StepCostTable
-from vllm_adaptive_spec.trees.step_widths import uniform_drafts
 from vllm_adaptive_spec.trees.tree import DraftTree
-from vllm_adaptive_spec.budget.width_budget import WidthBudget
 
 
 @dataclass
@@ -129,9 +127,8 @@ class TreeProposer:
         self.trees: dict[str, DraftTree] = {}
         self.stats = TreeStats()
         self.recorder = None  # called with each verified tree and its accepted nodes (c2t-collect)
-        # The widths of uniform steps (``step_widths``) once the runner turns them on
-        # (:meth:`uniform`), within the scheduler's token budget per step.
-        self.widths: tuple[int, ...] | None = None
+        # Ragged or uniform steps (``step_mode``), decided once for the engine.
+        self.mode = step_mode.resolve(self.config, vllm_config)
         self.max_step_tokens: int = vllm_config.scheduler_config.max_num_batched_tokens
         # The clock reading the load budget acts on (the engine's runner makes
         # it rank 0's under tensor parallelism, see ``runner.rank0_reading``).
@@ -143,36 +140,22 @@ class TreeProposer:
         self._from_paused_part: set[str] = set()  # requests whose last tree came from it
         self._verified: set[str] = set()  # requests that have had a tree verified (others are newcomers)
         self.failures = Failures()  # drafting that raised costs the step's trees (``request_options``)
-        self.cost_table: StepCostTable | None = None  # uniform steps' measured costs (``uniform``)
-        self.load_budget, self.paused_budget = self._budgets_for(None)
+        # The step mode's cost model (``cost_models``), shared by the load budgets.
+        self.cost = self.mode.cost_model(StepCostFit()) if self.config.load_budget == "adaptive" else None
+        self.load_budget, self.paused_budget = self._budgets()
 
-    def _budgets_for(self, widths: tuple[int, ...] | None) -> tuple[LoadBudget | None, LoadBudget | None]:
-        """The drafter's load budget and its paused part's: ``WidthBudget``
-        with uniform steps (``widths``), else ``LoadBudget``. Decision: the
-        paused part's drafting is not free (drafting every step, the trie's
-        index and growth take 4% of the step time at batch 64, where its
-        trees rarely pay), so it pauses on its own measured cost, and its
-        trees calibrate its own rho rather than the model's; the step's
-        measured costs are shared."""
-        if self.config.load_budget != "adaptive":
+    def _budgets(self) -> tuple[LoadBudget | None, LoadBudget | None]:
+        """The drafter's load budget and its paused part's, over the one
+        cost model. Decision: the paused part's drafting is not free
+        (drafting every step, the trie's index and growth take 4% of the step
+        time at batch 64, where its trees rarely pay), so it pauses on its
+        own measured cost, and its trees calibrate its own rho rather than
+        the model's; the step's measured costs are shared."""
+        if self.cost is None:
             return None, None
-
-        def budget(fit: StepCostFit | None, realized: bool) -> LoadBudget:
-            if widths is None:
-                return LoadBudget(self.config.budget, fit, realized=realized)
-            return WidthBudget(self.config.budget, widths, self.cost_table, fit, realized=realized)
-
-        drafter_budget = budget(None, getattr(self.drafter, "is_model", False))
-        paused = budget(drafter_budget.fit, False) if self._paused_part[0] is not None else None
+        drafter_budget = LoadBudget(self.config.budget, self.cost, realized=getattr(self.drafter, "is_model", False))
+        paused = LoadBudget(self.config.budget, self.cost, realized=False) if self._paused_part[0] is not None else None
         return drafter_budget, paused
-
-    def uniform(self, widths: tuple[int, ...], batch_sizes: tuple[int, ...] = ()) -> None:
-        """Turn uniform steps on (the runner, before any request): drafts
-        padded to ``widths``, and the load budgets choose a width from the
-        measured cost of each step shape (batches padded to ``batch_sizes``)."""
-        self.widths = widths
-        self.cost_table = StepCostTable(batch_sizes)
-        self.load_budget, self.paused_budget = self._budgets_for(widths)
 
     def load_model(self, *args, **kwargs) -> None:
         """Only the retrieval drafter runs as vLLM's drafter object, and it has no
@@ -190,7 +173,7 @@ class TreeProposer:
             self._verified.discard(request_id)
             self.drafter.forget(request_id, finished=request_id in finished)
             self.policy.forget(request_id)
-            for budget in self._budgets():
+            for budget in self._active_budgets():
                 budget.forget(request_id)
 
     def requests_held(self) -> dict[str, int]:
@@ -200,10 +183,10 @@ class TreeProposer:
             "trees": len(self.trees.keys() | self._from_paused_part | self._verified),
             "drafter": self.drafter.requests_held(),
             "policy": self.policy.requests_held(),
-            "budget": sum(budget.requests_held() for budget in self._budgets()),
+            "budget": sum(budget.requests_held() for budget in self._active_budgets()),
         }
 
-    def _budgets(self) -> list[LoadBudget]:
+    def _active_budgets(self) -> list[LoadBudget]:
         return [b for b in (self.load_budget, self.paused_budget) if b is not None]
 
     def clear_shared_datastore(self) -> int:
@@ -229,13 +212,10 @@ class TreeProposer:
         self, step_tokens: int, step_seconds: float, prefill_tokens: int, trees: int = 0, branching: int = 0,
         uniform_rows: int | None = None,
     ) -> None:
-        """One engine step's tokens and time, for the step-cost fit the
-        budgets share and, with uniform steps, for the measured cost of its
-        shape (``uniform_rows``: the rows every request of a decode-only step had)."""
-        if self.load_budget is not None:
-            self.load_budget.fit.observe(step_tokens, step_seconds, prefill_tokens, trees, branching)
-        if self.cost_table is not None and uniform_rows:
-            self.cost_table.observe(step_tokens // uniform_rows, uniform_rows, step_seconds)
+        """One engine step's tokens and time, for the cost model the budgets
+        share (``uniform_rows``: the rows every request of a decode-only step had)."""
+        if self.cost is not None:
+            self.cost.observe(step_tokens, step_seconds, prefill_tokens, trees, branching, uniform_rows)
 
     def begin_step(self) -> StepDecision:
         """What this step does: whether it drafts at all (the load budget may
@@ -332,10 +312,7 @@ class TreeProposer:
                 drafts[i] = tree.tokens
             else:
                 self.trees.pop(request_ids[i], None)
-        if self.widths is None:
-            return drafts
-        return uniform_drafts(drafts, [bool(sampled) for sampled in sampled_token_ids], self.widths,
-                              self.max_step_tokens)
+        return self.mode.scheduled(drafts, [bool(sampled) for sampled in sampled_token_ids], self.max_step_tokens)
 
     def _count(self, decision: StepDecision) -> None:
         self.stats.proposals += 1

@@ -36,9 +36,8 @@ from vllm.utils.torch_utils import PIN_MEMORY
 
 from kernels.kv_compaction import compact_kv
 from vllm_adaptive_spec.adapter import step as tree_step
-from vllm_adaptive_spec.adapter.cudagraphs import TreeCudagraphDispatcher, graph_batch_sizes, uniform_rows
+from vllm_adaptive_spec.adapter.cudagraphs import TreeCudagraphDispatcher
 from vllm_adaptive_spec.adapter.draft_head import HeadDraftBackend
-from vllm_adaptive_spec.adapter.draft_layers import FixedLayers, RaggedLayers
 from vllm_adaptive_spec.adapter.draft_lm import LMDraftBackend
 from vllm_adaptive_spec.adapter.drafted_share import DraftedShare
 from vllm_adaptive_spec.adapter.proposer import TreeProposer, can_draft
@@ -47,7 +46,7 @@ from vllm_adaptive_spec.adapter.sampling_controls import builtin_logits_processo
 from vllm_adaptive_spec.adapter.tree_impl import check_tree_backends
 from vllm_adaptive_spec.adapter.tree_scheduler import TreeDraftTokenIds
 from vllm_adaptive_spec.adapter.verifier import TreeVerifier
-from vllm_adaptive_spec.trees.step_widths import drafted_nodes, step_widths
+from vllm_adaptive_spec.trees.step_widths import drafted_nodes, uniform_rows
 from vllm_adaptive_spec.trees.tree import DraftTree
 from vllm_adaptive_spec.trees.verify import Acceptance, path_moves
 
@@ -63,30 +62,6 @@ def placeholder_drafts(drafts: list[int]) -> bool:
     them as a tree would take the request's token from its first row
     without vLLM's penalties, bad words or logits processors."""
     return drafts[0] < 0
-
-
-def uniform_steps(setting: str, vllm_config, device) -> bool:
-    """Whether drafting steps are width-bucketed and uniform (``step_widths``):
-    ``auto`` turns them on where CUDA graphs replay steps (a padded row costs
-    almost nothing there, and a uniform step has a graph's shape), off on the
-    CPU, where every row costs."""
-    if setting != "auto":
-        return setting == "on"
-    from vllm.config import CUDAGraphMode
-
-    mode = vllm_config.compilation_config.cudagraph_mode
-    return torch.device(device).type == "cuda" and mode is not None and mode != CUDAGraphMode.NONE
-
-
-def draft_layers(config, vllm_config, device):
-    """How a model drafter's tree layers run (``draft_loop``): ``auto`` runs
-    them at fixed capacity, on the device, where uniform steps are on (the
-    step a graph replays), and ragged on the host elsewhere. The hybrid
-    grows at fixed capacity over the tensor matcher only (the trie's
-    children are found on the host)."""
-    fixed = config.draft_loop == "fixed" or (config.draft_loop == "auto" and config.fixed_loop_capable
-                                              and uniform_steps(config.uniform_steps, vllm_config, device))
-    return FixedLayers(torch.device(device)) if fixed else RaggedLayers()
 
 
 def rank0_reading(seconds: float) -> float:
@@ -137,14 +112,14 @@ class TreeRunnerMixin:
             self._tree_proposer = TreeProposer(vllm_config)
             config = self._tree_proposer.config
             variant = HeadDraftBackend if self.drafter.method == "eagle3" else LMDraftBackend
-            self._draft_backend = variant(self, self.drafter, config.draft_slots(), draft_layers(config, vllm_config,
-                                                                                                  device))
+            self._draft_backend = variant(self, self.drafter, config.draft_slots(),
+                                          self._tree_proposer.mode.draft_layers(device))
             policy = self._tree_proposer.policy
             self._tree_proposer.drafter.bind(self._draft_backend, policy.fanout, policy.entropy_top_m)
         if vllm_config.parallel_config.tensor_parallel_size > 1:
             self._tree_proposer.agree = rank0_reading
-        if uniform_steps(self._tree_proposer.config.uniform_steps, vllm_config, device):
-            self._tree_proposer.uniform(step_widths(self._tree_proposer.config.budget), graph_batch_sizes(vllm_config))
+        # The step mode's layout builder (``step_mode``): the persistent tree buffers of uniform steps.
+        self._layout = self._tree_proposer.mode.layout(vllm_config.scheduler_config.max_num_seqs, device)
 
     def initialize_kv_cache(self, *args, **kwargs) -> None:
         """vLLM's, then every layer's K and V views (``kv_views``), which the
@@ -312,9 +287,11 @@ class TreeRunnerMixin:
         return stored.subset(kept[:nodes])
 
     def _lay_out(self, batch_indices, trees, starts, lengths, paddings, num_scheduled_tokens) -> tree_step.TreeStep:
-        """The step's trees laid out over its rows (:func:`~vllm_adaptive_spec.adapter.step.build_step`,
-        ``cudagraphs.DecodeGraphsMixin`` for a step CUDA graphs replay), node rows at ``p0 + depth``."""
-        step = tree_step.build_step(batch_indices, trees, starts, lengths, self.device, paddings)
+        """The step's trees laid out over its rows by the step mode's layout
+        (``step_mode``; ``cudagraphs.DecodeGraphsMixin`` adds what a replayed
+        graph reads), node rows at ``p0 + depth``."""
+        step = self._layout.lay_out(batch_indices, trees, starts, lengths, paddings, num_scheduled_tokens,
+                                    self.input_batch.num_reqs, self.device)
         self._set_depth_positions(step)
         return step
 
@@ -442,10 +419,21 @@ class TreeRunnerMixin:
         held = self.tree_proposer.requests_held()
         held["draft_kv"] = 0 if self._draft_backend is None else self._draft_backend.requests_held()
         held["drafted_share"] = self._drafted_share.requests_held()
-        return self.tree_proposer.stats.as_dict() | {
+        return self.tree_proposer.stats.as_dict() | self._step_mode_counters() | {
             "datastore_tokens": 0 if shared is None else shared.num_tokens,
             "requests_held": held,
             "drafted_by_kind": self._drafted_share.as_dict(),
+        }
+
+    def _step_mode_counters(self) -> dict[str, int]:
+        """What ran of the step mode's parts: steps laid out from the persistent
+        tree buffers, steps whose width the measured shapes chose, and draft
+        forwards padded as graphs would pad them."""
+        cost, backend = self.tree_proposer.cost, self._draft_backend
+        return {
+            "uniform_layouts": self._layout.steps,
+            "width_choices": 0 if cost is None else cost.width_choices,
+            "padded_draft_passes": 0 if backend is None else backend.layers.padded_passes,
         }
 
     def adaptive_tree_clear_datastore(self) -> int:

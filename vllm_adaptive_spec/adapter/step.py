@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from vllm_adaptive_spec.adapter.transfer import packed_to_device, to_device
 from vllm_adaptive_spec.trees.packed_ranges import packed_ranges
 from vllm_adaptive_spec.trees.tree import DraftTree, HostTrees, TreeBatch
 from vllm_adaptive_spec.trees.tree_buffers import TreeBuffers
-from vllm_adaptive_spec.trees.tree_tensors import row_visibility
+from vllm_adaptive_spec.trees.tree_tensors import TreeTensors, row_visibility
 
 
 @dataclass
@@ -117,7 +118,6 @@ class TreeStep:
     node_rows: torch.Tensor
     node_offsets: torch.Tensor
     root_rows: torch.Tensor
-    host_query_mask: torch.Tensor | None = None  # ``query_mask`` on the host
     # The rows of requests whose tree branches; a chain's rows are exact
     # under vLLM's causal kernel (None: every tree is a chain).
     attention: AttentionRows | None = None
@@ -212,7 +212,6 @@ def build_step(
         node_rows=n_rows,
         node_offsets=n_offsets,
         root_rows=moved[10],
-        host_query_mask=torch.from_numpy(query_mask),
         attention=attention,
     )
 
@@ -243,25 +242,59 @@ def build_uniform_step(
     persistent tree buffers: the trees (of batch rows ``slots``) travel in
     one pinned, non-blocking copy, and every row index, position offset and
     mask is derived from them on the device, in operations whose count
-    depends on neither the batch nor the width. The same layout as
-    :func:`build_step` gives such a step, at the step's width."""
-    width = rows - 1
+    depends on neither the batch nor the width (:func:`uniform_layout`).
+    The same layout as :func:`build_step` gives such a step, at the step's
+    width; every tree's rows take the tree path (:class:`AttentionRows`),
+    unless a captured graph replays the step (``TreeStep.uniform``)."""
     index = buffers.write(to_device(buffers.host_rows(slots, trees), torch.long, device))
-    tree = buffers.read(index, width)
-    base = index * rows  # each request's first row, its root's
-    nodes = torch.arange(width, device=base.device)
+    layout = uniform_layout(buffers.read(index, rows - 1), index)
     host_first_rows = [slot * rows for slot in slots]
     return TreeStep(
         batch_indices=index,
         trees=trees,
-        tree_batch=tree.batch,
-        ancestors=tree.ancestors,
-        query_rows=(base.unsqueeze(1) + torch.arange(rows, device=base.device)).flatten(),
-        query_start_loc=torch.arange(len(trees) + 1, dtype=torch.int32, device=base.device) * rows,
-        query_mask=row_visibility(tree).flatten(0, 1),
+        tree_batch=layout.tree.batch,
+        ancestors=layout.tree.ancestors,
+        query_rows=layout.query_rows,
+        query_start_loc=layout.query_start_loc,
+        query_mask=layout.query_mask,
         host_batch_indices=list(slots),
         host_first_rows=host_first_rows,
         host_root_rows=host_first_rows,
+        node_rows=layout.node_rows,
+        node_offsets=layout.node_offsets,
+        root_rows=layout.root_rows,
+        attention=AttentionRows(batch_indices=index, query_rows=layout.query_rows,
+                                query_start_loc=layout.query_start_loc, query_mask=layout.query_mask,
+                                max_query_len=rows),
+    )
+
+
+class UniformLayout(NamedTuple):
+    """The device part of a uniform step's layout (:func:`uniform_layout`)."""
+
+    tree: TreeTensors
+    query_rows: torch.Tensor
+    query_start_loc: torch.Tensor
+    query_mask: torch.Tensor
+    node_rows: torch.Tensor
+    node_offsets: torch.Tensor
+    root_rows: torch.Tensor
+
+
+def uniform_layout(tree: TreeTensors, index: torch.Tensor) -> UniformLayout:
+    """Every row index, depth offset and mask of a uniform step whose
+    requests (batch rows ``index``) have ``1 + W`` rows each, from their
+    trees read at width ``W``: operations whose count depends on neither
+    the batch nor the width, with no value read back (what a graph replays)."""
+    batch, width = tree.tokens.shape
+    rows = width + 1
+    base = index * rows  # each request's first row, its root's
+    nodes = torch.arange(width, device=base.device)
+    return UniformLayout(
+        tree=tree,
+        query_rows=(base.unsqueeze(1) + torch.arange(rows, device=base.device)).flatten(),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=base.device) * rows,
+        query_mask=row_visibility(tree).flatten(0, 1),
         node_rows=(base.unsqueeze(1) + 1 + nodes).flatten(),
         node_offsets=torch.where(tree.valid(), tree.depth - 1 - nodes, 0).flatten(),
         root_rows=base,

@@ -54,6 +54,8 @@ from vllm.v1.core.sched.output import GrammarOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds
 
+from vllm_adaptive_spec.adapter import step_mode
+from vllm_adaptive_spec.adapter.config_hook import tree_config_of
 from vllm_adaptive_spec.adapter.request_options import Failures, speculation_allowed
 from vllm_adaptive_spec.trees.step_widths import drafted_nodes
 
@@ -196,12 +198,8 @@ class TreeScheduler(Scheduler):
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
-        from vllm_adaptive_spec.adapter.config_hook import tree_config_of
-        from vllm_adaptive_spec.adapter.runner import uniform_steps
-
         config = tree_config_of(vllm_config)
-        self._pad_removed = config is not None and uniform_steps(config.uniform_steps, vllm_config,
-                                                                 vllm_config.device_config.device_type)
+        self._pad_removed = config is not None and step_mode.resolve(config, vllm_config).uniform
         self._forcing_limit = config.budget if config is not None and config.grammar_forcing else 0
         self._scratch_mask: torch.Tensor | None = None  # one bitmask row for ``forced_tokens``
         self._failures = Failures()

@@ -44,7 +44,8 @@ from typing import NamedTuple
 
 from vllm_adaptive_spec.budget import node_allocation
 from vllm_adaptive_spec.budget.calibration import Calibration
-from vllm_adaptive_spec.budget.node_allocation import at_least, plan_nodes, shaped, within
+from vllm_adaptive_spec.budget.cost_models import LinearCost, ShapeCost
+from vllm_adaptive_spec.budget.node_allocation import at_least, within
 from vllm_adaptive_spec.budget.pause_control import PauseControl, PauseSettings, StepDecision
 from vllm_adaptive_spec.budget.step_cost import StepCostFit
 from vllm_adaptive_spec.trees.tree import DraftTree
@@ -60,19 +61,23 @@ class Choice(NamedTuple):
 
 
 class LoadBudget:
-    """``max_budget``: the drafter's ``N``; ``fit``: the engine's shared
-    step-cost fit (a fresh one when None); ``half_life``: the decay, in
-    steps, of the fit and the calibration; ``realized``: windows judged on
-    committed tokens (model drafters); ``request_half_life`` and
-    ``request_prior``: a request's own calibration (``Calibration``);
-    ``settings``: :class:`~vllm_adaptive_spec.budget.pause_control.PauseSettings`."""
+    """``max_budget``: the drafter's ``N``; ``cost``: the engine's shared
+    cost model (``cost_models``: the step mode's; a fresh
+    :class:`~vllm_adaptive_spec.budget.cost_models.LinearCost` when None),
+    whose step-cost fit ``fit`` the floor and the trust region read;
+    ``half_life``: the decay, in steps, of a fresh fit and of the
+    calibration; ``realized``: windows judged on committed tokens (model
+    drafters); ``request_half_life`` and ``request_prior``: a request's own
+    calibration (``Calibration``); ``settings``:
+    :class:`~vllm_adaptive_spec.budget.pause_control.PauseSettings`."""
 
-    def __init__(self, max_budget: int, fit: StepCostFit | None = None, half_life: float = 200.0,
+    def __init__(self, max_budget: int, cost: LinearCost | ShapeCost | None = None, half_life: float = 200.0,
                  cold_min_p: float = 0.3, realized: bool = True, request_half_life: float = 32.0,
                  request_prior: float = 4.0, **settings) -> None:
         self.max_budget = max_budget
         self.cold_min_p = cold_min_p
-        self.fit = fit if fit is not None else StepCostFit(half_life)
+        self.cost = cost if cost is not None else LinearCost(StepCostFit(half_life))
+        self.fit = self.cost.fit
         self.calibrated = Calibration(half_life, request_half_life, request_prior)
         self.pauses = PauseControl(PauseSettings(**settings), realized)
         self.decay = 0.5 ** (1.0 / half_life)
@@ -134,52 +139,43 @@ class LoadBudget:
         fallback: list[DraftTree] | None = None, plain: int = 0, fallback_budget: LoadBudget | None = None,
         floor: float = 0.0,
     ) -> Choice:
-        """The part of each grown tree worth verifying: its best nodes by path
-        probability (:meth:`DraftTree.keep_best`), cut to its main path where
-        branching does not pay. ``request_ids``: the trees' requests, whose
-        own records calibrate them. ``fallback``: the same requests' trees
-        from the drafter's paused part (the hybrid's retrieval trie), which
-        drafting is judged against, calibrated by ``fallback_budget``
-        (default: this one). ``plain``: the step's other decoding requests.
-        ``floor``: the step's :meth:`floor`; nodes below it are dropped first."""
+        """The part of each grown tree worth verifying: what the cost
+        model plans (``cost_models``: by path probability, cut to the main
+        path where branching does not pay, or the best width of a uniform
+        step). ``request_ids``: the trees' requests, whose own records
+        calibrate them. ``fallback``: the same requests' trees from the
+        drafter's paused part (the hybrid's retrieval trie), which drafting
+        is judged against, calibrated by ``fallback_budget`` (default: this
+        one). ``plain``: the step's other decoding requests. ``floor``: the
+        step's :meth:`floor`; nodes below it are dropped first."""
         trees, ids, rhos = self._calibrated(trees, request_ids, floor)
         p_hat = self.expected(trees, rhos)
-        fit = self.fit.solve()
-        if fit is None:
+        batch = len(trees) + plain
+        if not self.cost.known(batch):
             return self._cold_choice(trees, p_hat, plain)
-        plan, chosen = self._planned(trees, p_hat, rhos, fit, plain)
-        delta, room = self.draft_cost(), self.room(len(trees), plain)
-        plain_seconds = fit.alpha + fit.beta * (len(trees) + plain)
-        without = (len(trees) + plain) / plain_seconds
+        room = self.room(len(trees), plain)
+        planned = self.cost.plan(trees, p_hat, rhos, plain, self.draft_cost(), room)
+        without = batch / planned.plain_seconds
         if fallback is not None:
             scorer = fallback_budget or self
             fallback_p_hat = self.expected(fallback, [scorer.calibration(r) for r in ids])
-            without = max(without, plan_nodes(fallback_p_hat, fit, 0.0, plain, room).expected_rate)
-        measurable = bool(trees) and delta > 0.0
-        seconds = node_allocation.modelled_seconds(fit, plain_seconds, delta, chosen) if self.pauses.realized else 0.0
-        self.pauses.judge(plan.expected_rate if measurable else None, without, len(trees) + plain, seconds,
-                          plain_seconds)
-        return Choice(chosen, plan.trust_cut)
+            without = max(without, self.cost.best_rate(fallback_p_hat, plain, room))
+        measurable = bool(trees) and self.draft_cost() > 0.0
+        self.pauses.judge(planned.rate if measurable else None, without, batch, planned.seconds,
+                          planned.plain_seconds)
+        return Choice(planned.trees, planned.trust_cut)
 
     def probe(self, trees: list[DraftTree], request_ids: list[str], plain: int = 0) -> list[DraftTree]:
         """Newcomers' trees while drafting is paused (see "Newcomers while
         paused"): what :meth:`choose` would keep of each, and at least its
-        best node. Not judged by the pause control: a paused step is the
-        rate without drafting that the next probe is compared with."""
+        best node where the cost model allows one (``cost_models``). Not
+        judged by the pause control: a paused step is the rate without
+        drafting that the next probe is compared with."""
         trees, _, rhos = self._calibrated(trees, request_ids, 0.0)
-        fit = self.fit.solve()
-        if fit is None:
+        if not self.cost.known(len(trees) + plain):
             return [tree.keep_best(1) for tree in trees]
-        return self._planned(trees, self.expected(trees, rhos), rhos, fit, plain, at_least=1)[1]
-
-    def _planned(self, trees: list[DraftTree], p_hat, rhos: list[float], fit, plain: int, at_least: int = 0):
-        """The step's node plan (``node_allocation.plan_nodes``) and each
-        tree's planned nodes, at least ``at_least``, cut to its main path
-        where branching does not pay (``shaped``)."""
-        plan = plan_nodes(p_hat, fit, self.draft_cost(), plain, self.room(len(trees), plain))
-        kept = [shaped(tree.keep_best(max(count, at_least)), rho, fit, plan.rate)
-                for tree, count, rho in zip(trees, plan.kept, rhos)]
-        return plan, kept
+        return self.cost.plan(trees, self.expected(trees, rhos), rhos, plain, self.draft_cost(),
+                              self.room(len(trees), plain), at_least=1).trees
 
     def _cold_choice(self, trees: list[DraftTree], p_hat, plain: int) -> Choice:
         """Before the fit: the nodes with ``p_hat >= cold_min_p``, a trial;

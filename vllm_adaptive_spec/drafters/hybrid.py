@@ -35,8 +35,8 @@ import torch
 
 from vllm_adaptive_spec.drafters.model import ROOT_HANDLE, DraftBackend, DraftModelDrafter, Eagle3Drafter
 from vllm_adaptive_spec.drafters.retrieval_trie import RetrievalDrafter
-from vllm_adaptive_spec.drafters.retrieval_tensors import TensorRetrievalDrafter, make_retrieval
-from vllm_adaptive_spec.trees.growth import Candidates
+from vllm_adaptive_spec.drafters.retrieval_tensors import make_retrieval
+from vllm_adaptive_spec.trees.growth import Candidates, Growth
 from vllm_adaptive_spec.policies import Param
 from vllm_adaptive_spec.policies.retrieval import RetrievalPolicy
 
@@ -72,11 +72,12 @@ class HybridDrafter:
         return self.model.fanout
 
     @property
-    def fixed_layers(self) -> bool:
-        """Whether growth runs at fixed capacity (``growth.grow``): the model's
-        layers run so, and the trie's children come from the tensor matcher
-        (the trie matcher reads each frontier back)."""
-        return self.model.fixed_layers and isinstance(self.retrieval, TensorRetrievalDrafter)
+    def growth(self) -> Growth:
+        """``FIXED_LAYERS`` where the model's layers run so and the trie's
+        children come from the tensor matcher (the trie matcher reads each
+        frontier back)."""
+        fixed = self.model.growth is Growth.FIXED_LAYERS and self.retrieval.growth is Growth.WHOLE_TENSORS
+        return Growth.FIXED_LAYERS if fixed else Growth.LAYERS
 
     @property
     def device(self) -> torch.device:

@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 
 from kernels.draft_distribution import DraftDistribution
-from vllm_adaptive_spec.trees.growth import Candidates
+from vllm_adaptive_spec.trees.growth import Candidates, Growth
 from vllm_adaptive_spec.policies import Param
 
 ROOT_HANDLE = -1
@@ -76,10 +76,10 @@ class ModelDrafter:
         backend.top_k, backend.top_m = fanout, entropy_top_m
 
     @property
-    def fixed_layers(self) -> bool:
-        """Whether the backend runs every layer at fixed capacity, reading
-        nothing back (then ``growth.grow`` grows at fixed capacity too)."""
-        return getattr(self.backend, "fixed_layers", False)
+    def growth(self) -> Growth:
+        """``FIXED_LAYERS`` where the backend runs every layer at fixed
+        capacity, reading nothing back (``growth.grow`` then grows so too)."""
+        return Growth.FIXED_LAYERS if self.backend is not None and self.backend.fixed_layers else Growth.LAYERS
 
     @property
     def device(self) -> torch.device:

@@ -42,7 +42,7 @@ import torch
 from kernels.tree_gating import keep_best
 from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.drafters.retrieval_trie import EVIDENCE_EXPONENT, RetrievalDrafter, matcher_of
-from vllm_adaptive_spec.trees.growth import Candidates
+from vllm_adaptive_spec.trees.growth import Candidates, Growth
 from vllm_adaptive_spec.trees.tree import ROOT, DraftTree
 
 PAD = -1
@@ -197,9 +197,10 @@ def _breadth_first(cont, first, q, p, kept, same) -> CandidateTrees:
 
 
 def make_retrieval(device_type: str = "cpu", **params) -> RetrievalDrafter:
-    """The retrieval drafter of ``params`` for an engine on ``device_type``:
-    the trie or the tensors, as its ``matcher`` resolves there."""
-    tensors = matcher_of(params, device_type) == "tensors"
+    """The retrieval drafter of ``params`` for an engine on ``device_type``
+    (where the tensor matcher keeps its tensors): the trie or the tensors,
+    as its ``matcher`` resolves."""
+    tensors = matcher_of(params) == "tensors"
     return TensorRetrievalDrafter(device_type, **params) if tensors else RetrievalDrafter(**params)
 
 
@@ -208,6 +209,8 @@ class TensorRetrievalDrafter(RetrievalDrafter):
     the requests' whole contexts on ``device`` (no index kept between steps),
     the same trees as the trie's. The trees reach the host in one read, where
     the policy, the load budget and the scheduler take them."""
+
+    growth = Growth.WHOLE_TENSORS  # ``candidate_tensors`` on its device, ``candidate_trees`` from them
 
     def __init__(self, device: str | torch.device = "cpu", **params) -> None:
         super().__init__(**params)

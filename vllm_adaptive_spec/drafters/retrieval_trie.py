@@ -58,7 +58,7 @@ import torch
 
 from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.drafters.datastore import Datastore, SuffixIndex
-from vllm_adaptive_spec.trees.growth import Candidates
+from vllm_adaptive_spec.trees.growth import Candidates, Growth
 from vllm_adaptive_spec.policies import Param
 from vllm_adaptive_spec.trees.tree import ROOT, DraftTree
 
@@ -67,16 +67,15 @@ EVIDENCE_EXPONENT = 1.3
 MATCHERS = ("auto", "trie", "tensors")
 
 
-def resolve_matcher(matcher: str, device_type: str, datastore: str = "off", corpus: str = "") -> str:
+def resolve_matcher(matcher: str, datastore: str = "off", corpus: str = "") -> str:
     """Which implementation builds the trees (the same trees): ``trie`` (this
     module: an incremental suffix index and lazy tries, in Python) or
     ``tensors`` (``retrieval_tensors``: batched tensor operations where the
-    tokens are). ``auto``: the one measured faster on the platform. On the
-    CPU the trie is several times faster (``benchmarks/RESULTS.md``); on CUDA
-    the tensors are not measured yet (``scripts/gpu_checks.sh`` compares
-    both), and they read their trees back once a drafting step, so the trie
-    stays the default there too (``device_type`` is for that measurement to
-    change). The shared datastore and the corpus are matched by the trie only."""
+    tokens are). ``auto`` is the trie on every platform: several times
+    faster on the CPU (``benchmarks/RESULTS.md``); on CUDA the tensors are
+    not measured yet (``scripts/gpu_checks.sh`` compares both) and they read
+    their trees back once a drafting step. The shared datastore and the
+    corpus are matched by the trie only."""
     others = datastore != "off" or bool(corpus)
     if matcher == "tensors" and others:
         raise ValueError("retrieval matcher 'tensors' matches the request's own context only; "
@@ -84,10 +83,9 @@ def resolve_matcher(matcher: str, device_type: str, datastore: str = "off", corp
     return "trie" if matcher == "auto" else matcher
 
 
-def matcher_of(params: dict, device_type: str) -> str:
+def matcher_of(params: dict) -> str:
     """:func:`resolve_matcher` for a drafter's parameters (defaults where unset)."""
-    return resolve_matcher(params.get("matcher", "auto"), device_type, params.get("datastore", "off"),
-                           params.get("corpus", ""))
+    return resolve_matcher(params.get("matcher", "auto"), params.get("datastore", "off"), params.get("corpus", ""))
 
 
 def _readable_file(path: str) -> bool:
@@ -160,6 +158,7 @@ class RetrievalDrafter:
     """Suffix-index drafter; one trie per request per step."""
 
     name = "retrieval"
+    growth = Growth.WHOLE_TREES  # every candidate is known before growth (``candidate_trees``)
     PARAMS = {
         "l_max": Param(int, 8, "an integer >= 1", lambda v: v >= 1),
         "l_min": Param(int, 1, "an integer >= 1 and <= l_max", lambda v: v >= 1),
@@ -184,7 +183,7 @@ class RetrievalDrafter:
         corpus: str = "",
         matcher: str = "auto",
     ) -> None:
-        resolve_matcher(matcher, "cpu", datastore, corpus)  # refuses what no device allows
+        resolve_matcher(matcher, datastore, corpus)  # refuses what no matcher allows
         if l_min > l_max:
             raise ValueError(f"l_min ({l_min}) must not exceed l_max ({l_max})")
         self.l_max, self.l_min = l_max, l_min

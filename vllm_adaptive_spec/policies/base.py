@@ -76,6 +76,11 @@ class TreePolicy:
     # No node whose path probability is below it is ever chosen (a whole-tree
     # drafter may leave such nodes out of its candidate trees).
     floor = 0.0
+    # Whether the policy chooses from a drafter's whole candidate trees in one
+    # pass (``choose``), and from a batch of them on the device
+    # (``choose_tensors``), as the layer loop would (``growth.grow``).
+    chooses_trees = False
+    chooses_tensors = False
 
     def depth_limit(self, budget: int) -> int:
         """The deepest layer grown for a largest budget of ``budget``."""
@@ -102,6 +107,14 @@ class TreePolicy:
     def finish(self, p: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
         """[B, M] bool: which grown nodes (path probabilities ``p``) to keep."""
         return valid
+
+    def choose(self, tree: DraftTree, budget: int) -> DraftTree:
+        """The tree the layer loop would grow from a whole candidate ``tree`` (``chooses_trees``)."""
+        raise NotImplementedError
+
+    def choose_tensors(self, trees, budget: torch.Tensor, width: int):
+        """:meth:`choose` over a batch of candidate trees on the device (``chooses_tensors``)."""
+        raise NotImplementedError
 
     def begin(self, request_ids: list[str]) -> None:
         """A step's growth starts for these requests (batch order)."""

@@ -13,6 +13,7 @@ class ChainPolicy(TreePolicy):
     """The top-1 child at every depth, ``D = N``."""
 
     name = "chain"
+    chooses_trees = True
 
     def layer_width(self, budget: int) -> int:
         return 1

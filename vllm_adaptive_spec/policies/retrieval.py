@@ -22,6 +22,7 @@ class RetrievalPolicy(TreePolicy):
     name = "retrieval"
     PARAMS = {"min_p": fraction(0.05)}
     grows_past_budget = True
+    chooses_trees = chooses_tensors = True
     fanout = 0  # the retrieval drafter's trie decides
 
     def __init__(self, min_p: float = 0.05) -> None:

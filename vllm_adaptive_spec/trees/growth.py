@@ -6,26 +6,34 @@ the drafter uses to expand that child later). A policy picks the next layer
 among them, or stops. :func:`grow` runs that loop and returns one
 :class:`~vllm_adaptive_spec.trees.tree.DraftTree` per request, breadth-first.
 
-Decision: a drafter whose candidates do not depend on what is chosen (the
-retrieval trie is known before growth) may hand over each request's whole
-candidate tree (``candidate_trees``), and a policy whose choice depends only
-on that tree (``choose``) then picks from it in one pass: the same trees as
-the layer loop (the tests compare them), without a round of batched tensor
-operations per depth, which cost 13 ms a step at batch 16 (16 layers deep).
-Where the drafter has them as tensors on its device (``candidate_tensors``)
-and the policy chooses over a batch of them (``choose_tensors``), the choice
-runs there too and only the chosen nodes are read back.
+Every drafter can be grown layer by layer (``expand``); what more it can
+do it declares as its :class:`Growth`, and a policy what it can choose from
+(``TreePolicy.chooses_trees`` / ``chooses_tensors``); :func:`grow` takes the
+path the two declare. Decision: a drafter whose candidates do not depend on
+what is chosen (the retrieval trie is known before growth) hands over each
+request's whole candidate tree (``candidate_trees``), and a policy whose
+choice depends only on that tree (``choose``) picks from it in one pass: the
+same trees as the layer loop (the tests compare them), without a round of
+batched tensor operations per depth, which cost 13 ms a step at batch 16 (16
+layers deep). Where the drafter has them as tensors on its device
+(``candidate_tensors``) and the policy chooses over a batch of them
+(``choose_tensors``), the choice runs there too and only the chosen nodes
+are read back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+import enum
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from vllm_adaptive_spec.trees.tree import ROOT, DraftTree
+
+if TYPE_CHECKING:  # the policies' interface, whose layers are this module's
+    from vllm_adaptive_spec.policies.base import TreePolicy
 
 
 @dataclass
@@ -78,39 +86,25 @@ class Layer:
         self.p = self.parent_p.unsqueeze(-1) * self.candidates.q
 
 
+class Growth(enum.Enum):
+    """What a drafter can do beyond growing layer by layer on the host."""
+
+    LAYERS = "layers"  # ``expand`` only
+    FIXED_LAYERS = "fixed layers"  # its layers run at fixed capacity, nothing read back (:func:`grow_fixed`)
+    WHOLE_TREES = "whole trees"  # ``candidate_trees``: every request's candidates before growth
+    WHOLE_TENSORS = "whole tensors"  # and ``candidate_tensors``: the same on its device
+
+
 class Drafter(Protocol):
+    """What :func:`grow` asks of a drafter; beyond ``expand``, what its
+    ``growth`` declares (and, for ``FIXED_LAYERS`` and ``WHOLE_TENSORS``,
+    the ``device`` its tensors are on)."""
+
+    growth: Growth
+
     def expand(self, handles: torch.Tensor, live: torch.Tensor) -> Candidates:
         """Candidates for the frontier nodes ``handles`` [B, F] (``live`` marks
         real nodes; a handle of -1 is the root)."""
-
-
-class WholeTreeDrafter(Drafter, Protocol):
-    def candidate_trees(self, floor: float = 0.0) -> list[DraftTree]:
-        """Each request's whole candidate tree, breadth-first, a node's
-        children by descending ``q`` (ties: first seen first); only the nodes
-        whose path probability is at least ``floor``."""
-
-
-class Policy(Protocol):
-    # Whether growth continues once a tree holds ``budget`` nodes (then
-    # ``finish`` trims it back, as after a rerank).
-    grows_past_budget: bool
-    # No node whose path probability is below it is ever chosen.
-    floor: float
-
-    def depth_limit(self, budget: int) -> int:
-        """The deepest layer grown for a largest budget of ``budget``."""
-
-    def select(self, layer: Layer) -> torch.Tensor:
-        """[B, F, C] bool: the candidates that form the next layer (none: stop);
-        may set ``layer.stop`` for requests that grow no deeper."""
-
-    def finish(self, p: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
-        """[B, M] bool: which grown nodes to keep, by their scores ``p`` (path
-        probabilities unless the policy set ``Layer.score``)."""
-
-    # Optional: ``choose(tree, budget) -> DraftTree``, the tree the layer loop
-    # would grow from a whole candidate tree (see the module docstring).
 
 
 @dataclass
@@ -119,24 +113,25 @@ class GrowthStats:
 
 
 def grow(
-    drafter: Drafter, policy: Policy, budget: torch.Tensor, max_depth: int, floor: float = 0.0
+    drafter: Drafter, policy: TreePolicy, budget: torch.Tensor, max_depth: int, floor: float = 0.0
 ) -> tuple[list[DraftTree], GrowthStats]:
     """Grow one tree per request (``budget`` [B] nodes at most each).
     ``floor``: a path probability below which the caller keeps no node (the
     load budget's); a whole-tree drafter leaves such nodes out."""
     batch = budget.shape[0]
-    on_device, choose_tensors = getattr(drafter, "candidate_tensors", None), getattr(policy, "choose_tensors", None)
-    if on_device is not None and choose_tensors is not None:
-        chosen = choose_tensors(on_device(max(policy.floor, floor)), budget.to(drafter.device), _largest(budget))
+    whole = drafter.growth in (Growth.WHOLE_TREES, Growth.WHOLE_TENSORS)
+    if drafter.growth is Growth.WHOLE_TENSORS and policy.chooses_tensors:
+        candidates = drafter.candidate_tensors(max(policy.floor, floor))
+        chosen = policy.choose_tensors(candidates, budget.to(drafter.device), _largest(budget))
         return chosen.to_trees(), GrowthStats()
-    whole, choose = getattr(drafter, "candidate_trees", None), getattr(policy, "choose", None)
-    if whole is not None and choose is not None:
-        trees = whole(max(getattr(policy, "floor", 0.0), floor))
-        return [choose(tree, n) if n > 0 else DraftTree() for tree, n in zip(trees, budget.tolist())], GrowthStats()
+    if whole and policy.chooses_trees:
+        trees = drafter.candidate_trees(max(policy.floor, floor))
+        return [policy.choose(tree, n) if n > 0 else DraftTree() for tree, n in zip(trees, budget.tolist())], \
+            GrowthStats()
     largest = _largest(budget)
     # A kept tree is ancestor-closed with at most ``budget`` nodes: no deeper.
     max_depth = min(max_depth, policy.depth_limit(largest), largest)
-    if getattr(drafter, "fixed_layers", False) and max_depth > 0:
+    if drafter.growth is Growth.FIXED_LAYERS and max_depth > 0:
         fixed = grow_fixed(drafter, policy, budget.to(drafter.device), max_depth, policy.layer_width(largest), floor)
         return fixed.to_trees(), GrowthStats(draft_passes=max_depth)
     layers = grow_layers(drafter, policy, budget, max_depth, floor=floor)
@@ -151,9 +146,9 @@ def _largest(budget: torch.Tensor) -> int:
     return int(budget.max()) if budget.shape[0] else 0
 
 
-def grow_fixed(drafter: Drafter, policy: Policy, budget: torch.Tensor, depth: int, width: int,
+def grow_fixed(drafter: Drafter, policy: TreePolicy, budget: torch.Tensor, depth: int, width: int,
                floor: float = 0.0) -> "GrownTrees":
-    """Growth at fixed capacity (issue 53, item 2): ``depth`` layers of
+    """Growth at fixed capacity: ``depth`` layers of
     ``width`` slots per request (``budget`` [B] nodes each at most), the
     chosen candidates packed to the left and the rest invalid, layers past a
     request's last growing nothing, no value read back. The shapes depend on
@@ -162,12 +157,12 @@ def grow_fixed(drafter: Drafter, policy: Policy, budget: torch.Tensor, depth: in
     ``width`` candidates (the policy's ``layer_width``); beyond it a layer
     keeps its first ``width`` (by frontier, then candidate order), a tree cut
     to the capacity. :func:`grow` grows this way, on the drafter's
-    ``device``, for a drafter with ``fixed_layers`` (a model drafter whose
-    draft loop reads nothing back: ``adapter/draft_layers.FixedLayers``)."""
+    ``device``, for a drafter of :class:`Growth` ``FIXED_LAYERS`` (a model
+    drafter whose draft loop reads nothing back: ``adapter/draft_layers.FixedLayers``)."""
     return assemble(grow_layers(drafter, policy, budget, depth, width, floor), policy, budget)
 
 
-def grow_layers(drafter: Drafter, policy: Policy, budget: torch.Tensor, depth: int, width: int | None = None,
+def grow_layers(drafter: Drafter, policy: TreePolicy, budget: torch.Tensor, depth: int, width: int | None = None,
                 floor: float = 0.0):
     """Up to ``depth`` layers side by side (:class:`Layers`). ``width`` None:
     each layer as wide as its widest request's choice, and growth stops
@@ -280,7 +275,7 @@ class Layers(NamedTuple):
     passes: int = 0  # the drafter's expansions (draft passes)
 
 
-def assemble(layers: Layers, policy: Policy, budget: torch.Tensor) -> GrownTrees:
+def assemble(layers: Layers, policy: TreePolicy, budget: torch.Tensor) -> GrownTrees:
     """The trees of ``depth`` grown layers: the nodes the policy keeps whose
     ancestors are kept (slot order is breadth-first, every parent before its
     children), renumbered, by tensor operations."""

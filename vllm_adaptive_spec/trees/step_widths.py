@@ -20,6 +20,8 @@ captured graphs few.
 
 from __future__ import annotations
 
+import bisect
+
 PAD = -1
 WIDTHS = (2, 4, 8, 16)
 
@@ -63,3 +65,30 @@ def drafted_nodes(drafts: list[int]) -> int:
     the first ``-1`` (the rest are padding; all of them are for vLLM's own
     placeholders)."""
     return next((k for k, token in enumerate(drafts) if token < 0), len(drafts))
+
+
+def plugin_batch_sizes(max_num_seqs: int, max_tokens: int) -> list[int]:
+    """The batch sizes the plugin captures its graphs for (and pads steps
+    to), in vLLM's default pattern without speculation (1, 2, 4, every 8 to
+    256, every 16 beyond) up to ``max_num_seqs`` and ``max_tokens`` (vLLM's
+    largest capture size, beyond which it dispatches no graph), that limit
+    itself included. Decision: the plugin's own list, since vLLM's sizes are
+    rounded to multiples of ``1 + num_speculative_tokens`` under speculation
+    (with 16 drafts and ``max_num_seqs`` 8 not one of them would be a batch
+    size)."""
+    limit = min(max_num_seqs, max_tokens)
+    pattern = [1, 2, 4, *range(8, 256, 8), *range(256, limit + 1, 16)]
+    return sorted({size for size in pattern if size < limit} | {limit}) if limit >= 1 else []
+
+
+def padded_rows(num_tokens: int, limit: int) -> int:
+    """The rows a draft forward of ``num_tokens`` rows is padded to where no
+    graph pads it: the next of :func:`plugin_batch_sizes`, at most ``limit``."""
+    sizes = plugin_batch_sizes(limit, limit)
+    index = bisect.bisect_left(sizes, num_tokens)
+    return sizes[index] if index < len(sizes) else num_tokens
+
+
+def uniform_rows(max_query_len: int, num_tokens: int, num_reqs: int) -> int | None:
+    """Every request's row count when they all have the same, else None."""
+    return max_query_len if num_reqs and num_tokens == num_reqs * max_query_len else None

@@ -1,6 +1,6 @@
-"""The load budget of uniform steps (no engine): the measured cost of each
-step shape, the width of the best expected rate, and the load budget's
-floor and pauses kept on top of it."""
+"""The load budget over the cost model of uniform steps (no engine): the
+measured cost of each step shape, the width of the best expected rate, and
+the load budget's floor and pauses, the same code as over the line."""
 
 import itertools
 
@@ -10,9 +10,17 @@ import pytest
 from vllm_adaptive_spec.budget.load_budget import LoadBudget
 from vllm_adaptive_spec.budget.step_cost_table import StepCostTable
 from vllm_adaptive_spec.trees.tree import DraftTree
-from vllm_adaptive_spec.budget.width_budget import WidthBudget, best_width
+from vllm_adaptive_spec.budget.cost_models import LinearCost, ShapeCost, best_width
+from vllm_adaptive_spec.budget.step_cost import StepCostFit
 
 WIDTHS = (2, 4, 8, 16)
+
+
+def shape_budget(max_budget: int, widths: tuple[int, ...], table: StepCostTable, half_life: float = 200.0,
+                 **kwargs) -> LoadBudget:
+    """The load budget of uniform steps: over the measured shapes, the line until they are known."""
+    return LoadBudget(max_budget, ShapeCost(widths, table, LinearCost(StepCostFit(half_life))), half_life=half_life,
+                      **kwargs)
 
 
 def test_cells_are_keyed_by_the_padded_batch_and_follow_their_own_measurements():
@@ -54,11 +62,11 @@ def chain(q: list[float]) -> DraftTree:
     return tree
 
 
-def measured_budget(costs: dict[int, float], **kwargs) -> WidthBudget:
+def measured_budget(costs: dict[int, float], **kwargs) -> LoadBudget:
     table = StepCostTable()
     for rows, seconds in costs.items():
         table.observe(8, rows, seconds)
-    return WidthBudget(16, WIDTHS, table, half_life=1e9, **kwargs)
+    return shape_budget(16, WIDTHS, table, half_life=1e9, **kwargs)
 
 
 def test_within_the_width_padding_is_free_so_unlikely_nodes_are_kept():
@@ -78,7 +86,7 @@ def test_within_the_width_padding_is_free_so_unlikely_nodes_are_kept():
 
 
 def test_until_the_draft_free_step_is_measured_the_linear_budget_chooses():
-    budget = WidthBudget(16, WIDTHS, StepCostTable(), half_life=1e9)
+    budget = shape_budget(16, WIDTHS, StepCostTable(), half_life=1e9)
     reference = LoadBudget(16, half_life=1e9)
     trees = [chain([0.9, 0.5, 0.2])] * 4
     assert budget.choose(trees).trees == reference.choose(trees).trees

@@ -1,0 +1,95 @@
+"""The package's shape (no engine): no import cycle between its modules
+(function-level imports included, ``TYPE_CHECKING`` ones not), no module
+name used in two folders, and none of the names the code no longer has."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("vllm_adaptive_spec", "kernels")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
+
+
+def _type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imports(tree: ast.AST, known: set[str]) -> set[str]:
+    """The package modules a module imports, anywhere but under ``if TYPE_CHECKING``."""
+    found: set[str] = set()
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if _type_checking(node):
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in known)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                target = f"{node.module}.{alias.name}"
+                found.add(target if target in known else node.module)
+    return found & known
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph``, or None."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt, path + [nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [start])):
+            return found
+    return None
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(ast.parse(path.read_text()), set(known)) - {name} for name, path in known.items()}
+
+
+def test_no_import_cycle_in_the_package():
+    graph = import_graph()
+    assert "vllm_adaptive_spec.adapter.tree_scheduler" in graph["vllm_adaptive_spec.adapter.runner"]
+    assert cycle(graph) is None, " -> ".join(cycle(graph))
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_module_name_in_two_folders():
+    names: dict[str, list[Path]] = {}
+    for folder in (*PACKAGES, "benchmarks"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.name != "__init__.py":
+                names.setdefault(path.name, []).append(path.relative_to(ROOT))
+    assert not {name: paths for name, paths in names.items() if len(paths) > 1}
+
+
+def test_names_the_code_no_longer_has():
+    """The step's second copies and code only tests ran: gone for good."""
+    gone = ("WidthBudget", "verify_step", "greedy_targets", "sampled_targets", "row_positions", "StepOutput",
+            "plain_decode_step", "WholeTreeDrafter", "select_within_width", "uniform_tree_rows")
+    text = "\n".join(path.read_text() for path in modules().values())
+    assert [name for name in gone if name in text] == []
