@@ -372,7 +372,7 @@ def tree_attention_triton(
     the key tile, ``num_warps``, ``num_stages``) override the heuristic, for
     the tests and the benchmark's sweep.
 
-    ``splits_on_device``: the launch a CUDA graph can replay (issue 52): the
+    ``splits_on_device``: the launch a CUDA graph can replay: the
     grid is fixed by ``max_query_len`` (the step's rows a request),
     ``num_splits`` and the batch; each request's slices are cut in the kernel
     from its own length; ``max_seq_len`` is neither read nor needed.

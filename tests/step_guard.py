@@ -1,9 +1,10 @@
-"""A guard over the device part of every tree step of a real engine (issue 52).
+"""A guard over the device part of every tree step of a real engine.
 
 Installed in the engine's worker with ``collective_rpc(install)`` (the engine
 job's ``step_guard``), it wraps the tree verifier's ``forward`` (target
 tokens, acceptance, vLLM's output, KV compaction, the statistics' copy) and
-the runner's depth positions, and a model drafter's first pass over the
+the runner's depth positions, a uniform step's device layout
+(``step.uniform_layout``), and a model drafter's first pass over the
 step's committed rows (``first_pass``), the start of its trees (``begin``)
 and its draft loop (``growth.grow_layers``: every tree layer's layout, draft
 forward and policy). Inside, a dispatch mode records every torch
@@ -86,7 +87,7 @@ def _guarded(function, record, steps: str | None):
         from vllm_adaptive_spec.adapter import step as tree_step
 
         current = tree_step.current()
-        tree = steps in ("draft_loops", "first_passes") or (isinstance(current, tree_step.TreeStep)
+        tree = steps in ("draft_loops", "first_passes", "layouts") or (isinstance(current, tree_step.TreeStep)
                                                              and bool(current.trees))
         tolist = torch.Tensor.tolist
 
@@ -111,13 +112,16 @@ def _guarded(function, record, steps: str | None):
 
 def install(worker) -> None:
     runner = worker.model_runner
-    record = runner._step_guard = {"reads": [], "tree_steps": [], "draft_loops": [], "first_passes": []}
+    record = runner._step_guard = {"reads": [], "tree_steps": [], "draft_loops": [], "first_passes": [], "layouts": []}
     for module_name, name in HOST_ONLY:
         module = importlib.import_module(module_name)
         setattr(module, name, _host_only(getattr(module, name)))
     verifier = runner.rejection_sampler
     verifier.forward = _guarded(verifier.forward, record, "tree_steps")
     runner._set_depth_positions = _guarded(runner._set_depth_positions, record, None)
+    from vllm_adaptive_spec.adapter import step as tree_step
+
+    tree_step.uniform_layout = _guarded(tree_step.uniform_layout, record, "layouts")  # a uniform step's device layout
     if runner._draft_backend is not None:
         from vllm_adaptive_spec.trees import growth
 

@@ -1,6 +1,6 @@
-"""Issue 52 on the CPU engine: the device part of a tree step reads no value
-back to the host, and dispatches the same operations whatever the batch and
-the tree size (``tests/step_guard.py``: a guard counted at the dispatcher,
+"""On the CPU engine: the device part of a tree step, ragged or uniform,
+reads no value back to the host, and dispatches the same operations
+whatever the batch and the tree size (``tests/step_guard.py``: a guard counted at the dispatcher,
 installed in the real engine's worker)."""
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import pytest
 
 from conftest import HEAD, chat_token_ids, run_engine_job
 from vllm_adaptive_spec.prompts import load_prompts
+
+pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 12
 
@@ -27,8 +29,8 @@ def last_tokens(prompt_ids, batch: int, cut: int) -> list[list[int]]:
     return [prompt_ids[k % len(prompt_ids)][-(cut if batch <= 8 else 48):] for k in range(batch)]
 
 
-def guarded_run(tmp_path, demo_model, prompt_ids, batch: int, nodes: int) -> dict:
-    tree = {"drafter": "retrieval", "policy": "retrieval", "load_budget": "fixed"}
+def guarded_run(tmp_path, demo_model, prompt_ids, batch: int, nodes: int, uniform: str = "off") -> dict:
+    tree = {"drafter": "retrieval", "policy": "retrieval", "load_budget": "fixed", "uniform_steps": uniform}
     run = run_engine_job(tmp_path, {
         "model": demo_model, "prompt_token_ids": last_tokens(prompt_ids, batch, 160),
         "max_tokens": MAX_TOKENS, "max_num_seqs": batch, "step_guard": True,
@@ -41,18 +43,22 @@ def signature(step: list) -> tuple:
     return tuple(tuple(op) for op in step)
 
 
-def test_a_tree_step_reads_nothing_back_and_its_operations_do_not_grow(tmp_path, demo_model, prompt_ids):
-    small = guarded_run(tmp_path / "b8", demo_model, prompt_ids, batch=8, nodes=4)
-    large = guarded_run(tmp_path / "b64", demo_model, prompt_ids, batch=64, nodes=16)
+@pytest.mark.parametrize("uniform", ["off", "on"])
+def test_a_tree_step_reads_nothing_back_and_its_operations_do_not_grow(uniform, tmp_path, demo_model, prompt_ids):
+    small = guarded_run(tmp_path / "b8", demo_model, prompt_ids, batch=8, nodes=4, uniform=uniform)
+    large = guarded_run(tmp_path / "b64", demo_model, prompt_ids, batch=64, nodes=16, uniform=uniform)
     for run in (small, large):
         assert run["reads"] == []
         assert len(run["tree_steps"]) >= 3
-    # Every tree step of both runs dispatched one and the same list of operations.
-    steps = Counter(signature(step) for run in (small, large) for step in run["tree_steps"])
-    if len(steps) > 1:
-        first, *others = [dict(s) for s in steps]
-        raise AssertionError([{op: (first.get(op), other.get(op)) for op in first.keys() | other.keys()
-                               if first.get(op) != other.get(op)} for other in others])
+        assert (len(run["layouts"]) >= 3) == (uniform == "on")  # the uniform layout ran, and only there
+    # Every tree step of both runs dispatched one and the same list of operations, and so did
+    # every uniform step's layout.
+    for part in ("tree_steps", "layouts"):
+        steps = Counter(signature(step) for run in (small, large) for step in run[part])
+        if len(steps) > 1:
+            first, *others = [dict(s) for s in steps]
+            raise AssertionError([{op: (first.get(op), other.get(op)) for op in first.keys() | other.keys()
+                                   if first.get(op) != other.get(op)} for other in others])
 
 
 def draft_run(tmp_path, demo_model, prompt_ids, batch: int, loop: str, max_tokens: int) -> dict:

@@ -352,7 +352,7 @@ class PagedDraftBackend:
         the step's widest scheduled request plus the rows the variant feeds
         after a chain (``ROWS_AFTER_CHAIN``), known on the host before the
         step, so the pass's shape depends on the batch and the step's width
-        only, not on what was accepted. Issue 53, item 2."""
+        only, not on what was accepted."""
         rows = committed.rows
         if not self.fixed_layers or committed.own_rows != rows.total():
             return 0

@@ -3,7 +3,7 @@
 The proposer learns from every accepted path (acceptance statistics, the
 policies' and the budget's observations), but reading the path right after
 verification would make the host wait for the whole forward in the middle of
-vLLM's step (issue 52). Instead the accepted lengths and paths leave the
+vLLM's step. Instead the accepted lengths and paths leave the
 device in one pinned, non-blocking copy right after acceptance, and are read
 after vLLM's own per-step synchronisation (its bookkeeping reads the sampled
 tokens), when the copy has long finished.

@@ -2,7 +2,7 @@
 
 A copy from pageable host memory to a CUDA device blocks the host until the
 device has run everything queued before it, which inside a step means the
-whole forward so far (issue 52: about 13 such copies a step). A step's host
+whole forward so far (about 13 such copies a step, before this module). A step's host
 tensors go instead into one pinned buffer that travels in one non-blocking
 copy; PyTorch's pinned allocator keeps the buffer alive until the copy ran.
 Off CUDA the host tensors already are where the step needs them: nothing is

@@ -1,4 +1,4 @@
-"""What a tree row's history does to its logits (issue 54): presence,
+"""What a tree row's history does to its logits: presence,
 frequency and repetition penalties, bad words, and ``min_tokens`` (by its
 length, ``tree_logits_processors``).
 

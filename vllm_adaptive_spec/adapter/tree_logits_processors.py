@@ -1,4 +1,4 @@
-"""vLLM's ``logit_bias``, ``min_p`` and ``min_tokens`` on tree rows (issue 54).
+"""vLLM's ``logit_bias``, ``min_p`` and ``min_tokens`` on tree rows.
 
 The bias and ``min_p`` do not depend on a request's history, so a tree row
 takes its request's as vLLM's sampler gives them to the request's one row

@@ -1,4 +1,4 @@
-"""The retrieval drafter's trees as batched tensor operations (issue 53, item 1).
+"""The retrieval drafter's trees as batched tensor operations.
 
 The same trees as :class:`~vllm_adaptive_spec.drafters.retrieval_trie.RetrievalDrafter`
 (its suffix index and lazy tries), ties included, computed for a whole batch

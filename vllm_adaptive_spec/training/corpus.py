@@ -1,6 +1,6 @@
 """The training prompt corpus: varied in topic and form, never the benchmark set.
 
-Issue 11 asks for a head that generalises beyond its corpus, so most prompts
+The head must generalise beyond its corpus, so most prompts
 are built around text that the installed software ships rather than around a
 few templates: the Python standard library's docstrings and source (what a
 function does, how to use it, explain / port / test this code), its language

@@ -4,8 +4,8 @@
 greedy answers to the benchmark prompts (vLLM, float32, as for training), its
 features (transformers, float32), then for each head the top-1 agreement
 with the target's argmax per unrolled step of training-time test, per prompt
-category and over all answer positions. This is the figure issue 11 sets
-its goal on (0.40 at the first step); the held-out figure of
+category and over all answer positions. This is the figure the head's
+goal is set on (0.40 at the first step); the held-out figure of
 ``train_log.jsonl`` is measured on the training corpus instead.
 
 The answers and features stay in the work directory, so heads compared later

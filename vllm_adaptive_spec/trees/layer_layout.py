@@ -1,5 +1,4 @@
-"""One tree layer of a model drafter, laid out at fixed capacity (issue 53,
-item 2): which frontier nodes are fed, their node ids, depths, ancestor
+"""One tree layer of a model drafter, laid out at fixed capacity: which frontier nodes are fed, their node ids, depths, ancestor
 sets, positions and draft-KV slots, as tensor operations over ``[B, F]``
 (``B`` trees, ``F`` frontier slots) with no value read back, so the layout
 of every layer can be traced whole and replayed from a graph.

@@ -1,4 +1,4 @@
-"""Width-bucketed uniform tree steps (issue 52, item 1).
+"""Width-bucketed uniform tree steps.
 
 A CUDA graph replays one shape: a decode step of ``B`` requests with ``R``
 rows each. Trees of the sizes the load budget chooses are ragged, so a
