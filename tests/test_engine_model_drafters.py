@@ -175,17 +175,6 @@ def test_hybrid_greedy_equals_no_speculation(datastore, demo_model, prompt_ids, 
     assert datastore == "shared" or (compared >= 15 and mixed >= 5), (compared, mixed)
 
 
-def test_uniform_steps_with_a_model_drafter(demo_model, prompt_ids, baseline, tmp_path):
-    """DEAGLE's trees (their size varies with its vote) in width-bucketed
-    uniform steps (forced on): the draft backend's committed rows skip each
-    tree's padding rows."""
-    spec = adaptive("eagle3", HEAD, 24, policy="deagle", top_k=4, depth=12, uniform_steps="on")
-    run = _run(tmp_path, demo_model, prompt_ids, spec)
-    assert run.token_ids == baseline.token_ids
-    assert run.tree_stats["trees_verified"] > 0
-    assert run.metrics["vllm:spec_decode_num_draft_tokens"] > run.tree_stats["nodes_verified"]
-
-
 def test_eagle3_chain_matches_native_eagle3(demo_model, prompt_ids, baseline, tmp_path):
     ours = _run(tmp_path / "ours", demo_model, prompt_ids, adaptive("eagle3", HEAD, 4, policy="chain"))
     native = _run(tmp_path / "native", demo_model, prompt_ids,

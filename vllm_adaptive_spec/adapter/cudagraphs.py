@@ -19,11 +19,11 @@ step without speculation. Decision: capture FULL graphs for one-row-a-request
 decode batches too (keys ``num_tokens == num_reqs``, ``uniform``; they never
 collide with vLLM's, whose ``num_reqs`` is ``num_tokens / (1 +
 num_speculative_tokens)``) for every batch size up to ``max_num_seqs``
-(:func:`plugin_batch_sizes`) and dispatch draft-free decode steps to them,
+(``step_widths.plugin_batch_sizes``) and dispatch draft-free decode steps to them,
 so such a step is vLLM's own step without speculation.
 
-Uniform tree steps (``step_widths``; ``uniform_steps`` on where graphs
-replay). A drafting step whose every request has ``R = 1 + W`` rows is
+Uniform tree steps (the step mode's, ``step_mode``, where graphs replay).
+A drafting step whose every request has ``R = 1 + W`` rows is
 keyed ``(b * R, b, uniform)`` for every plugin batch size ``b`` and every
 width ``W`` (vLLM's own ``R = 1 + num_speculative_tokens`` too) and replays
 a FULL graph in which every attention layer runs the tree kernel's
@@ -74,7 +74,7 @@ def graph_modes(valid_modes, invalid_modes, branching: bool):
 def plain_decode_keys(cudagraph_mode: CUDAGraphMode, uniform_decode_query_len: int, max_tokens: int,
                       max_num_seqs: int, has_lora_config: bool) -> list[BatchDescriptor]:
     """The FULL-graph keys of draft-free decode batches (one row a request)
-    to capture beside vLLM's: one per :func:`plugin_batch_sizes`, where vLLM
+    to capture beside vLLM's: one per ``step_widths.plugin_batch_sizes``, where vLLM
     captures FULL decode graphs for speculative steps (a FULL decode mode of
     its own routine) and a step of one row a request is not one of them
     (``uniform_decode_query_len`` > 1). None with LoRA, whose graphs vLLM
@@ -164,14 +164,14 @@ class DecodeGraphsMixin:
 
     def __init__(self, vllm_config, device) -> None:
         super().__init__(vllm_config, device)
-        mode = self.tree_proposer.mode
-        if not mode.uniform or not mode.graphs:
+        rows = self.tree_proposer.mode.graph_tree_rows
+        if not rows:
             return
-        self.cudagraph_dispatcher.tree_rows = mode.tree_rows
+        self.cudagraph_dispatcher.tree_rows = rows
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         # Every row sees its request's root: a graph replayed for placeholder drafts only
         # (vLLM's, whose token comes from the root's row) reads the buffer as it was.
-        self.uniform_mask = torch.zeros(max_tokens, max(mode.tree_rows), dtype=torch.bool, device=device)
+        self.uniform_mask = torch.zeros(max_tokens, max(rows), dtype=torch.bool, device=device)
         self.uniform_mask[:, 0] = True
 
     @contextmanager

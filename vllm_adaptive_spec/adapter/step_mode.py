@@ -48,6 +48,7 @@ class RaggedSteps:
 
     uniform = False
     widths: tuple[int, ...] | None = None
+    graph_tree_rows: frozenset[int] = frozenset()  # the rows a request of a tree step a FULL graph replays
 
     def __init__(self, config) -> None:
         self.config = config
@@ -80,8 +81,9 @@ class UniformSteps(RaggedSteps):
         self.widths = step_widths(config.budget)
         self.capacity = max(*self.widths, num_speculative_tokens)  # the widest step: vLLM's own rows too
         self.batch_sizes, self.graphs = batch_sizes, graphs
-        # The rows a request of a uniform step can have (a captured graph's key each).
+        # The rows a request of a uniform step can have: a captured graph's key each, where graphs replay.
         self.tree_rows = frozenset({1 + width for width in self.widths} | {1 + num_speculative_tokens})
+        self.graph_tree_rows = self.tree_rows if graphs else frozenset()
 
     def cost_model(self, fit: StepCostFit) -> ShapeCost:
         return ShapeCost(self.widths, StepCostTable(self.batch_sizes), LinearCost(fit))
@@ -103,10 +105,9 @@ class UniformSteps(RaggedSteps):
         return UniformLayout(TreeBuffers(max_reqs, self.capacity, torch.device(device)))
 
 
-def resolve(config, vllm_config, device_type: str | None = None) -> RaggedSteps | UniformSteps:
+def resolve(config, vllm_config) -> RaggedSteps | UniformSteps:
     """The engine's step mode, from ``uniform_steps``, the platform and the graph mode."""
-    device_type = device_type or vllm_config.device_config.device_type
-    graphs = graphs_replay(vllm_config, torch.device(device_type).type)
+    graphs = graphs_replay(vllm_config, torch.device(vllm_config.device_config.device_type).type)
     if config.uniform_steps == "off" or (config.uniform_steps == "auto" and not graphs):
         return RaggedSteps(config)
     sizes = ()

@@ -1,0 +1,75 @@
+"""The step mode, resolved once with the config (no engine): ragged steps on
+the CPU by default, uniform ones where CUDA graphs replay or when asked,
+each with its own cost model, layout and draft-layer runner."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.config import CUDAGraphMode
+
+from vllm_adaptive_spec.adapter.draft_layers import FixedLayers, RaggedLayers
+from vllm_adaptive_spec.adapter.step_mode import RaggedLayout, UniformLayout, resolve
+from vllm_adaptive_spec.budget.cost_models import LinearCost, ShapeCost
+from vllm_adaptive_spec.budget.step_cost import StepCostFit
+from vllm_adaptive_spec.config import TreeConfig
+from vllm_adaptive_spec.trees.step_widths import padded_rows
+
+
+def engine(device: str, graphs: CUDAGraphMode | None, spec_tokens: int = 16, max_seqs: int = 8):
+    return SimpleNamespace(
+        device_config=SimpleNamespace(device_type=device),
+        compilation_config=SimpleNamespace(cudagraph_mode=graphs, max_cudagraph_capture_size=512),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_seqs),
+        speculative_config=SimpleNamespace(num_speculative_tokens=spec_tokens),
+    )
+
+
+@pytest.mark.parametrize("setting, device, graphs, uniform", [
+    ("auto", "cpu", None, False),
+    ("auto", "cuda", CUDAGraphMode.NONE, False),
+    ("auto", "cuda", CUDAGraphMode.FULL_AND_PIECEWISE, True),
+    ("on", "cpu", None, True),
+    ("off", "cuda", CUDAGraphMode.FULL_AND_PIECEWISE, False),
+])
+def test_the_mode_follows_the_setting_the_platform_and_the_graphs(setting, device, graphs, uniform):
+    config = TreeConfig("eagle3", "eagle2", 16, uniform_steps=setting)
+    mode = resolve(config, engine(device, graphs))
+    assert mode.uniform == uniform
+    cost = mode.cost_model(StepCostFit())
+    assert isinstance(cost, ShapeCost if uniform else LinearCost)
+    assert isinstance(mode.layout(8, "cpu"), UniformLayout if uniform else RaggedLayout)
+    layers = mode.draft_layers("cpu")
+    assert isinstance(layers, FixedLayers if uniform else RaggedLayers)
+    # Graph keys only where graphs replay; without them a uniform step's draft forwards are padded here.
+    replayed = uniform and graphs not in (None, CUDAGraphMode.NONE)
+    assert bool(mode.graph_tree_rows) == replayed
+    assert getattr(layers, "padded", False) == (uniform and not replayed)
+
+
+def test_a_uniform_mode_pads_drafts_to_its_widths_and_keeps_vllms_own_rows():
+    mode = resolve(TreeConfig("retrieval", "retrieval", 16, uniform_steps="on"), engine("cpu", None, 20))
+    assert mode.widths == (2, 4, 8, 16) and mode.tree_rows == {3, 5, 9, 17, 21} and mode.capacity == 20
+    assert mode.scheduled([[5, 6, 7], []], [True, True], 4096) == [[5, 6, 7, -1], [-1, -1, -1, -1]]
+    ragged = resolve(TreeConfig("retrieval", "retrieval", 16), engine("cpu", None))
+    assert ragged.scheduled([[5, 6, 7], []], [True, True], 4096) == [[5, 6, 7], []]
+
+
+def test_the_fixed_loop_only_for_drafters_that_grow_at_fixed_capacity():
+    cpu = engine("cpu", None)
+    assert isinstance(resolve(TreeConfig("hybrid", "eagle2", 16, {"matcher": "trie"}, uniform_steps="on"), cpu)
+                      .draft_layers("cpu"), RaggedLayers)
+    assert isinstance(resolve(TreeConfig("eagle3", "eagle2", 16, uniform_steps="on", draft_loop="ragged"), cpu)
+                      .draft_layers("cpu"), RaggedLayers)
+    assert isinstance(resolve(TreeConfig("eagle3", "eagle2", 16, draft_loop="fixed"), cpu).draft_layers("cpu"),
+                      FixedLayers)
+
+
+def test_padded_draft_forwards_take_the_next_batch_size_and_count():
+    layers = FixedLayers(torch.device("cpu"), padded=True)
+    assert [layers.pass_rows(n, n, 64) for n in (1, 3, 5, 9, 64, 70)] == [1, 4, 8, 16, 64, 70]
+    assert layers.padded_passes == 3
+    assert layers.pass_rows(5, 16, 64) == 16  # a graph's own padding stays
+    assert padded_rows(30, 24) == 30  # beyond the buffers: as it is
