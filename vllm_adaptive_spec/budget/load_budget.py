@@ -10,12 +10,13 @@ and that floor (which nodes to verify; ``node_allocation``), then
 :meth:`observe_tree` per verified tree (``calibration``). The rules:
 
 * Nodes: the ones that maximise the step's expected committed tokens per
-  second, ``p_hat = rho_r * p`` each, against the step-cost fit
-  (``step_cost``) and the drafter's measured time per request ``delta``.
-  A step's prompt chunks are left out of the cost: they are paid whatever is
-  drafted, so they make no node cheaper.
-* Shape: a branching tree keeps its nodes off the main path only when they
-  pay ``xi``, what a branching tree costs beyond a chain of its rows.
+  second, ``p_hat = rho_r * p`` each, against the step mode's cost model
+  (``cost_models``: the step-cost fit of ragged steps, or the measured step
+  shapes of uniform ones, where the choice is the width) and the drafter's
+  measured time per request ``delta``. A step's prompt chunks are left out
+  of the cost: they are paid whatever is drafted, so they make no node cheaper.
+* Shape (ragged steps): a branching tree keeps its nodes off the main path
+  only when they pay ``xi``, what a branching tree costs beyond a chain of its rows.
 * Trust region: a step keeps at most as many nodes as bring its decode rows
   to ``ROW_GROWTH`` times the most any measured step had, and at least one
   whole tree (``max_budget`` nodes), since the fit is linear and known only
