@@ -166,8 +166,18 @@ def main(argv: list[str] | None = None) -> None:
     for drafter in args.drafters.split(","):
         for batch in args.batch_sizes:
             print(f"{drafter} b={batch} ...", flush=True)
-            rows.append({"drafter": drafter, "batch": batch, **measure_apart(drafter, batch, argv or [], out)})
-    write_report(out, "draft_host_time", {"settings": vars(args), "rows": rows}, table(rows))
+            rows.append({"drafter": drafter, "batch": batch, **measure_apart(drafter, batch, child_argv(args), out)})
+            # After every measurement, so a run cut short keeps the table of those done.
+            write_report(out, "draft_host_time", {"settings": vars(args), "rows": rows}, table(rows))
+
+
+def child_argv(args) -> list[str]:
+    """The flags a measurement's own process needs: every setting of this run
+    (not this process's command line, which a caller of ``main(argv)`` need
+    not have: the children once got none, and measured in float32)."""
+    argv = ["--dtype", args.dtype, "--max-tokens", str(args.max_tokens), "--budget", str(args.budget),
+            "--warmup", str(args.warmup), "--steps", str(args.steps), "--head", str(args.head)]
+    return argv + (["--prompts", str(args.prompts)] if args.prompts else [])
 
 
 def measure_apart(drafter: str, batch: int, argv: list[str], out: Path) -> dict:

@@ -269,7 +269,8 @@ def run_interleaved(jobs: dict[str, dict], work: Path, rounds: int, timeout_s: f
                     env_for: Callable[[str], dict | None] = lambda name: None,
                     log: Callable[[str], None] = print,
                     script_for: Callable[[str], Path | None] = lambda name: None,
-                    start_together: bool = False) -> dict[str, dict]:
+                    start_together: bool = False,
+                    progress: Callable[[dict[str, dict]], None] | None = None) -> dict[str, dict]:
     """Every job's engine up at once, their passes alternating (see the
     module's docstring); every job has the same ``batch_sizes``. Job
     ``name`` runs in ``script_for(name)`` (default this module; another
@@ -277,7 +278,9 @@ def run_interleaved(jobs: dict[str, dict], work: Path, rounds: int, timeout_s: f
     environment ``env_for(name)``. The engines start one after another, or
     with ``start_together`` all at once (startup is not timed against other
     work; on a GPU machine it is mostly compilation and CUDA graph capture,
-    which overlap well). Returns each job's result, as :func:`finish_engine`."""
+    which overlap well). Returns each job's result, as :func:`finish_engine`;
+    ``progress(results so far)`` runs after every batch size's rounds (the
+    passes each worker has finished, :func:`partial_result`)."""
     gate = work / "gate"
     shutil.rmtree(gate, ignore_errors=True)
     gate.mkdir(parents=True)
@@ -308,9 +311,19 @@ def run_interleaved(jobs: dict[str, dict], work: Path, rounds: int, timeout_s: f
             for name in order:
                 if not take_turn(live[name], f"b{b}-r{round_index}", timeout_s):
                     give_up(name)
+        if progress is not None:
+            progress({**results, **{name: partial_result(engine) for name, engine in live.items()}})
     for name, engine in live.items():
         results[name] = finish_engine(engine, timeout_s)
     return results
+
+
+def partial_result(engine: Engine) -> dict:
+    """The passes a live worker has finished (it writes them after every pass)."""
+    try:
+        return json.loads(engine.result_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {"runs": []}
 
 
 def run_apart(module: str, argv: list[str], out: Path, one: str, result: Path) -> dict:

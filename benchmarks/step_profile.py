@@ -262,7 +262,7 @@ def worker(job_path: str) -> None:
     Path(job["result_path"]).write_text(json.dumps({"runs": results}), encoding="utf-8")
 
 
-def lockstep(jobs: dict[str, dict], batch_sizes: list[int], passes: int, counts: list[int] | None = None) -> list[dict]:
+def lockstep(jobs: dict, batch_sizes: list[int], passes: int, counts: list[int] | None = None, progress=None) -> list[dict]:
     """Every method's engine in this one process, stepped in turn (one step
     each, the order rotating every step), so the machine's drift over
     minutes falls on every method alike and what is left between two
@@ -276,8 +276,8 @@ def lockstep(jobs: dict[str, dict], batch_sizes: list[int], passes: int, counts:
     an ``ngram`` engine fails in vLLM's CPU kernel registration
     (``'_lib_fn_wrapper' object has no attribute 'get'``). Returns one row
     per method, batch size and pass, with greedy equality against the first
-    method. ``counts``: prompts of a pass at each batch size (default: the
-    batch size, at least the first job's ``min_prompts``)."""
+    method. ``counts``: prompts of a pass at each batch size (default: the batch size, at
+    least the first job's ``min_prompts``). ``progress(rows)`` runs after every timed pass."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     order = sorted(jobs, key=lambda name: 0 if engine_worker.is_tree_method(jobs[name])
                    else 1 if jobs[name]["speculative_config"] is None else 2)
@@ -311,6 +311,8 @@ def lockstep(jobs: dict[str, dict], batch_sizes: list[int], passes: int, counts:
                          "same": [same, len(reference)], **result})
             print(f"[lockstep] {name} b={in_flight}: {result['steps']} steps, {result['tokens']} tokens, "
                   f"{ratio:.3f}x the first method, greedy same {same}/{len(reference)}", flush=True)
+        if progress is not None:
+            progress(rows)
     for engine in profiled.values():
         engine.close()
     profiled.clear()
@@ -400,8 +402,9 @@ def _jobs(args, model: str, conversations: list) -> dict[str, dict]:
     return jobs
 
 
-def _one_after_another(args, jobs: dict[str, dict]) -> list[dict]:
-    """Each method's engine in a worker process of its own, in turn: its rows."""
+def _one_after_another(args, jobs: dict[str, dict], progress) -> list[dict]:
+    """Each method's engine in a worker process of its own, in turn: its rows
+    (``progress(rows)`` after each)."""
     rows = []
     for name, job in jobs.items():
         print(f"{name} ...", flush=True)
@@ -412,6 +415,7 @@ def _one_after_another(args, jobs: dict[str, dict]) -> list[dict]:
                      for b in args.batch_sizes]
             continue
         rows += [{"method": name, **r} for r in result["runs"]]
+        progress(rows)
     return rows
 
 
@@ -429,13 +433,16 @@ def main(argv: list[str] | None = None) -> None:
     conversations = conversations[: max(max(args.batch_sizes), args.min_prompts)]
     args.out.mkdir(parents=True, exist_ok=True)
     jobs = _jobs(args, model, conversations)
+
+    def keep(rows: list[dict]) -> None:  # the report so far: a run cut short keeps what it measured
+        report = {"settings": vars(args), "rows": rows}
+        write_report(args.out, "step_profile", report, table(report))
+
     if args.engine_layout == "lockstep":
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        rows = lockstep(jobs, args.batch_sizes, args.passes)
+        keep(lockstep(jobs, args.batch_sizes, args.passes, progress=keep))
     else:
-        rows = _one_after_another(args, jobs)
-    report = {"settings": vars(args), "rows": rows}
-    write_report(args.out, "step_profile", report, table(report))
+        keep(_one_after_another(args, jobs, keep))
 
 
 if __name__ == "__main__":

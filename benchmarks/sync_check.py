@@ -23,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 from benchmarks import engine_worker, engines, step_profile
-from benchmarks.options import add_output
+from benchmarks.options import add_output, add_workload
 from benchmarks.report import write_report
 
 
@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", default="none-v1-sync,tree-0,tree-adaptive-16")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=50)
+    add_workload(parser, max_tokens=None, prompts=None)  # --max-tokens: default --steps + 16, every request to its end
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--head", default=str(engines.HEAD), help="EAGLE-3 head (eagle3-N, vllm-eagle3-K)")
     add_output(parser)
@@ -72,8 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     from vllm_adaptive_spec.prompts import load_prompts
 
     model = str(ensure_demo_model())
-    conversations = [p.messages for p in load_prompts()]
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 16, ignore_eos=True)
+    conversations = [p.messages for p in load_prompts(args.prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens or args.steps + 16, ignore_eos=True)
     rows = {}
     # adaptive_tree engines first: vLLM caches its attention backend per process (step_profile.lockstep).
     methods = sorted(args.methods.split(","), key=lambda m: step_profile.method_config(m) is None)
@@ -89,9 +90,14 @@ def main(argv: list[str] | None = None) -> None:
         rows[method] = {"syncs_per_step": per_step, "origins": origins.most_common(8)}
         print(f"{method}: {per_step:.2f} synchronising calls per step; {origins.most_common(4)}", flush=True)
         del llm
+        # After every method, so a run cut short keeps the counts of those done.
+        write_report(args.out, f"sync_check_b{args.batch_size}", rows, table(rows))
+
+
+def table(rows: dict) -> str:
     lines = ["| method | synchronising calls per step | where from (most often) |", "|---|---|---|"]
     lines += [f"| {method} | {row['syncs_per_step']:.2f} | {row['origins'][:2]} |" for method, row in rows.items()]
-    write_report(args.out, f"sync_check_b{args.batch_size}", rows, "\n".join(lines))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

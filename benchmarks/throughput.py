@@ -314,11 +314,11 @@ class _Plan:
                 "max_num_seqs": max_num_seqs}
 
 
-def _run_engines(args, methods: list[str], plan: _Plan, work: Path, log) -> tuple[list[tuple], str | None]:
-    """Every method's engine run as ``--engine-per`` lays them out: (method,
-    batch sizes, max_num_seqs, its result) each, and the suffix build's
-    directory (vLLM's suffix method imports arctic_inference.suffix_decoding,
-    built here on demand)."""
+def _run_engines(args, methods: list[str], plan: _Plan, work: Path, log, keep) -> tuple[list[tuple], str | None]:
+    """Every method's engine run as ``--engine-per`` lays them out: (method, batch sizes, max_num_seqs,
+    its result) each, and the suffix build's directory (vLLM's suffix method imports
+    arctic_inference.suffix_decoding, built here on demand); ``keep(results, suffix_dir)`` after each
+    batch size (interleaved) or engine."""
     batch_sizes, results = args.batch_sizes, []
     suffix_dir = suffix_error = None
     if "suffix" in methods:
@@ -338,9 +338,11 @@ def _run_engines(args, methods: list[str], plan: _Plan, work: Path, log) -> tupl
     if problem:
         raise SystemExit(f"throughput.py: {problem}")
     if args.engine_per == "interleaved":
-        done = engines.run_interleaved(planned, work, args.rounds, args.worker_timeout, env_for, log,
-                                       lambda name: script, start_together=args.start_together)
-        return results + [(m, batch_sizes, max(batch_sizes), done[m]) for m in runnable], suffix_dir
+        finished = lambda done: results + [(m, batch_sizes, max(batch_sizes), done[m]) for m in runnable if m in done]
+        done = engines.run_interleaved(planned, work, args.rounds, args.worker_timeout, env_for, log, lambda name: script,
+                                       start_together=args.start_together,
+                                       progress=lambda done: keep(finished(done), suffix_dir))
+        return finished(done), suffix_dir
     layout = ([(m, batch_sizes, max(batch_sizes)) for m in runnable] if args.engine_per == "method"
               else [(m, [b], b) for b in batch_sizes for m in runnable])
     for index, (method, sizes, max_num_seqs) in enumerate(layout, 1):
@@ -351,6 +353,7 @@ def _run_engines(args, methods: list[str], plan: _Plan, work: Path, log) -> tupl
         for run in result["runs"]:
             print(f"  b={run['batch_size']}: {run['tok_per_s']:.1f} tok/s ({run['wall_s']:.1f} s)", flush=True)
         results.append((method, sizes, max_num_seqs, result))
+        keep(results, suffix_dir)
     return results, suffix_dir
 
 
@@ -428,20 +431,18 @@ def main(argv: list[str] | None = None) -> None:
     if not args.max_model_len:
         args.max_model_len = engines.needed_model_len(model, [p.messages for p in prompts], args.max_tokens)
     plan = _Plan(args, model, prompts, sizes_by_batch, configs)
-    results, suffix_dir = _run_engines(args, methods, plan, work, log)
-    rows, engine_records = _rows(results, methods, plan, args.batch_sizes, [p.id for p in prompts])
-    versions = [r.get("vllm_version") for *_, r in results if r.get("vllm_version")]
-    report = {
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "vllm_version": versions[0] if versions else installed_vllm_version(),
-        "machine": machine(),
-        "settings": _settings(args, methods, plan, prompts, model, suffix_dir),
-        "engines": engine_records,
-        "results": rows,
-        "elapsed_s": time.perf_counter() - t0,
-    }
-    log(f"done in {report['elapsed_s']:.0f} s")
-    write_report(args.out, "throughput", report, markdown(report), plot)
+
+    def keep(results: list[tuple], suffix_dir: str | None, final: bool = False) -> None:
+        # The report so far, written whole (a run cut short keeps what it measured); the plot at the end.
+        rows, engine_records = _rows(results, methods, plan, args.batch_sizes, [p.id for p in prompts])
+        versions = [r.get("vllm_version") for *_, r in results if r.get("vllm_version")]
+        report = {"timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  "vllm_version": versions[0] if versions else installed_vllm_version(), "machine": machine(),
+                  "settings": _settings(args, methods, plan, prompts, model, suffix_dir), "engines": engine_records,
+                  "results": rows, "elapsed_s": time.perf_counter() - t0, **({} if final else {"partial": True})}
+        write_report(args.out, "throughput", report, markdown(report), plot if final else None)
+
+    keep(*_run_engines(args, methods, plan, work, log, keep), final=True)
 
 
 if __name__ == "__main__":

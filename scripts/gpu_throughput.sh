@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_throughput.sh OUT_DIR SECONDS [throughput.py options]
 #
-# Run after the kit's and gpu_stage.py's env.sh are sourced (docs/benchmarking.md,
+# Run after gpu_stage.py's env.sh (which sources the kit's) is sourced (docs/benchmarking.md,
 # "On a GPU"). Every method's engine starts at once (--start-together) and their
 # passes alternate (--engine-per interleaved, engines in-process, bf16, the
 # held-out prompts, 256-token answers). OUT_DIR gets the driver's log
