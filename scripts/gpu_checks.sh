@@ -74,7 +74,7 @@
 #   * a stage failed at once with a Python error: fix it here (the dry run should then
 #     fail the same way, see below) and rerun that stage alone.
 #
-# --dry-run runs every stage on the CPU, two at a time (each wave's stages, in the same order),
+# --dry-run runs every stage on the CPU, two at a time (GPU_CHECKS_LANES; each wave in its order),
 # with the same tools, the same flags and the same outputs, summary and archive, only smaller:
 # batch 1-2, 2-4 tokens, two short prompts (scripts/data/dry_run_prompts.jsonl), one round or
 # pass, fewer methods per tool (an engine costs 5-10 s of CPU here; --check-args still checks
@@ -181,6 +181,7 @@ part() {  # part NAME SECONDS EXPECT COMMAND...: one stage, its log WORK/NAME.lo
         [ "${count:-0}" = 0 ] || note=", $count errors in its report ($first)"
     fi
     [ -z "$missing" ] || note="$note, missing:$missing"
+    case $rc in 124|137) note=", its $seconds s ran out$note" ;; esac
     local verdict=ok
     [ $rc = 0 ] && [ -z "$note" ] || verdict=FAILED
     printf '%s: %s exit %s, %s s (CPU %s s)%s | %s\n' "$name" "$verdict" "$rc" $(( $(date +%s) - started )) "$cpu" "$note" \
@@ -191,8 +192,8 @@ running() { local pid n=0; for pid in $WAVE; do kill -0 "$pid" 2> /dev/null && n
 launch() {  # a stage of the current wave: all side by side on the GPU, two at a time in a dry run
     if [ $LIST = 1 ]; then
         part "$1" 0 "${@:2}"
-    elif [ $DRY = 1 ]; then  # an engine here runs on one core (vLLM sets torch to one thread): two lanes
-        while [ "$(running)" -ge 2 ]; do sleep 1; done
+    elif [ $DRY = 1 ]; then  # an engine here runs on one core (one OpenMP thread): a lane per core
+        while [ "$(running)" -ge "${GPU_CHECKS_LANES:-2}" ]; do sleep 1; done
         part "$1" "$(( $(left) - 5 ))" "${@:2}" &
         WAVE="$WAVE $!"
     else
@@ -260,10 +261,11 @@ from vllm_adaptive_spec.demo_model import ensure_demo_model
 from vllm_adaptive_spec.training.train_draft_lm import ensure_draft_lm
 print(ensure_demo_model(), ensure_draft_lm(layers=4, minutes=0))'
 
-# Wave 1: what matters most, in about four minutes (more than half the time when wave 2 runs).
+# Wave 1: what matters most, in about four minutes (60% of what is left when wave 2 runs: the
+# step profile opens its four engines one after another, each compiling and capturing graphs).
 WAVE_SECONDS=$(( $(left) - 15 ))
 for stage in kernels sync-b8 sync-b64 drafthost profile throughput greedy-models; do
-    selected $stage && WAVE_SECONDS=$(( $(left) * 55 / 100 )) && break
+    selected $stage && WAVE_SECONDS=$(( $(left) * 60 / 100 )) && break
 done
 launch smoke smoke.log python3 -m vllm_adaptive_spec.demo --dtype "$DTYPE" --max-tokens "$(sz 64 2)" --prompts "$PROMPTS"
 launch greedy-retrieval-triton greedy-retrieval-triton.xml "${PYTEST[@]}" \
@@ -274,7 +276,7 @@ launch profile-b8 profile-b8/step_profile.json,profile-b8/step_profile.md "${PRO
     --methods "$(sz none-v1-sync,none,tree-0,tree-16 none-v1-sync,tree-0)" --batch-sizes "$(sz 8 1)" \
     --out "$WORK/profile-b8"
 launch retrieval retrieval/throughput.json,retrieval/throughput.md "${THROUGHPUT[@]}" \
-    --methods "$(sz none,ngram,tree-retrieval none,tree-retrieval)" --batch-sizes "$(sz 1,8 1,2)" \
+    --methods "$(sz none,ngram,tree-retrieval tree-retrieval)" --batch-sizes "$(sz 1,8 1,2)" \
     --out "$WORK/retrieval"
 end_wave
 
@@ -291,11 +293,11 @@ launch drafthost drafthost/draft_host_time.json,drafthost/draft_host_time.md pyt
     --dtype "$DTYPE" --max-tokens "$(sz 48 4)" --warmup "$(sz 8 1)" --steps "$(sz 12 1)" --prompts "$PROMPTS" \
     --out "$WORK/drafthost"
 launch profile profile/step_profile.json,profile/step_profile.md "${PROFILE[@]}" \
-    --methods "$(sz none-v1-sync,none,tree-0,tree-16,tree-adaptive-16,eagle3-16 tree-adaptive-16,eagle3-16)" \
+    --methods "$(sz none-v1-sync,none,tree-0,tree-16,tree-adaptive-16,eagle3-16 eagle3-16)" \
     --batch-sizes "$(sz 64,8 2,1)" --out "$WORK/profile"
 launch throughput throughput/throughput.json,throughput/throughput.md "${THROUGHPUT[@]}" \
     --methods "$(sz none,none-v1-sync,ngram,eagle3,tree-retrieval,tree-retrieval-tensors,tree-eagle3,tree-hybrid-tensors \
-                   ngram,tree-hybrid-tensors)" \
+                   tree-hybrid-tensors)" \
     --batch-sizes "$(sz 1,8,32,64 1,2)" --out "$WORK/throughput"
 launch greedy-models greedy-models.xml "${PYTEST[@]}" --junitxml="$WORK/greedy-models.xml" \
     "$GREEDY[FLASH_ATTN-eagle3-eagle2]" "$GREEDY[FLASH_ATTN-draft_model]"
