@@ -13,7 +13,7 @@ continuations become siblings).
 Decision (one scale): the two ``q`` are both estimates of the chance that the
 target accepts the token given its parent: the model's draft probability,
 and the retrieval drafter's calibrated acceptance chance (its ``q`` is fitted
-to replayed acceptances, see ``drafters.retrieval``). A token offered by both
+to replayed acceptances, see ``drafters.retrieval_trie``). A token offered by both
 takes the larger. Decision (budget split): none is fixed; the policy ranks
 all candidates by path probability under the one budget, so retrieval nodes
 take the budget where the evidence behind them beats the model and none
