@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> None:
         if lines:
             rows.append(json.loads(lines[-1].removeprefix("COLD_START ")))
         else:
-            tail = [line for line in done.stderr.splitlines() if engines.EXCEPTION_LINE.match(line)]
-            rows.append({"label": label, "spec": spec, "error": tail[-1].strip() if tail else f"exit {done.returncode}"})
+            raised = engines.last_error_line(done.stderr.splitlines())
+            rows.append({"label": label, "spec": spec, "error": raised or f"exit {done.returncode}"})
         print(label, rows[-1].get("error") or fmt(rows[-1]["cold"]), flush=True)
     settings = {k: v for k, v in vars(args).items() if k not in ("spec", "one", "out")}
     report = {"settings": settings, "vllm_version": installed_vllm_version(), "machine": machine(),

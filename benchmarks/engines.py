@@ -54,7 +54,10 @@ MODEL_POLICIES = {
     "c2t": ("c2t", {"max_depth": 10}),
 }
 SUFFIX_BUILD_SCRIPT = REPO / "scripts" / "build_suffix_decoding.sh"
-EXCEPTION_LINE = re.compile(r"^\s*[\w.]*(Error|Exception|Interrupt)\b.*:")
+# vLLM prefixes a worker's lines with its rank (``[rank0]: ``) and its log
+# lines with a level, a time and a source (``ERROR 12-01 04:35:50 [core.py:9] ``).
+LINE_PREFIX = re.compile(r"^\s*(\[rank\d+\]:\s*)?((ERROR|WARNING|INFO|DEBUG|CRITICAL)\s+\S+\s+\S+\s+\[[^\]]*\]\s*)?")
+EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b.*:")
 
 
 # --------------------------------------------------------------------------- settings and reports
@@ -252,11 +255,19 @@ def finish_engine(engine: Engine, timeout_s: float) -> dict:
         error = "worker finished without all results"
     if error is not None:
         tail = engine.log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-80:]
-        raised = [line.strip() for line in tail if EXCEPTION_LINE.match(line)]
-        result["error"] = f"{error}: {raised[-1]}" if raised else error
+        raised = last_error_line(tail)
+        result["error"] = f"{error}: {raised}" if raised else error
         result["log"] = str(engine.log_path)
         result["log_tail"] = tail
     return result
+
+
+def last_error_line(lines: list[str]) -> str | None:
+    """The last exception line of a worker's log (``ValueError: ...``), with
+    vLLM's rank and log prefixes taken off, so a failed engine's row says why."""
+    raised = [LINE_PREFIX.sub("", line, count=1).strip() for line in lines]
+    raised = [line for line in raised if EXCEPTION_LINE.match(line)]
+    return raised[-1] if raised else None
 
 
 def run_engine(job: dict, work: Path, label: str, timeout_s: float, env: dict | None = None,

@@ -258,3 +258,22 @@ def test_a_run_that_cannot_fit_its_engines_says_so_before_it_starts(demo_model):
     assert problem is not None and "m0 " in problem and "8.0 GiB available" in problem
     assert engines.memory_problem(jobs, together=False, available=8 * 2**30) is None
     assert engines.memory_problem(jobs, together=True, available=None) is None
+
+
+def test_a_failed_engine_is_reported_with_vllms_own_last_error_line():
+    """vLLM's worker lines carry a rank prefix and its log lines a level, time
+    and source; the error line is found behind either, and the last one wins."""
+    tail = [
+        "INFO 12-01 04:35:50 [gpu_model_runner.py:2100] Loading model",
+        "ERROR 12-01 04:35:51 [core.py:708] RuntimeError: first failure",
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "/x/worker.py", line 3, in <module>',
+        "[rank0]: ValueError: Available memory on node 0 (2.6/23.54 GiB) on kv cache allocation "
+        "is less than requested memory for kv (5.03 GiB)",
+        "[rank0]:[W1201 04:35:52] ProcessGroupGloo destroyed",
+    ]
+    assert engines.last_error_line(tail) == (
+        "ValueError: Available memory on node 0 (2.6/23.54 GiB) on kv cache allocation "
+        "is less than requested memory for kv (5.03 GiB)")
+    assert engines.last_error_line(tail[:2]) == "RuntimeError: first failure"
+    assert engines.last_error_line(["loading", "done"]) is None
