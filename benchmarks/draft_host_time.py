@@ -1,5 +1,5 @@
 """The host time of a drafting step, outside torch operations, per batch size
-(issue 53: a drafter's host work must not grow with the batch).
+(a drafter's host work must not grow with the batch, or a GPU waits on it).
 
 For each drafter and batch size ``b``: ``b`` prompts of the project's set (or ``--prompts``) in
 flight (greedy, ``--max-tokens``), the engine in this process; after

@@ -51,7 +51,7 @@ V1_SYNC = "v1-sync"
 """A job's ``runner`` for vLLM on its V1 model runner with synchronous
 scheduling: what the plugin runs on (``adapter/config_hook.py``), so that a
 ``none`` baseline there is like for like with the plugin on a GPU, where
-vLLM's default is the V2 runner with asynchronous scheduling (issue 52)."""
+vLLM's default is the V2 runner with asynchronous scheduling, the baseline a GPU user gets."""
 
 
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"

@@ -260,7 +260,7 @@ def compaction_rows(bandwidth: float, requests: int, accepted: int = 8, tree: in
 
 
 def goals(rows: list[dict]) -> list[str]:
-    """Issue 12's three goals, read off the measured rows."""
+    """The kernels' three goals (speed against torch, at every shape measured), read off the measured rows."""
     by_shape = {(r["batch"], r["context"], r["nodes"]): r for r in rows}
     lines = []
     for nodes in (16, 64):

@@ -19,8 +19,8 @@ slopes, the milliseconds per added row. The engine runs in-process
 
 ``--batch-sizes`` also times steps of ``b`` such requests at once (the same
 cached context, ``T`` new tokens each): the step cost per (batch, rows a
-request) that a uniform tree step of width ``T - 1`` pays (issue 53's 8B
-table), as a prompt-chunk step (PIECEWISE graphs on a GPU, where a uniform
+request) that a uniform tree step of width ``T - 1`` pays (the 8B model's
+step-cost table), as a prompt-chunk step (PIECEWISE graphs on a GPU, where a uniform
 tree step replays a FULL one: an upper bound by the launches).
 
 ``--shape llama3-8b`` times a model of Llama-3-8B's shape instead of the demo

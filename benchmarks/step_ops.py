@@ -1,5 +1,5 @@
 """The torch operations an engine step dispatches, by the code that dispatched
-them (issue 53: on the CPU every operation costs the host 2-3 microseconds
+them (on the CPU every operation costs the host 2-3 microseconds
 of dispatch, so a step's count is much of what the plugin adds to it, and on
 a GPU each is a launch until the step is a graph).
 

@@ -1,4 +1,5 @@
-"""How often the host waits for the GPU per engine step, per method (issue 52).
+"""How often the host waits for the GPU per engine step, per method: a tree step may
+synchronise no more than vLLM's own.
 
 PyTorch's sync debug mode (``torch.cuda.set_sync_debug_mode("warn")``)
 warns at every synchronising CUDA call (``item``, ``tolist``, ``nonzero``,

@@ -130,8 +130,48 @@ def pytest_sessionfinish(session, exitstatus):
     _FORK_SERVER.close()
 
 
+# Command lines that start a vLLM engine (the engine job, a benchmark's
+# worker or one-config child, the demo, a server, the GPU script's dry run).
+ENGINE_COMMAND = re.compile(r"engine_job\.py|engine_worker|--one\b|vllm_adaptive_spec\.demo\b|"
+                            r"\bvllm serve\b|gpu_checks\.sh --dry-run")
+
+
+class UnmarkedEngineTest(Exception):
+    """A test started an engine without the ``engine`` mark, so the quick tier
+    (``-m "not engine"``) would not be quick."""
+
+
+_engine_allowed = False
+
+
+def refuse_unmarked_engine(what: str) -> None:
+    if not _engine_allowed:
+        raise UnmarkedEngineTest(f"{what}: a test that starts an engine needs @pytest.mark.engine")
+
+
+@pytest.fixture(autouse=True)
+def engine_mark_guard(request, monkeypatch):
+    """Fails any test without the ``engine`` mark that starts an engine, in
+    ``run_engine_job`` or through a subprocess whose command line starts one."""
+    global _engine_allowed
+    _engine_allowed = request.node.get_closest_marker("engine") is not None
+    if not _engine_allowed:
+        popen_init = subprocess.Popen.__init__
+
+        def guarded(self, args, *rest, **kwargs):
+            line = args if isinstance(args, str) else " ".join(map(str, args))
+            if ENGINE_COMMAND.search(line):
+                refuse_unmarked_engine(line[:200])
+            popen_init(self, args, *rest, **kwargs)
+
+        monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+    yield
+    _engine_allowed = False
+
+
 def run_engine_job(tmp_path: Path, job: dict, env: dict[str, str] | None = None) -> EngineRun:
     """Run tests/engine_job.py's job in a fresh process; fail with its log on error."""
+    refuse_unmarked_engine("run_engine_job")
     tmp_path.mkdir(parents=True, exist_ok=True)
     job_file, out_file, log_file = tmp_path / "job.json", tmp_path / "out.json", tmp_path / "job.log"
     job_file.write_text(json.dumps(job))

@@ -250,7 +250,7 @@ def make_uniform_case(dtype: torch.dtype, rows: int = 6, seed: int = 3):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("cls", [TreeFlashAttentionImpl, TreeTritonAttentionImpl], ids=["FLASH_ATTN", "TRITON_ATTN"])
 def test_a_uniform_step_takes_the_graph_safe_launch_over_every_row(monkeypatch, cls, dtype, order):
-    """Issue 52: in a uniform tree step (what a FULL graph replays) every row
+    """In a uniform tree step (what a FULL graph replays) every row
     goes through the tree kernel's graph-safe launch, reading vLLM's own
     metadata and the persistent mask buffer; the stock kernel does not run."""
     case = make_uniform_case(dtype)

@@ -80,7 +80,7 @@ def vllm_capture_sizes(max_num_seqs: int, spec_tokens: int) -> list[int]:
 @pytest.mark.parametrize("config, spec_tokens", [("retrieval N=16", 16), ("eagle2 top-k 10 depth 8", 70),
                                                  ("talon N=32", 32)])
 def test_every_draft_free_step_replays_a_full_graph(max_seqs, config, spec_tokens):
-    """Issue 52: every batch size a draft-free step can have finds a FULL
+    """Every batch size a draft-free step can have finds a FULL
     key, whatever vLLM rounded its capture sizes to (with vLLM's sizes
     filtered to ``max_num_seqs``, batch 8 at K = 16 and every batch at K = 70
     had none)."""
@@ -186,7 +186,7 @@ def tree_dispatcher(max_seqs: int, budget: int, spec_tokens: int, max_tokens: in
 @pytest.mark.parametrize("config, budget, spec_tokens", [("retrieval N=16", 16, 16), ("eagle2 top-k 10 depth 8", 60, 70),
                                                          ("talon N=32", 32, 32)])
 def test_every_uniform_tree_step_replays_a_full_graph(max_seqs, config, budget, spec_tokens):
-    """Issue 52: every pure-decode step the plugin can produce with uniform
+    """Every pure-decode step the plugin can produce with uniform
     steps on (one row a request, or ``1 + W`` for each width ``W`` of the
     budget while the step fits the scheduler's token budget) finds a FULL
     key, padded to the plugin's batch sizes."""

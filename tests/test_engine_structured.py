@@ -1,4 +1,4 @@
-"""Structured output with trees (issue 54, item 2) on the real engine: JSON
+"""Structured output with trees on the real engine: JSON
 schema, regex and choice requests get trees, the scheduler removing the
 nodes their grammar forbids and masking each other node with the grammar's
 state after its path (``adapter/tree_scheduler``);

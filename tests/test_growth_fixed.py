@@ -1,4 +1,4 @@
-"""Tree growth at fixed capacity (issue 53, item 2): the same trees as the
+"""Tree growth at fixed capacity: the same trees as the
 ragged layer loop for every model-drafter policy whenever the width holds
 each layer, trees cut to the capacity otherwise (still trees), traced whole
 by ``torch.compile(fullgraph=True)``, the same operations at every batch

@@ -1,10 +1,13 @@
 """The package's shape (no engine): no import cycle between its modules
 (function-level imports included, ``TYPE_CHECKING`` ones not), no module
-name used in two folders, and none of the names the code no longer has."""
+name used in two folders, none of the names the code no longer has, and no
+citation of an issue number outside the measured history."""
 
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,3 +96,18 @@ def test_names_the_code_no_longer_has():
             "plain_decode_step", "WholeTreeDrafter", "select_within_width", "uniform_tree_rows")
     text = "\n".join(path.read_text() for path in modules().values())
     assert [name for name in gone if name in text] == []
+
+
+# Measured history, dated by session; everything else a reader reads without the issues.
+HISTORY = {"benchmarks/RESULTS.md"}
+ISSUE_CITATION = re.compile(r"\b[Ii]ssues?\s+#?\d+")
+
+
+def test_no_code_or_doc_cites_an_issue_number():
+    """The issues are not in the repository, so code, tests, scripts and docs
+    say what a citation meant instead of citing it."""
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    cited = [path for path in listed.split()
+             if path.endswith((".py", ".md", ".sh", ".txt", ".ini", ".toml", "Makefile")) and path not in HISTORY
+             and (ROOT / path).is_file() and ISSUE_CITATION.search((ROOT / path).read_text(errors="replace"))]
+    assert cited == []

@@ -1,4 +1,4 @@
-"""The retrieval drafter's tensor matcher (issue 53, item 1) against its
+"""The retrieval drafter's tensor matcher against its
 trie: the same candidate trees, floats and ties included, on random token
 streams (small vocabularies, so matches and count ties are many) and on the
 project's prompts; the same layer-by-layer growth; traced whole by

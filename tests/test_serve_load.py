@@ -52,7 +52,7 @@ def test_server_loses_nothing_and_changes_no_greedy_answer(demo_model, tmp_path)
     assert greedy["compared"] >= 15 and greedy["differ"] == [] and greedy["status_differs"] == [], greedy
     for rank in spec_side["tree_stats"]:
         assert set(rank["requests_held"].values()) == {0}, rank["requests_held"]
-    # Structured and penalised requests are speculated too (issue 54), and counted by kind.
+    # Structured and penalised requests are speculated too, and counted by kind.
     kinds = spec_side["tree_stats"][0]["drafted_by_kind"]
     assert kinds["plain"]["drafted"] > 0 and sum(c["requests"] for c in kinds.values()) >= 20, kinds
     # Requests that switched speculation off got no tree and no grammar-forced draft.

@@ -73,7 +73,7 @@ def draft_run(tmp_path, demo_model, prompt_ids, batch: int, loop: str, max_token
 
 
 def test_a_fixed_draft_loop_reads_nothing_back_and_its_operations_do_not_grow(tmp_path, demo_model, prompt_ids):
-    """Issue 53: an EAGLE-3 head's draft loop at fixed capacity
+    """An EAGLE-3 head's draft loop at fixed capacity
     (``draft_loop: fixed``: every layer ``B x F`` rows on the model's device)
     reads no value back in its layouts, forwards and policy, and dispatches
     the same operations at batch 8 and 64 (the CPU's own draft attention left

@@ -1,4 +1,4 @@
-"""A tree row's history (issue 54): every tree row's logits are what vLLM's
+"""A tree row's history: every tree row's logits are what vLLM's
 own penalties and bad words give that row's request after its output and
 the row's path (node and ancestors), the root's row after the output alone."""
 

@@ -1,4 +1,4 @@
-"""``logit_bias`` and ``min_p`` on tree rows (issue 54): each row gets what
+"""``logit_bias`` and ``min_p`` on tree rows: each row gets what
 vLLM's own processors give its request's row without speculation, read
 from those processors' state."""
 

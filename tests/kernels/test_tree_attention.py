@@ -242,7 +242,7 @@ def test_window_wider_than_query(impl):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 def test_graph_safe_launch_cuts_each_requests_keys_on_the_device(dtype, num_splits):
-    """The launch a CUDA graph replays (issue 52): a grid fixed by the rows a
+    """The launch a CUDA graph replays: a grid fixed by the rows a
     request and the slice count, each request's slices cut in the kernel from
     its own length; more slices than a short request has tiles leave empty
     slices, which the merge weighs 0. A padding request (no rows, no keys)

@@ -1,5 +1,5 @@
-"""Which requests got trees, by the kind of sampling they asked for (issue
-54: structured and penalised requests are speculated too, and the serving
+"""Which requests got trees, by the kind of sampling they asked for
+(structured and penalised requests are speculated too, and the serving
 benchmark reports the share of them that received trees).
 
 A request counts once it has finished (or been aborted) after at least two

@@ -4,8 +4,8 @@ On a GPU a uniform tree step (``step_widths``) replays a captured graph of
 ``b`` requests with ``R`` rows each, ``b`` padded to the next captured batch
 size: a padding row costs what a filled row costs, and rows cost almost
 nothing up to the device's width and then in full. A line through the
-measured steps (``step_cost.StepCostFit``) is the wrong model there (issue
-52, item 5); a table of the measured times of each (padded batch, ``R``) is
+measured steps (``step_cost.StepCostFit``) is the wrong model there (a captured
+graph pays its padded rows whatever the tree); a table of the measured times of each (padded batch, ``R``) is
 the right one, since those are the only shapes the step can take.
 
 Decision: each cell is an exponentially weighted mean over its own

@@ -1,0 +1,34 @@
+"""The quick tier is honest: a test that starts an engine without the
+``engine`` mark fails at once (conftest's guard), before the engine starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import UnmarkedEngineTest, run_engine_job
+
+
+def test_an_unmarked_test_cannot_run_an_engine_job(tmp_path):
+    with pytest.raises(UnmarkedEngineTest, match="needs @pytest.mark.engine"):
+        run_engine_job(tmp_path, {"model": "never-started"})
+    assert not (tmp_path / "job.json").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    [sys.executable, "tests/engine_job.py", "job.json", "out.json"],
+    [sys.executable, "-m", "vllm_adaptive_spec.demo", "--model", "m"],
+    [sys.executable, "-m", "vllm_adaptive_spec.cli", "vllm", "serve", "m"],
+    [sys.executable, "-m", "benchmarks.draft_host_time", "--one", "retrieval:1"],
+    ["bash", "scripts/gpu_checks.sh", "--dry-run", "out", "480"],
+])
+def test_an_unmarked_test_cannot_start_an_engine_process(argv):
+    with pytest.raises(UnmarkedEngineTest):
+        subprocess.run(argv, capture_output=True)
+
+
+def test_an_unmarked_test_may_run_other_processes():
+    done = subprocess.run([sys.executable, "-c", "print('ok')"], capture_output=True, text=True)
+    assert done.stdout.strip() == "ok"
