@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,6 +48,15 @@ def portable_paths(value):
     if isinstance(value, str):
         return value.replace(str(REPO) + os.sep, "").replace(str(Path.home()), "~")
     return value
+
+
+def checkout_commit() -> str:
+    """The commit of the code measured, ``-dirty`` when tracked files differ
+    from it: a report names the code it measured."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                           capture_output=True, text=True)
+    return (head.stdout.strip() or "unknown") + ("-dirty" if dirty.stdout.strip() else "")
 
 
 def installed_vllm_version() -> str | None:

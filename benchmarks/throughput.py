@@ -41,7 +41,7 @@ from pathlib import Path
 
 from benchmarks import engine_worker, engines
 from benchmarks.options import REPO, add_batches, add_output, add_sampling, add_workload, parse_spec
-from benchmarks.report import compare, fmt, installed_vllm_version, machine, machine_line, pyplot, save_ratio_plot, write_report
+from benchmarks.report import checkout_commit, compare, fmt, installed_vllm_version, machine, machine_line, pyplot, save_ratio_plot, write_report
 
 
 def _tree(args, drafter: str, policy: str, budget: int | None = None, model: str | None = None, **params) -> dict:
@@ -385,6 +385,7 @@ def _settings(args, methods: list[str], plan: _Plan, prompts: list, model: str, 
         "methods": {m: plan.configs[m] for m in methods}, "batch_sizes": args.batch_sizes,
         "num_prompts": args.num_prompts,
         "prompts_per_batch_size": {str(b): n for b, n in plan.sizes_by_batch.items()},
+        "prompts": str(args.prompts) if args.prompts else None,
         "prompt_order": args.prompt_order, "prompt_ids": [p.id for p in prompts],
         "max_tokens": args.max_tokens, "temperature": args.temperature, "by_category": args.by_category,
         "sampling": args.sampling,
@@ -431,12 +432,13 @@ def main(argv: list[str] | None = None) -> None:
     if not args.max_model_len:
         args.max_model_len = engines.needed_model_len(model, [p.messages for p in prompts], args.max_tokens)
     plan = _Plan(args, model, prompts, sizes_by_batch, configs)
+    commit = checkout_commit()
 
     def keep(results: list[tuple], suffix_dir: str | None, final: bool = False) -> None:
         # The report so far, written whole (a run cut short keeps what it measured); the plot at the end.
         rows, engine_records = _rows(results, methods, plan, args.batch_sizes, [p.id for p in prompts])
         versions = [r.get("vllm_version") for *_, r in results if r.get("vllm_version")]
-        report = {"timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        report = {"timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit,
                   "vllm_version": versions[0] if versions else installed_vllm_version(), "machine": machine(),
                   "settings": _settings(args, methods, plan, prompts, model, suffix_dir), "engines": engine_records,
                   "results": rows, "elapsed_s": time.perf_counter() - t0, **({} if final else {"partial": True})}

@@ -1,7 +1,8 @@
 """The package's shape (no engine): no import cycle between its modules
 (function-level imports included, ``TYPE_CHECKING`` ones not), no module
-name used in two folders, none of the names the code no longer has, and no
-citation of an issue number outside the measured history."""
+name used in two folders, none of the names the code no longer has, no
+citation of an issue number outside the measured history; and the docs'
+code map names every module, their tables' cells short."""
 
 from __future__ import annotations
 
@@ -111,3 +112,21 @@ def test_no_code_or_doc_cites_an_issue_number():
              if path.endswith((".py", ".md", ".sh", ".txt", ".ini", ".toml", "Makefile")) and path not in HISTORY
              and (ROOT / path).is_file() and ISSUE_CITATION.search((ROOT / path).read_text(errors="replace"))]
     assert cited == []
+
+
+def test_the_code_map_names_every_module_and_nothing_gone():
+    """docs/design.md's "Where the code is" names every module file of the
+    package and the kernels, and every file it names exists."""
+    text = (ROOT / "docs" / "design.md").read_text().split("## Where the code is", 1)[1]
+    files = {path.name for path in modules().values() if path.name != "__init__.py"}
+    named = set(re.findall(r"`(\w+\.py)`", text))
+    assert sorted(files - named) == []
+    assert sorted(named - files) == []
+
+
+def test_doc_tables_keep_cells_short():
+    """A table cell a reader can take in at a glance; anything longer is prose below the table."""
+    long_cells = [(path.name, number) for path in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+                  for number, line in enumerate(path.read_text().splitlines(), 1)
+                  if line.startswith("|") and max(map(len, line.split("|"))) > 300]
+    assert long_cells == []
