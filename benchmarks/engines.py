@@ -143,29 +143,58 @@ def suffix_env(suffix_dir: str) -> dict:
 # --------------------------------------------------------------------------- worker side
 
 
+# What an engine process holds beyond its KV cache and its weights (torch, vLLM,
+# oneDNN's kernels and scratch): its resident memory less those two, measured
+# on vLLM 0.32's CPU build (SmolLM2-135M in float32, the five engines of one
+# interleaved run at batch 1 to 64: 1.03-1.30 GiB each beside the weights in float32).
+ENGINE_RUNTIME_BYTES = int(1.35 * 2**30)
+
+
+def engine_bytes(job: dict) -> int:
+    """What one engine of ``job``'s shape takes: its KV cache (sized as it will
+    ask vLLM for, ``kv_cache_size``), its target's and draft model's weights
+    in the run's dtype, and the runtime an engine process measurably holds."""
+    from vllm_adaptive_spec.kv_cache_size import DTYPE_BYTES, kv_cache_bytes
+
+    kv = kv_cache_bytes(job["model"], max_model_len=job["max_model_len"], max_num_seqs=job["max_num_seqs"],
+                        dtype=job["dtype"], speculative_config=job.get("speculative_config"))
+    draft = (job.get("speculative_config") or {}).get("model")
+    weights = 0
+    for model in filter(None, (job["model"], draft)):
+        stored = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
+        try:
+            stored_dtype = json.loads((Path(model) / "config.json").read_text()).get("torch_dtype")
+        except (OSError, ValueError):
+            stored_dtype = None
+        scale = DTYPE_BYTES.get(job["dtype"], 2) / DTYPE_BYTES.get(stored_dtype, DTYPE_BYTES.get(job["dtype"], 2))
+        weights += int(stored * scale)
+    return kv + weights + ENGINE_RUNTIME_BYTES
+
+
 def memory_problem(jobs: dict[str, dict], together: bool, available: int | None) -> str | None:
     """Why the jobs' engines cannot fit this machine's ``available`` bytes of
-    memory, or None: each engine's KV cache (sized as it will ask vLLM for,
-    ``kv_cache_size``) plus its model's weights, all at once when
-    ``together`` (interleaved engines), else the largest. A lower bound of
-    what the engines take, so it refuses only runs that cannot start."""
+    memory, or None: what each engine measurably takes (:func:`engine_bytes`),
+    all at once when ``together`` (interleaved engines), else the largest; the
+    refusal names how many fit together and what to change."""
     if available is None:
         return None
-    from vllm_adaptive_spec.kv_cache_size import kv_cache_bytes
-
-    needs = {}
-    for name, job in jobs.items():
-        kv = kv_cache_bytes(job["model"], max_model_len=job["max_model_len"], max_num_seqs=job["max_num_seqs"],
-                            dtype=job["dtype"], speculative_config=job.get("speculative_config"))
-        needs[name] = kv + sum(f.stat().st_size for f in Path(job["model"]).glob("*.safetensors"))
+    needs = {name: engine_bytes(job) for name, job in jobs.items()}
     total = sum(needs.values()) if together else max(needs.values())
     if total <= available:
         return None
     each = ", ".join(f"{name} {need / 2**30:.1f} GiB" for name, need in needs.items())
     how = "together" if together else "at most one at a time"
-    return (f"the engines need {total / 2**30:.1f} GiB {how} (KV cache and weights: {each}) and this machine has "
-            f"{available / 2**30:.1f} GiB available; use fewer methods, smaller batch sizes, shorter prompts or "
-            "--engine-per method")
+    fits, used = 0, 0
+    for need in sorted(needs.values()):
+        used += need
+        fits += used <= available
+    if fits == 0 or not together:
+        what = "not one engine fits: use smaller batch sizes or shorter prompts"
+    else:
+        what = (f"{fits} of these {len(needs)} engines fit together: run at most {fits} methods at a time, "
+                "or --engine-per method (one engine at a time)")
+    return (f"the engines need {total / 2**30:.1f} GiB {how} (KV cache, weights and runtime: {each}) and this "
+            f"machine has {available / 2**30:.1f} GiB available; {what}")
 
 
 def available_memory() -> int | None:

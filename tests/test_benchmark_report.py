@@ -256,6 +256,7 @@ def test_a_run_that_cannot_fit_its_engines_says_so_before_it_starts(demo_model):
     jobs = {f"m{k}": job for k in range(5)}
     problem = engines.memory_problem(jobs, together=True, available=8 * 2**30)
     assert problem is not None and "m0 " in problem and "8.0 GiB available" in problem
+    assert "1 of these 5 engines fit together" in problem and "--engine-per method" in problem
     assert engines.memory_problem(jobs, together=False, available=8 * 2**30) is None
     assert engines.memory_problem(jobs, together=True, available=None) is None
 
@@ -277,3 +278,19 @@ def test_a_failed_engine_is_reported_with_vllms_own_last_error_line():
         "is less than requested memory for kv (5.03 GiB)")
     assert engines.last_error_line(tail[:2]) == "RuntimeError: first failure"
     assert engines.last_error_line(["loading", "done"]) is None
+
+
+def test_the_memory_check_counts_what_an_engine_measurably_takes(demo_model):
+    """Four engines of 64 requests of 1,600 tokens (long prompts) in float32 at
+    once on a machine with 23.5 GiB: the KV caches alone (5 GiB each) would pass, the
+    engines as they run (KV, weights in float32, the runtime) do not; the
+    refusal names how many fit. One engine more than its KV and file weights."""
+    job = {"model": demo_model, "dtype": "float32", "max_model_len": 1600, "max_num_seqs": 64,
+           "speculative_config": None}
+    from vllm_adaptive_spec.kv_cache_size import kv_cache_bytes
+    kv = kv_cache_bytes(demo_model, max_model_len=1600, max_num_seqs=64, dtype="float32")
+    assert engines.engine_bytes(job) >= kv + engines.ENGINE_RUNTIME_BYTES
+    jobs = {f"m{k}": job for k in range(4)}
+    assert 4 * kv < 23.5 * 2**30
+    problem = engines.memory_problem(jobs, together=True, available=int(23.5 * 2**30))
+    assert problem is not None and "fit together" in problem
