@@ -11,6 +11,7 @@ import importlib
 # tool: (module, what it measures)
 TOOLS = {
     "throughput": ("throughput", "offline tok/s of methods side by side, interleaved, per batch size"),
+    "readme": ("readme_results", "the README's results table and plot, regenerated (about an hour)"),
     "step-profile": ("step_profile", "where an engine step's time goes, per method and batch size"),
     "floor-sweep": ("floor_sweep", "every drafter and policy under the load budget against its floor"),
     "before-after": ("before_after", "one change to the engine path: two checkouts in one interleaved run"),
