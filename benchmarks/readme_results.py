@@ -25,8 +25,8 @@ import json
 from pathlib import Path
 
 from benchmarks import throughput
-from benchmarks.options import HELDOUT, REPO
-from benchmarks.report import checkout_commit, machine_line, pyplot, save_ratio_plot
+from benchmarks.options import HELDOUT, REPO, add_output
+from benchmarks.report import machine_line, pyplot, save_ratio_plot, write_report
 
 OUT = REPO / "benchmarks" / "figures" / "readme"
 README = REPO / "README.md"
@@ -88,7 +88,7 @@ def plot(reports: dict[int, dict], path: Path) -> list[Path]:
             mine = sorted((row for row in report["results"] if row["method"] == method
                            and row.get("ratio_vs_none") is not None), key=lambda row: row["batch_size"])
             x = [BATCH_SIZES.index(row["batch_size"]) for row in mine]
-            ax.plot(x, [row["ratio_vs_none"] for row in mine], marker="o", label=label.strip("*"))
+            ax.plot(x, [row["ratio_vs_none"] for row in mine], marker="o", label=label.replace("*", ""))
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(BATCH_SIZES)), [str(b) for b in BATCH_SIZES])
         ax.set_xlabel(f"batch size (answers up to {tokens} tokens)")
@@ -133,7 +133,8 @@ def load_reports(out: Path) -> dict[int, dict]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="vllm-adaptive-spec bench readme", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=OUT, help="where the runs, table and plot go (default: %(default)s)")
+    add_output(parser)
+    parser.set_defaults(out=OUT)
     parser.add_argument("--from-reports", action="store_true", help="redraw from the runs already in --out")
     parser.add_argument("--no-readme", action="store_true", help="leave README.md as it is")
     args = parser.parse_args(argv)
@@ -141,9 +142,11 @@ def main(argv: list[str] | None = None) -> None:
         for tokens in ANSWER_TOKENS:
             throughput.main(throughput_argv(tokens, args.out / f"tokens_{tokens}"))
     reports = load_reports(args.out)
-    text = table(reports, stamp_of(reports))
-    (args.out / "results.md").write_text(text, encoding="utf-8")
-    plot(reports, args.out / "results.png")
+    stamp = stamp_of(reports)
+    text = table(reports, stamp)
+    runs = {str(tokens): f"tokens_{tokens}/throughput.json" for tokens in reports}
+    write_report(args.out, "results", {"stamp": stamp, "runs": runs}, text,
+                 lambda report, out: plot(reports, out / "results.png"))
     if not args.no_readme:
         README.write_text(with_block(README.read_text(), text), encoding="utf-8")
-    print(text, f"wrote {args.out / 'results.md'}" + ("" if args.no_readme else " and README.md"), sep="\n")
+        print("wrote README.md")
