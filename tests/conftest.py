@@ -149,24 +149,27 @@ def refuse_unmarked_engine(what: str) -> None:
         raise UnmarkedEngineTest(f"{what}: a test that starts an engine needs @pytest.mark.engine")
 
 
-@pytest.fixture(autouse=True)
-def engine_mark_guard(request, monkeypatch):
-    """Fails any test without the ``engine`` mark that starts an engine, in
-    ``run_engine_job`` or through a subprocess whose command line starts one."""
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Whether the test about to run (its fixtures of every scope included,
+    which are set up after this) may start an engine: only with the mark."""
     global _engine_allowed
-    _engine_allowed = request.node.get_closest_marker("engine") is not None
-    if not _engine_allowed:
-        popen_init = subprocess.Popen.__init__
+    _engine_allowed = item.get_closest_marker("engine") is not None
 
-        def guarded(self, args, *rest, **kwargs):
-            line = args if isinstance(args, str) else " ".join(map(str, args))
-            if ENGINE_COMMAND.search(line):
-                refuse_unmarked_engine(line[:200])
-            popen_init(self, args, *rest, **kwargs)
 
-        monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
-    yield
-    _engine_allowed = False
+_popen_init = subprocess.Popen.__init__
+
+
+def _guarded_popen_init(self, args, *rest, **kwargs):
+    """Fails a process whose command line starts an engine, for a test
+    without the ``engine`` mark (``run_engine_job`` checks the same)."""
+    line = args if isinstance(args, str) else " ".join(map(str, args))
+    if ENGINE_COMMAND.search(line):
+        refuse_unmarked_engine(line[:200])
+    _popen_init(self, args, *rest, **kwargs)
+
+
+subprocess.Popen.__init__ = _guarded_popen_init
 
 
 def run_engine_job(tmp_path: Path, job: dict, env: dict[str, str] | None = None) -> EngineRun:
