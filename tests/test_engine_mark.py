@@ -32,3 +32,14 @@ def test_an_unmarked_test_cannot_start_an_engine_process(argv):
 def test_an_unmarked_test_may_run_other_processes():
     done = subprocess.run([sys.executable, "-c", "print('ok')"], capture_output=True, text=True)
     assert done.stdout.strip() == "ok"
+
+
+def test_every_module_that_runs_engine_jobs_carries_the_mark():
+    """The guard above runs only where a test runs; a module skipped here (the
+    GPU's) is checked by its text, so a lent GPU's tests are not refused."""
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    unmarked = [path.name for path in tests.rglob("test_*.py")
+                if "run_engine_job(" in path.read_text() and "pytest.mark.engine" not in path.read_text()]
+    assert unmarked == []

@@ -31,6 +31,7 @@ from vllm_adaptive_spec.prompts import load_prompts
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.engine,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
