@@ -21,7 +21,7 @@ from vllm_adaptive_spec.adapter.config_hook import tree_config_of
 from vllm_adaptive_spec.adapter.request_options import Failures, speculation_allowed
 from vllm_adaptive_spec.budget.load_budget import LoadBudget
 from vllm_adaptive_spec.drafters.contexts import Contexts
-from vllm_adaptive_spec.trees.growth import grow
+from vllm_adaptive_spec.trees.growth import grow, reachable_depth
 from vllm_adaptive_spec.budget.pause_control import StepDecision
 from vllm_adaptive_spec.budget.step_cost import StepCostFit
 from vllm_adaptive_spec.trees.tree import DraftTree
@@ -372,16 +372,20 @@ class TreeProposer:
         drafter.prepare(active_ids, contexts, active, lens)
         policy.begin(active_ids)
         floor = 0.0 if budget is None or newcomers else budget.floor(len(active), plain)
-        trees, stats = grow(drafter, policy, torch.tensor(budgets), drafter.max_depth, floor)
-        if getattr(drafter, "is_model", False):
-            self.stats.draft_passes += stats.draft_passes
+        model = getattr(drafter, "is_model", False)
+        depth = reachable_depth(policy, max(budgets), drafter.max_depth)
+        if model and budget is not None and not newcomers:
+            depth = budget.draft_depth(len(active), plain, depth)
+        trees, stats = grow(drafter, policy, torch.tensor(budgets), depth, floor)
+        passes = stats.draft_passes if model else 0
+        self.stats.draft_passes += passes
         if budget is None:
             return trees
-        budget.observe_drafting(len(active), self.agree(first_pass_seconds + time.perf_counter() - started))
+        budget.observe_drafting(len(active), self.agree(first_pass_seconds + time.perf_counter() - started), passes)
         if newcomers:
             return budget.probe(trees, active_ids, plain)
         fallback = self._paused_part_trees(active_ids, budgets) if drafting else None
         choice = budget.choose(trees, active_ids, fallback=fallback, plain=plain, fallback_budget=self.paused_budget,
-                               floor=floor)
+                               floor=floor, grown_depth=passes)
         self.stats.trust_cuts += choice.trust_cut
         return choice.trees

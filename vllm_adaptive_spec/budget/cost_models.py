@@ -83,6 +83,16 @@ class LinearCost:
         return Planned(kept, plan.expected_rate, modelled_seconds(fit, plain_seconds, delta, kept), plain_seconds,
                        plan.trust_cut)
 
+    def tree_seconds(self, batch: int, trees: int, nodes: float, depth: int) -> float:
+        """A modelled step of ``batch`` decoding requests, ``trees`` of them
+        verifying ``nodes`` nodes (a mean) at most ``depth`` deep: a tree of
+        more nodes than its depth branches."""
+        fit = self.fit.solve()
+        if nodes <= 0.0:
+            return fit.alpha + fit.beta * batch
+        branching = fit.xi if nodes > depth + 1e-9 else 0.0
+        return fit.alpha + fit.beta * (batch + trees * nodes) + (fit.eta + branching) * trees
+
     def best_rate(self, p_hat, plain: int, room: int) -> float:
         """The best expected rate of trees drafted for free (``p_hat``: the
         hybrid's trie, which its model's drafting is judged against)."""
@@ -148,6 +158,17 @@ class ShapeCost:
         seconds = (self.table.cost(batch, 1 + width) if width else plain_seconds) + delta * len(trees)
         gain = batch + sum(float(v[:width].sum()) for v in p_hat)
         return Planned([tree.keep_best(width) for tree in trees], gain / seconds, seconds, plain_seconds, False)
+
+    def tree_seconds(self, batch: int, trees: int, nodes: float, depth: int) -> float:
+        """The measured step of the narrowest width that holds ``nodes``
+        (rounded up; the widest where none does), as the line models it
+        until the batch's draft-free step is measured."""
+        if not self._measured(batch):
+            return self.linear.tree_seconds(batch, trees, nodes, depth)
+        if nodes <= 0.0:
+            return self.table.cost(batch, 1)
+        width = next((w for w in sorted(self.widths) if w >= nodes - 1e-9), max(self.widths))
+        return self.table.cost(batch, 1 + width)
 
     def best_rate(self, p_hat, plain: int, room: int) -> float:
         batch = len(p_hat) + plain

@@ -25,6 +25,9 @@ and that floor (which nodes to verify; ``node_allocation``), then
 * Cold start: before the fit is known, nodes with ``p_hat >= cold_min_p``
   are kept (a trial that gives the fit the varied steps it needs); a step
   that keeps no node is still judged, on the mean step time.
+* Depth (model drafters): how many draft passes a step runs, the depth of
+  the highest expected rate by the measured cost of a pass at this batch
+  shape and what each depth's kept nodes brought (``draft_depth``).
 * Down to no speculation: every measured step's rate with drafting is
   compared with the rate without (for the hybrid, the better of no drafting
   and its retrieval trie alone) and :mod:`~vllm_adaptive_spec.budget.pause_control`
@@ -46,6 +49,7 @@ from typing import NamedTuple
 from vllm_adaptive_spec.budget import node_allocation
 from vllm_adaptive_spec.budget.calibration import Calibration
 from vllm_adaptive_spec.budget.cost_models import LinearCost, ShapeCost
+from vllm_adaptive_spec.budget.draft_depth import DraftDepth, kept_by_depth
 from vllm_adaptive_spec.budget.node_allocation import at_least, within
 from vllm_adaptive_spec.budget.pause_control import PauseControl, PauseSettings, StepDecision
 from vllm_adaptive_spec.budget.step_cost import StepCostFit
@@ -84,6 +88,7 @@ class LoadBudget:
         self.decay = 0.5 ** (1.0 / half_life)
         self.draft_seconds = 0.0  # decayed drafter time and drafting requests
         self.drafted_requests = 0.0
+        self.depth = DraftDepth()
 
     # -- measurements -------------------------------------------------------
 
@@ -92,10 +97,12 @@ class LoadBudget:
         self.pauses.accepted(len(accepted_nodes))
         self.calibrated.observe(tree, len(accepted_nodes), request_id)
 
-    def observe_drafting(self, requests: int, seconds: float) -> None:
-        """The drafter grew ``requests`` trees in ``seconds``."""
+    def observe_drafting(self, requests: int, seconds: float, passes: int = 0) -> None:
+        """The drafter grew ``requests`` trees in ``seconds``, ``passes``
+        draft passes deep (a model drafter's, its first pass included)."""
         self.draft_seconds = self.draft_seconds * self.decay + seconds
         self.drafted_requests = self.drafted_requests * self.decay + requests
+        self.depth.observe_drafting(requests, seconds, passes)
         self.pauses.drafted(seconds)
 
     def forget(self, request_id: str) -> None:
@@ -119,6 +126,15 @@ class LoadBudget:
         """What this step does (:class:`~vllm_adaptive_spec.budget.pause_control.StepDecision`)."""
         return self.pauses.begin_step(self.fit)
 
+    def draft_depth(self, requests: int, plain: int, limit: int) -> int:
+        """How many draft passes a model drafter's step with ``requests``
+        drafting and ``plain`` other decoding requests runs, at most
+        ``limit`` (``draft_depth``)."""
+        batch = requests + plain
+        known = self.cost.known(batch)
+        return self.depth.choose(requests, plain, limit, (
+            lambda nodes, depth: self.cost.tree_seconds(batch, requests, nodes, depth)) if known else None)
+
     def floor(self, requests: int, plain: int = 0) -> float:
         """The path probability below which :meth:`choose` keeps no node of a
         step with ``requests`` drafting and ``plain`` other decoding
@@ -138,7 +154,7 @@ class LoadBudget:
     def choose(
         self, trees: list[DraftTree], request_ids: list[str] | None = None,
         fallback: list[DraftTree] | None = None, plain: int = 0, fallback_budget: LoadBudget | None = None,
-        floor: float = 0.0,
+        floor: float = 0.0, grown_depth: int = 0,
     ) -> Choice:
         """The part of each grown tree worth verifying: what the cost
         model plans (``cost_models``: by path probability, cut to the main
@@ -148,7 +164,9 @@ class LoadBudget:
         drafter's paused part (the hybrid's retrieval trie), which drafting
         is judged against, calibrated by ``fallback_budget`` (default: this
         one). ``plain``: the step's other decoding requests. ``floor``: the
-        step's :meth:`floor`; nodes below it are dropped first."""
+        step's :meth:`floor`; nodes below it are dropped first.
+        ``grown_depth``: the draft passes the trees took (a model
+        drafter's), whose kept nodes' gain by depth :meth:`draft_depth` learns."""
         trees, ids, rhos = self._calibrated(trees, request_ids, floor)
         p_hat = self.expected(trees, rhos)
         batch = len(trees) + plain
@@ -164,6 +182,7 @@ class LoadBudget:
         measurable = bool(trees) and self.draft_cost() > 0.0
         self.pauses.judge(planned.rate if measurable else None, without, batch, planned.seconds,
                           planned.plain_seconds)
+        self.depth.observe_kept(len(trees), *kept_by_depth(planned.trees, rhos, grown_depth))
         return Choice(planned.trees, planned.trust_cut)
 
     def probe(self, trees: list[DraftTree], request_ids: list[str], plain: int = 0) -> list[DraftTree]:

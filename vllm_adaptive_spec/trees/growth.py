@@ -129,8 +129,7 @@ def grow(
         return [policy.choose(tree, n) if n > 0 else DraftTree() for tree, n in zip(trees, budget.tolist())], \
             GrowthStats()
     largest = _largest(budget)
-    # A kept tree is ancestor-closed with at most ``budget`` nodes: no deeper.
-    max_depth = min(max_depth, policy.depth_limit(largest), largest)
+    max_depth = reachable_depth(policy, largest, max_depth)
     if drafter.growth is Growth.FIXED_LAYERS and max_depth > 0:
         fixed = grow_fixed(drafter, policy, budget.to(drafter.device), max_depth, policy.layer_width(largest), floor)
         return fixed.to_trees(), GrowthStats(draft_passes=max_depth)
@@ -139,6 +138,13 @@ def grow(
     if layers.depth == 0:
         return [DraftTree() for _ in range(batch)], stats
     return assemble(layers, policy, budget).to_trees(), stats
+
+
+def reachable_depth(policy: TreePolicy, largest: int, max_depth: int) -> int:
+    """The deepest layer :func:`grow` grows for trees of at most ``largest``
+    nodes: the drafter's ``max_depth``, the policy's limit, and ``largest``
+    itself (a kept tree is ancestor-closed, so no deeper than its size)."""
+    return min(max_depth, policy.depth_limit(largest), largest)
 
 
 def _largest(budget: torch.Tensor) -> int:
