@@ -37,9 +37,14 @@ def test_truncated_draft_keeps_the_targets_first_layers(cache, demo_model):
     assert torch.equal(draft.lm_head.weight, draft.model.embed_tokens.weight)  # tied, as the target
 
 
-def test_distillation_runs_and_logs(cache):
+def test_distillation_runs_and_logs(cache, monkeypatch):
+    """A short run's steps logged; the steps are small here (a full one,
+    8 prompts of 256 tokens through the 30-layer target, takes seconds on a CPU)."""
+    from vllm_adaptive_spec.training import train_draft_lm
     from vllm_adaptive_spec.training.train_draft_lm import ensure_draft_lm
 
+    monkeypatch.setattr(train_draft_lm, "BATCH", 2)
+    monkeypatch.setattr(train_draft_lm, "MAX_TOKENS", 32)
     path = ensure_draft_lm(layers=1, minutes=0.01)
     records = [json.loads(line) for line in (path / "distill_log.jsonl").read_text().splitlines()]
     assert records and {"step", "mse", "top1_agreement"} <= set(records[0])

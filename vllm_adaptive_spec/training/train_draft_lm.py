@@ -50,14 +50,22 @@ def ensure_draft_lm(layers: int = 4, minutes: float = 0.0, seed: int = 0) -> Pat
     return target
 
 
-def _sequences(tokenizer) -> list[list[int]]:
+BATCH, MAX_TOKENS = 8, 256  # a distillation step's prompts, and the most tokens of each
+
+
+def _prompts() -> list[str]:
+    """The distillation's prompts (the EAGLE-3 corpus's first stage)."""
     from vllm_adaptive_spec.training.corpus import first_stage
 
-    return [
-        tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True,
-                                      tokenize=True)["input_ids"]
-        for p in first_stage(10_000)
-    ]
+    return [p["prompt"] for p in first_stage(10_000)]
+
+
+def _encoded(tokenizer, prompt: str) -> list[int]:
+    """A prompt as the chat template frames it, at most ``MAX_TOKENS``; encoded
+    when a step samples it (encoding the whole corpus up front took longer
+    than a short run's training)."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=True)["input_ids"][:MAX_TOKENS]
 
 
 def _build(source: Path, out: Path, layers: int, minutes: float, seed: int) -> None:
@@ -78,7 +86,7 @@ def _build(source: Path, out: Path, layers: int, minutes: float, seed: int) -> N
     tokenizer = AutoTokenizer.from_pretrained(source)
 
     if minutes > 0:
-        _distill(teacher, student, _sequences(tokenizer), minutes, seed, out)
+        _distill(teacher, student, tokenizer, _prompts(), minutes, seed, out)
 
     config.torch_dtype = torch.bfloat16
     config.save_pretrained(out)
@@ -89,7 +97,7 @@ def _build(source: Path, out: Path, layers: int, minutes: float, seed: int) -> N
     (out / COMPLETE_MARKER).write_text(json.dumps({"source": str(source.name), "layers": layers, "minutes": minutes}) + "\n")
 
 
-def _distill(teacher, student, sequences: list[list[int]], minutes: float, seed: int, out: Path) -> None:
+def _distill(teacher, student, tokenizer, prompts: list[str], minutes: float, seed: int, out: Path) -> None:
     """Match the target's final (normed) hidden states, which the shared LM head
     turns into logits: mean squared error, cheaper than a KL over 49k tokens."""
     torch.manual_seed(seed)
@@ -104,7 +112,7 @@ def _distill(teacher, student, sequences: list[list[int]], minutes: float, seed:
     step = 0
     student.train()
     while time.monotonic() < deadline:
-        batch = [s[:256] for s in rng.sample(sequences, 8)]
+        batch = [_encoded(tokenizer, prompt) for prompt in rng.sample(prompts, BATCH)]
         length = max(len(s) for s in batch)
         ids = torch.zeros(len(batch), length, dtype=torch.long)
         mask = torch.zeros(len(batch), length, dtype=torch.bool)
