@@ -145,3 +145,18 @@ def test_the_load_budget_grows_a_chain_deep_where_branching_does_not_pay(branch_
         kept = budget.choose([grown], ["r"], grown_depth=depth).trees[0]
         assert kept.branches() == branches
     assert [budget.draft_depth(1, 0, 4) for _ in range(EXPLORE - 1)].count(4) >= EXPLORE - 2
+
+
+def test_a_step_is_judged_at_its_own_depth_s_drafting_cost():
+    """After steps of the policy's whole depth (8 passes, 64 ms), a one-pass
+    step is costed at one pass (a layer's share of those steps), not at the
+    mean over deep steps, which would have it judged a loss and paused."""
+    budget = LoadBudget(16)
+    for _ in range(4):
+        budget.observe_drafting(1, 0.064, 8)
+    assert budget.draft_cost() == pytest.approx(0.064)
+    assert budget.draft_cost(1, 8) == pytest.approx(0.064)
+    assert budget.draft_cost(1, 1) == pytest.approx(0.008)
+    assert budget.draft_cost(8, 1) == pytest.approx(0.064)  # nothing measured at 8 requests: the mean
+    budget.observe_drafting(1, 0.010, 1)
+    assert budget.draft_cost(1, 1) == pytest.approx(0.010, abs=1e-9)  # two depths: the line splits them

@@ -371,11 +371,11 @@ class TreeProposer:
         drafter, policy, budget = part.drafter, part.policy, part.budget
         drafter.prepare(active_ids, contexts, active, lens)
         policy.begin(active_ids)
-        floor = 0.0 if budget is None or newcomers else budget.floor(len(active), plain)
         model = getattr(drafter, "is_model", False)
         depth = reachable_depth(policy, max(budgets), drafter.max_depth)
         if model and budget is not None and not newcomers:
             depth = budget.draft_depth(len(active), plain, depth)
+        floor = 0.0 if budget is None or newcomers else budget.floor(len(active), plain, depth if model else 0)
         trees, stats = grow(drafter, policy, torch.tensor(budgets), depth, floor)
         passes = stats.draft_passes if model else 0
         self.stats.draft_passes += passes

@@ -114,6 +114,12 @@ class DraftDepth:
         record.nodes[:depth] = record.nodes[:depth] * self.decay + nodes[:depth] / requests
         record.weight[:depth] = record.weight[:depth] * self.decay + 1.0
 
+    def drafting_seconds(self, requests: int, depth: int) -> float:
+        """A step's modelled drafting time for ``requests`` trees ``depth``
+        passes deep (0: nothing measured at this batch shape)."""
+        record = self._shapes.get(shape_of(requests))
+        return 0.0 if record is None else record.drafting_seconds(depth)
+
     def choose(self, requests: int, plain: int, limit: int, verify_seconds: Callable[[float, int], float] | None) -> int:
         """The depth (``1..limit``) of a step with ``requests`` drafting and
         ``plain`` other decoding requests; ``verify_seconds(nodes, depth)``:

@@ -116,8 +116,16 @@ class LoadBudget:
         """``rho``: the engine's, or request ``request_id``'s own shrunk toward it."""
         return self.calibrated.rho(request_id)
 
-    def draft_cost(self) -> float:
-        """Seconds of drafting per drafting request."""
+    def draft_cost(self, requests: int = 0, depth: int = 0) -> float:
+        """Seconds of drafting per drafting request: for a step of
+        ``requests`` drafting ``depth`` passes deep, what such a step
+        measurably costs (``draft_depth``), else the mean over drafting
+        steps. Decision: a step is judged at its own depth's cost, since a
+        mean over deeper steps would judge a one-pass probe at the price of
+        the policy's whole depth, and pause it."""
+        modelled = self.depth.drafting_seconds(requests, depth) if requests and depth else 0.0
+        if modelled > 0.0:
+            return modelled / requests
         return self.draft_seconds / self.drafted_requests if self.drafted_requests > 1e-9 else 0.0
 
     # -- decisions ----------------------------------------------------------
@@ -135,14 +143,15 @@ class LoadBudget:
         return self.depth.choose(requests, plain, limit, (
             lambda nodes, depth: self.cost.tree_seconds(batch, requests, nodes, depth)) if known else None)
 
-    def floor(self, requests: int, plain: int = 0) -> float:
+    def floor(self, requests: int, plain: int = 0, depth: int = 0) -> float:
         """The path probability below which :meth:`choose` keeps no node of a
-        step with ``requests`` drafting and ``plain`` other decoding
-        requests (``node_allocation.floor``). The drafter leaves such nodes
+        step with ``requests`` drafting ``depth`` passes deep (0: not a model
+        drafter's) and ``plain`` other decoding requests (``node_allocation.floor``). The drafter leaves such nodes
         out (at batch 64 most of them); :meth:`choose`, given the same
         floor, drops them first, so the guarantee does not rest on the
         floor's margin."""
-        return node_allocation.floor(self.fit.solve(), self.cold_min_p, self.draft_cost(), requests, plain)
+        return node_allocation.floor(self.fit.solve(), self.cold_min_p, self.draft_cost(requests, depth), requests,
+                                     plain)
 
     def room(self, requests: int, plain: int = 0) -> int:
         """How many drafted nodes a step may verify (see "Trust region");
@@ -172,14 +181,14 @@ class LoadBudget:
         batch = len(trees) + plain
         if not self.cost.known(batch):
             return self._cold_choice(trees, p_hat, plain)
-        room = self.room(len(trees), plain)
-        planned = self.cost.plan(trees, p_hat, rhos, plain, self.draft_cost(), room)
+        room, delta = self.room(len(trees), plain), self.draft_cost(len(trees), grown_depth)
+        planned = self.cost.plan(trees, p_hat, rhos, plain, delta, room)
         without = batch / planned.plain_seconds
         if fallback is not None:
             scorer = fallback_budget or self
             fallback_p_hat = self.expected(fallback, [scorer.calibration(r) for r in ids])
             without = max(without, self.cost.best_rate(fallback_p_hat, plain, room))
-        measurable = bool(trees) and self.draft_cost() > 0.0
+        measurable = bool(trees) and delta > 0.0
         self.pauses.judge(planned.rate if measurable else None, without, batch, planned.seconds,
                           planned.plain_seconds)
         self.depth.observe_kept(len(trees), *kept_by_depth(planned.trees, rhos, grown_depth))
