@@ -125,7 +125,7 @@ def test_the_load_budget_drafts_one_pass_where_passes_do_not_pay():
         depth = 1 + step % 4
         budget.observe_drafting(1, 0.004 + 0.020 * (depth - 1), depth)
         grown = wide.subset([i for i, d in enumerate(wide.depths()) if d <= depth])
-        budget.choose([grown], ["r"], grown_depth=depth)
+        budget.choose([grown], ["r"], grown_depth=depth, passes=depth)
     steps = [budget.draft_depth(1, 0, 4) for _ in range(EXPLORE - 1)]
     assert min(steps) == 1 and steps.count(1) >= EXPLORE - 2
 
@@ -142,7 +142,7 @@ def test_the_load_budget_grows_a_chain_deep_where_branching_does_not_pay(branch_
         depth = 1 + step % 4
         budget.observe_drafting(1, 0.001 * depth, depth)
         grown = tree.subset([i for i, d in enumerate(tree.depths()) if d <= depth])
-        kept = budget.choose([grown], ["r"], grown_depth=depth).trees[0]
+        kept = budget.choose([grown], ["r"], grown_depth=depth, passes=depth).trees[0]
         assert kept.branches() == branches
     assert [budget.draft_depth(1, 0, 4) for _ in range(EXPLORE - 1)].count(4) >= EXPLORE - 2
 
@@ -160,3 +160,16 @@ def test_a_step_is_judged_at_its_own_depth_s_drafting_cost():
     assert budget.draft_cost(8, 1) == pytest.approx(0.064)  # nothing measured at 8 requests: the mean
     budget.observe_drafting(1, 0.010, 1)
     assert budget.draft_cost(1, 1) == pytest.approx(0.010, abs=1e-9)  # two depths: the line splits them
+
+
+def test_depths_the_floor_stopped_growth_short_of_count_as_measured():
+    """Growth allowed 4 layers stopped after 2 (nothing above the floor
+    below them): depths 3 and 4 kept nothing, which is a measurement, so
+    the next step's depth is chosen, not the policy's whole depth again."""
+    budget = _budget_with_a_fit()
+    tree = DraftTree([1, 2], [ROOT, 0], [0.5, 0.4])
+    for _ in range(4):
+        budget.observe_drafting(1, 0.004 + 0.020, 2)
+        budget.choose([tree], ["r"], grown_depth=4, passes=2)
+    assert budget.depth._record(1).measured_depths() >= 4
+    assert budget.draft_depth(1, 0, 4) < 4

@@ -386,6 +386,6 @@ class TreeProposer:
             return budget.probe(trees, active_ids, plain)
         fallback = self._paused_part_trees(active_ids, budgets) if drafting else None
         choice = budget.choose(trees, active_ids, fallback=fallback, plain=plain, fallback_budget=self.paused_budget,
-                               floor=floor, grown_depth=passes)
+                               floor=floor, grown_depth=depth if model else 0, passes=passes)
         self.stats.trust_cuts += choice.trust_cut
         return choice.trees

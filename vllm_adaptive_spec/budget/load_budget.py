@@ -163,7 +163,7 @@ class LoadBudget:
     def choose(
         self, trees: list[DraftTree], request_ids: list[str] | None = None,
         fallback: list[DraftTree] | None = None, plain: int = 0, fallback_budget: LoadBudget | None = None,
-        floor: float = 0.0, grown_depth: int = 0,
+        floor: float = 0.0, grown_depth: int = 0, passes: int = 0,
     ) -> Choice:
         """The part of each grown tree worth verifying: what the cost
         model plans (``cost_models``: by path probability, cut to the main
@@ -174,14 +174,16 @@ class LoadBudget:
         is judged against, calibrated by ``fallback_budget`` (default: this
         one). ``plain``: the step's other decoding requests. ``floor``: the
         step's :meth:`floor`; nodes below it are dropped first.
-        ``grown_depth``: the draft passes the trees took (a model
-        drafter's), whose kept nodes' gain by depth :meth:`draft_depth` learns."""
+        ``grown_depth``: the depth a model drafter's trees were allowed
+        (:meth:`draft_depth`), whose kept nodes' gain by depth it learns (a
+        depth the floor stopped growth short of kept nothing);
+        ``passes``: the draft passes they took, whose cost the step is judged at."""
         trees, ids, rhos = self._calibrated(trees, request_ids, floor)
         p_hat = self.expected(trees, rhos)
         batch = len(trees) + plain
         if not self.cost.known(batch):
             return self._cold_choice(trees, p_hat, plain)
-        room, delta = self.room(len(trees), plain), self.draft_cost(len(trees), grown_depth)
+        room, delta = self.room(len(trees), plain), self.draft_cost(len(trees), passes)
         planned = self.cost.plan(trees, p_hat, rhos, plain, delta, room)
         without = batch / planned.plain_seconds
         if fallback is not None:
