@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from test_tree import random_bfs_tree
 
-from vllm_adaptive_spec.budget.load_budget import LoadBudget
+from vllm_adaptive_spec.budget.load_budget import COLD_TRIALS, LoadBudget
 from vllm_adaptive_spec.budget.node_allocation import allocate
 from vllm_adaptive_spec.budget.step_cost import StepCostFit
 from vllm_adaptive_spec.trees.tree import DraftTree
@@ -126,7 +126,9 @@ def test_cold_start_keeps_only_likely_nodes():
 
 def _weak_drafting(budget: LoadBudget, q: float, seconds: float, step=lambda: None) -> list[bool]:
     """200 steps of 8 requests whose 3-node chains (each node ``q``) are never
-    worth a row, drafting taking ``seconds``; whether each step drafted."""
+    worth a row, drafting taking ``seconds``; whether each step drafted. Before
+    the fit is known, the cold start's trials verify each chain's first node."""
+
     weak = DraftTree.chain([1, 2, 3])
     weak.q = [q] * 3
     drafted = []
@@ -135,7 +137,8 @@ def _weak_drafting(budget: LoadBudget, q: float, seconds: float, step=lambda: No
         drafted.append(budget.begin_step().drafts)
         if drafted[-1]:
             budget.observe_drafting(8, seconds)
-            assert budget.choose([weak] * 8).trees == [DraftTree()] * 8
+            trial = budget.fit.solve() is None and budget.cold_trials < COLD_TRIALS
+            assert budget.choose([weak] * 8).trees == [weak.prefix(1) if trial else DraftTree()] * 8
     return drafted
 
 
@@ -556,6 +559,7 @@ def test_nodes_below_the_floor_are_never_kept(fitted):
     cut = 0
     for step in range(60):
         budget = LoadBudget(max_budget=16, half_life=1e9)
+        budget.cold_trials = COLD_TRIALS  # past the cold start's trials (whose floor is 0)
         alpha, beta, eta, xi = rng.uniform(0.02, 0.3), rng.uniform(0.0005, 0.005), rng.uniform(0, 0.01), rng.uniform(0, 0.01)
         for _ in range(40 if fitted else 0):
             verified = int(rng.integers(0, 5))
@@ -621,3 +625,18 @@ def test_a_step_verifies_at_most_twice_the_rows_the_fit_has_measured():
     assert limits[:2] == [2 * (64 + max(room, 32)), 4 * (64 + max(room, 32))]
     assert limits[-1] == 64 * 33, "every node, once the fit has seen steps that large"
     assert not choice.trust_cut
+
+
+def test_a_cold_start_verifies_each_tree_s_best_node_on_its_first_trials():
+    """A head whose draft probabilities are all below ``cold_min_p``: its
+    first ``COLD_TRIALS`` drafting steps still verify each tree's best node
+    (else no tree is ever verified, and neither its calibration nor a batch-1
+    fit can be learnt); after them only likely nodes are kept."""
+
+    budget = LoadBudget(max_budget=8, cold_min_p=0.3, half_life=1e9)
+    assert budget.floor(2) == 0.0  # the trials keep the best node however unlikely
+    tree = DraftTree([5, 6, 7], [-1, 0, -1], [0.15, 0.5, 0.1])  # p: .15 .075 .1
+    kept = [budget.choose([tree, DraftTree()]).trees for _ in range(COLD_TRIALS + 2)]
+    assert kept[:COLD_TRIALS] == [[DraftTree([5], [-1], [0.15]), DraftTree()]] * COLD_TRIALS
+    assert kept[COLD_TRIALS:] == [[DraftTree(), DraftTree()]] * 2
+    assert budget.floor(2) > 0.0

@@ -23,8 +23,13 @@ and that floor (which nodes to verify; ``node_allocation``), then
   over the steps it measured; each step at the limit is measured, so the
   limit doubles per step while the nodes pay.
 * Cold start: before the fit is known, nodes with ``p_hat >= cold_min_p``
-  are kept (a trial that gives the fit the varied steps it needs); a step
-  that keeps no node is still judged, on the mean step time.
+  are kept (a trial that gives the fit the varied steps it needs), and on
+  the first ``COLD_TRIALS`` steps that draft a node at least each tree's
+  best one: a drafter whose draft probabilities are all low (an EAGLE-3
+  head's top token at 0.04-0.17 on held-out prompts, accepted far more
+  often) would otherwise never have a tree verified, so neither its
+  calibration nor, at batch 1 (every step one row), the fit could ever be
+  learnt. A step that keeps no node is still judged, on the mean step time.
 * Depth (model drafters): how many draft passes a step runs, the depth of
   the highest expected rate by the measured cost of a pass at this batch
   shape and what each depth's kept nodes brought (``draft_depth``).
@@ -56,6 +61,7 @@ from vllm_adaptive_spec.budget.step_cost import StepCostFit
 from vllm_adaptive_spec.trees.tree import DraftTree
 
 ROW_GROWTH = 2  # see "Trust region"
+COLD_TRIALS = 8  # see "Cold start"
 
 
 class Choice(NamedTuple):
@@ -89,6 +95,7 @@ class LoadBudget:
         self.draft_seconds = 0.0  # decayed drafter time and drafting requests
         self.drafted_requests = 0.0
         self.depth = DraftDepth()
+        self.cold_trials = 0  # cold steps that kept a tree's best node as a trial
 
     # -- measurements -------------------------------------------------------
 
@@ -150,7 +157,10 @@ class LoadBudget:
         out (at batch 64 most of them); :meth:`choose`, given the same
         floor, drops them first, so the guarantee does not rest on the
         floor's margin."""
-        return node_allocation.floor(self.fit.solve(), self.cold_min_p, self.draft_cost(requests, depth), requests,
+        fit = self.fit.solve()
+        if fit is None and self.cold_trials < COLD_TRIALS:
+            return 0.0  # a cold trial keeps each tree's best node, however unlikely
+        return node_allocation.floor(fit, self.cold_min_p, self.draft_cost(requests, depth), requests,
                                      plain)
 
     def room(self, requests: int, plain: int = 0) -> int:
@@ -209,9 +219,12 @@ class LoadBudget:
                               self.room(len(trees), plain), at_least=1).trees
 
     def _cold_choice(self, trees: list[DraftTree], p_hat, plain: int) -> Choice:
-        """Before the fit: the nodes with ``p_hat >= cold_min_p``, a trial;
-        a step that keeps none is judged on the mean step time."""
-        wanted = [int((v >= self.cold_min_p).sum()) for v in p_hat]
+        """Before the fit: the nodes with ``p_hat >= cold_min_p``, and each
+        tree's best node on the first ``COLD_TRIALS`` steps, a trial; a step
+        that keeps none is judged on the mean step time."""
+        trial = self.cold_trials < COLD_TRIALS and any(len(v) for v in p_hat)
+        self.cold_trials += trial
+        wanted = [max(int((v >= self.cold_min_p).sum()), int(trial and len(v) > 0)) for v in p_hat]
         confident = within(p_hat, wanted, self.room(len(trees), plain))
         chosen = [t.keep_best(count) for t, count in zip(trees, confident)]
         step, delta = self.fit.mean_step(), self.draft_cost()
