@@ -640,3 +640,11 @@ def test_a_cold_start_verifies_each_tree_s_best_node_on_its_first_trials():
     assert kept[:COLD_TRIALS] == [[DraftTree([5], [-1], [0.15]), DraftTree()]] * COLD_TRIALS
     assert kept[COLD_TRIALS:] == [[DraftTree(), DraftTree()]] * 2
     assert budget.floor(2) > 0.0
+
+
+def test_a_retrieval_budget_makes_no_cold_trials():
+    """A retrieval trie's ``q`` are fitted acceptance chances: its cold start
+    keeps only likely nodes from the first step (and its floor is the cold one)."""
+    budget = LoadBudget(max_budget=8, cold_min_p=0.3, realized=False)
+    assert budget.floor(1) > 0.0
+    assert budget.choose([DraftTree([5], [-1], [0.15])]).trees == [DraftTree()]

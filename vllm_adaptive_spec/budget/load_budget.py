@@ -23,9 +23,9 @@ and that floor (which nodes to verify; ``node_allocation``), then
   over the steps it measured; each step at the limit is measured, so the
   limit doubles per step while the nodes pay.
 * Cold start: before the fit is known, nodes with ``p_hat >= cold_min_p``
-  are kept (a trial that gives the fit the varied steps it needs), and on
-  the first ``COLD_TRIALS`` steps that draft a node at least each tree's
-  best one: a drafter whose draft probabilities are all low (an EAGLE-3
+  are kept (a trial that gives the fit the varied steps it needs), and, for
+  a model drafter, on the first ``COLD_TRIALS`` steps that draft a node at
+  least each tree's best one: a head whose draft probabilities are all low (an EAGLE-3
   head's top token at 0.04-0.17 on held-out prompts, accepted far more
   often) would otherwise never have a tree verified, so neither its
   calibration nor, at batch 1 (every step one row), the fit could ever be
@@ -95,7 +95,10 @@ class LoadBudget:
         self.draft_seconds = 0.0  # decayed drafter time and drafting requests
         self.drafted_requests = 0.0
         self.depth = DraftDepth()
-        self.cold_trials = 0  # cold steps that kept a tree's best node as a trial
+        # Cold steps that kept a tree's best node as a trial (see "Cold start"). A
+        # retrieval trie starts with them spent: its ``q`` are fitted acceptance
+        # chances already, and its paused part's steps must stay draft-free.
+        self.cold_trials = 0 if realized else COLD_TRIALS
 
     # -- measurements -------------------------------------------------------
 
@@ -220,7 +223,7 @@ class LoadBudget:
 
     def _cold_choice(self, trees: list[DraftTree], p_hat, plain: int) -> Choice:
         """Before the fit: the nodes with ``p_hat >= cold_min_p``, and each
-        tree's best node on the first ``COLD_TRIALS`` steps, a trial; a step
+        tree's best node on a model drafter's first ``COLD_TRIALS`` steps, a trial; a step
         that keeps none is judged on the mean step time."""
         trial = self.cold_trials < COLD_TRIALS and any(len(v) for v in p_hat)
         self.cold_trials += trial
