@@ -189,6 +189,13 @@ class TreeProposer:
     def _active_budgets(self) -> list[LoadBudget]:
         return [b for b in (self.load_budget, self.paused_budget) if b is not None]
 
+    def depth_choices(self) -> dict[int, int]:
+        """How many drafting steps the load budget gave each draft depth (a
+        model drafter's; empty without one)."""
+        if self.load_budget is None:
+            return {}
+        return {depth: int(count) for depth, count in enumerate(self.load_budget.depth.choices) if count}
+
     def clear_shared_datastore(self) -> int:
         """Empty the retrieval drafter's shared datastore; the tokens dropped."""
         return self.drafter.clear_shared() if hasattr(self.drafter, "clear_shared") else 0

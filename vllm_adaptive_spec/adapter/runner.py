@@ -423,6 +423,7 @@ class TreeRunnerMixin:
             "datastore_tokens": 0 if shared is None else shared.num_tokens,
             "requests_held": held,
             "drafted_by_kind": self._drafted_share.as_dict(),
+            "depth_choices": self.tree_proposer.depth_choices(),
         }
 
     def _step_mode_counters(self) -> dict[str, int]:

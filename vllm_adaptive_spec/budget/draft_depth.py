@@ -87,7 +87,7 @@ class DraftDepth:
     def __init__(self, half_life: float = 64.0) -> None:
         self.decay = 0.5 ** (1.0 / half_life)
         self._shapes: dict[int, _ShapeRecord] = {}
-        self.choices = np.zeros(MAX_TRACKED_DEPTH + 1, dtype=np.int64)  # steps per chosen depth
+        self.choices = np.zeros(MAX_TRACKED_DEPTH + 1, dtype=np.int64)  # steps per chosen depth (the stats')
 
     def _record(self, requests: int) -> _ShapeRecord:
         return self._shapes.setdefault(shape_of(requests), _ShapeRecord())
@@ -120,13 +120,13 @@ class DraftDepth:
         record = self._shapes.get(shape_of(requests))
         return 0.0 if record is None else record.drafting_seconds(depth)
 
-    def choose(self, requests: int, plain: int, limit: int, verify_seconds: Callable[[float, int], float] | None) -> int:
+    def choose(self, requests: int, plain: int, limit: int,
+               verify_seconds: Callable[[float, int], float] | None) -> int:
         """The depth (``1..limit``) of a step with ``requests`` drafting and
         ``plain`` other decoding requests; ``verify_seconds(nodes, depth)``:
         the modelled verify step with ``nodes`` kept nodes per drafting
-        request, ``depth`` deep
-        (None: the cost model does not know the step yet, so the policy's
-        whole depth is grown)."""
+        request, ``depth`` deep (None: the cost model does not know the step
+        yet, so the policy's whole depth is grown)."""
         depth = self._chosen(requests, plain, limit, verify_seconds)
         self.choices[min(depth, MAX_TRACKED_DEPTH)] += 1
         return depth
