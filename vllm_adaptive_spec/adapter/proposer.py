@@ -382,7 +382,8 @@ class TreeProposer:
         depth = reachable_depth(policy, max(budgets), drafter.max_depth)
         if model and budget is not None and not newcomers:
             depth = budget.draft_depth(len(active), plain, depth)
-        floor = 0.0 if budget is None or newcomers else budget.floor(len(active), plain, depth if model else 0)
+        model_depth = depth if model else 0  # what the budget learns a model drafter's depths from
+        floor = 0.0 if budget is None or newcomers else budget.floor(len(active), plain, model_depth)
         trees, stats = grow(drafter, policy, torch.tensor(budgets), depth, floor)
         passes = stats.draft_passes if model else 0
         self.stats.draft_passes += passes
@@ -393,6 +394,6 @@ class TreeProposer:
             return budget.probe(trees, active_ids, plain)
         fallback = self._paused_part_trees(active_ids, budgets) if drafting else None
         choice = budget.choose(trees, active_ids, fallback=fallback, plain=plain, fallback_budget=self.paused_budget,
-                               floor=floor, grown_depth=depth if model else 0, passes=passes)
+                               floor=floor, grown_depth=model_depth, passes=passes)
         self.stats.trust_cuts += choice.trust_cut
         return choice.trees

@@ -87,11 +87,11 @@ class LinearCost:
         """A modelled step of ``batch`` decoding requests, ``trees`` of them
         verifying ``nodes`` nodes (a mean) at most ``depth`` deep: a tree of
         more nodes than its depth branches."""
-        fit = self.fit.solve()
         if nodes <= 0.0:
-            return fit.alpha + fit.beta * batch
+            return self.plain_seconds(batch)
+        fit = self.fit.solve()
         branching = fit.xi if nodes > depth + 1e-9 else 0.0
-        return fit.alpha + fit.beta * (batch + trees * nodes) + (fit.eta + branching) * trees
+        return self.plain_seconds(batch) + fit.beta * trees * nodes + (fit.eta + branching) * trees
 
     def best_rate(self, p_hat, plain: int, room: int) -> float:
         """The best expected rate of trees drafted for free (``p_hat``: the
@@ -166,7 +166,7 @@ class ShapeCost:
         if not self._measured(batch):
             return self.linear.tree_seconds(batch, trees, nodes, depth)
         if nodes <= 0.0:
-            return self.table.cost(batch, 1)
+            return self.plain_seconds(batch)
         width = next((w for w in sorted(self.widths) if w >= nodes - 1e-9), max(self.widths))
         return self.table.cost(batch, 1 + width)
 

@@ -25,8 +25,8 @@ and that floor (which nodes to verify; ``node_allocation``), then
 * Cold start: before the fit is known, nodes with ``p_hat >= cold_min_p``
   are kept (a trial that gives the fit the varied steps it needs), and, for
   a model drafter, on the first ``COLD_TRIALS`` steps that draft a node at
-  least each tree's best one: a head whose draft probabilities are all low (an EAGLE-3
-  head's top token at 0.04-0.17 on held-out prompts, accepted far more
+  least each tree's best one: a head whose draft probabilities are all low
+  (an EAGLE-3 head's top token at 0.04-0.17 on held-out prompts, accepted far more
   often) would otherwise never have a tree verified, so neither its
   calibration nor, at batch 1 (every step one row), the fit could ever be
   learnt. A step that keeps no node is still judged, on the mean step time.
@@ -155,16 +155,16 @@ class LoadBudget:
 
     def floor(self, requests: int, plain: int = 0, depth: int = 0) -> float:
         """The path probability below which :meth:`choose` keeps no node of a
-        step with ``requests`` drafting ``depth`` passes deep (0: not a model
-        drafter's) and ``plain`` other decoding requests (``node_allocation.floor``). The drafter leaves such nodes
+        step with ``requests`` drafting ``depth`` passes deep (0: not a
+        model drafter's) and ``plain`` other decoding requests
+        (``node_allocation.floor``). The drafter leaves such nodes
         out (at batch 64 most of them); :meth:`choose`, given the same
         floor, drops them first, so the guarantee does not rest on the
         floor's margin."""
         fit = self.fit.solve()
         if fit is None and self.cold_trials < COLD_TRIALS:
             return 0.0  # a cold trial keeps each tree's best node, however unlikely
-        return node_allocation.floor(fit, self.cold_min_p, self.draft_cost(requests, depth), requests,
-                                     plain)
+        return node_allocation.floor(fit, self.cold_min_p, self.draft_cost(requests, depth), requests, plain)
 
     def room(self, requests: int, plain: int = 0) -> int:
         """How many drafted nodes a step may verify (see "Trust region");
@@ -206,7 +206,8 @@ class LoadBudget:
         measurable = bool(trees) and delta > 0.0
         self.pauses.judge(planned.rate if measurable else None, without, batch, planned.seconds,
                           planned.plain_seconds)
-        self.depth.observe_kept(len(trees), *kept_by_depth(planned.trees, rhos, grown_depth))
+        if grown_depth:
+            self.depth.observe_kept(len(trees), *kept_by_depth(planned.trees, rhos, grown_depth))
         return Choice(planned.trees, planned.trust_cut)
 
     def probe(self, trees: list[DraftTree], request_ids: list[str], plain: int = 0) -> list[DraftTree]:
@@ -223,8 +224,8 @@ class LoadBudget:
 
     def _cold_choice(self, trees: list[DraftTree], p_hat, plain: int) -> Choice:
         """Before the fit: the nodes with ``p_hat >= cold_min_p``, and each
-        tree's best node on a model drafter's first ``COLD_TRIALS`` steps, a trial; a step
-        that keeps none is judged on the mean step time."""
+        tree's best node on a model drafter's first ``COLD_TRIALS`` steps, a
+        trial; a step that keeps none is judged on the mean step time."""
         trial = self.cold_trials < COLD_TRIALS and any(len(v) for v in p_hat)
         self.cold_trials += trial
         wanted = [max(int((v >= self.cold_min_p).sum()), int(trial and len(v) > 0)) for v in p_hat]
