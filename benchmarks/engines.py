@@ -199,21 +199,6 @@ def memory_problem(jobs: dict[str, dict], together: bool, available: int | None)
             f"machine has {available / 2**30:.1f} GiB available; {what}")
 
 
-def available_memory() -> int | None:
-    """Host memory available to new engines (``MemAvailable``), or None where
-    engines live on a GPU or the figure is unknown."""
-    import torch
-
-    if torch.cuda.is_available():
-        return None
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as meminfo:
-            fields = dict(line.split(":", 1) for line in meminfo)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-
-
 # --------------------------------------------------------------------------- driver side
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import chat_token_ids, run_engine_job
-from vllm_adaptive_spec.kv_cache_size import MIB, engine_kwargs, kv_cache_bytes, model_kv_shape
+from vllm_adaptive_spec import kv_cache_size
+from vllm_adaptive_spec.kv_cache_size import MIB, engine_kwargs, fitting_seqs, kv_cache_bytes, model_kv_shape
 from vllm_adaptive_spec.prompts import load_prompts
 
 
@@ -34,6 +35,29 @@ def test_target_only_arithmetic(tmp_path):
     blocks = 3 * (math.ceil(1000 / 128) + 1) + 1  # 9 per request (one of margin) + vLLM's null block
     assert size == math.ceil(blocks * 128 * token_bytes * 1.1 / MIB) * MIB
     assert kv_cache_bytes(target, max_model_len=1000, max_num_seqs=3, block_size=128) * 2 >= size  # bf16: half
+
+
+def test_meminfo_reads_system_and_node_files(tmp_path):
+    system, node = tmp_path / "meminfo", tmp_path / "node_meminfo"
+    system.write_text("MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n")
+    node.write_text("Node 0 MemTotal:  9000000 kB\nNode 0 MemFree:  6000000 kB\nNode 0 Active(file):  100 kB\n"
+                    "Node 0 Inactive(file):  200 kB\nNode 0 SReclaimable:  300 kB\n")
+    assert kv_cache_size._meminfo(str(system), ("MemAvailable",)) == 20000000 * 1024
+    keys = ("MemFree", "Active(file)", "Inactive(file)", "SReclaimable")
+    assert kv_cache_size._meminfo(str(node), keys) == 6000600 * 1024
+    assert kv_cache_size._meminfo(str(tmp_path / "absent"), keys) is None
+
+
+def test_fitting_seqs_halves_until_the_cache_fits(tmp_path, monkeypatch):
+    target = _config(tmp_path / "t", num_key_value_heads=2, head_dim=64)
+    one = kv_cache_bytes(target, max_model_len=2048, max_num_seqs=1)
+    reserve = 1 << 30
+    monkeypatch.setattr(kv_cache_size, "available_memory", lambda: reserve + 20 * one)
+    assert fitting_seqs(target, 2048, 128, reserve=reserve) == 16
+    monkeypatch.setattr(kv_cache_size, "available_memory", lambda: 0)
+    assert fitting_seqs(target, 2048, 128, reserve=reserve) == 1
+    monkeypatch.setattr(kv_cache_size, "available_memory", lambda: None)
+    assert fitting_seqs(target, 2048, 128, reserve=reserve) == 128
 
 
 def test_draft_model_layers_and_tree_scratch_are_counted(tmp_path):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,3 +155,57 @@ def engine_kwargs(
     if attention_backend is not None:
         kwargs["attention_backend"] = attention_backend
     return kwargs
+
+
+def available_memory() -> int | None:
+    """Host memory a new engine may take, or None where engines live on a GPU
+    or the figure is unknown: the smaller of the system's ``MemAvailable``
+    and what vLLM's CPU worker checks an explicit KV cache against (free,
+    file-backed and reclaimable memory of the NUMA node of the first CPU
+    this process may run on). Decision: both, since some machines report a
+    node far smaller than the system (9 of 23 GiB), and vLLM refuses a cache
+    the node cannot hold however much the system has."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    figures = [figure for figure in (_meminfo("/proc/meminfo", ("MemAvailable",)), _node_available()) if figure]
+    return min(figures) if figures else None
+
+
+def _node_available() -> int | None:
+    cpu = min(os.sched_getaffinity(0))
+    nodes = [name for name in _listdir(f"/sys/devices/system/cpu/cpu{cpu}") if name.startswith("node")]
+    if not nodes:
+        return None
+    return _meminfo(f"/sys/devices/system/node/{nodes[0]}/meminfo",
+                    ("MemFree", "Active(file)", "Inactive(file)", "SReclaimable"))
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _meminfo(path: str, keys: tuple[str, ...]) -> int | None:
+    """The sum of ``keys`` (kB lines, ``Node N`` prefixes allowed) in a meminfo file, in bytes."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            fields = {line.split(":")[0].split()[-1]: line.split(":")[1].split()[0] for line in handle if ":" in line}
+        return sum(int(fields[key]) for key in keys) * 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def fitting_seqs(model: str | Path, max_model_len: int, wanted: int, dtype: str = "auto", reserve: int = 2 << 30) -> int:
+    """The most requests, at most ``wanted`` and halving from it, whose KV
+    cache (:func:`kv_cache_bytes`) leaves ``reserve`` bytes of
+    :func:`available_memory` for the engine's weights and runtime; at least 1."""
+    available = available_memory()
+    seqs = wanted
+    while available is not None and seqs > 1 and (
+            kv_cache_bytes(model, max_model_len=max_model_len, max_num_seqs=seqs, dtype=dtype) + reserve > available):
+        seqs //= 2
+    return seqs

@@ -16,6 +16,7 @@ from pathlib import Path
 from vllm_adaptive_spec.training.corpus import first_stage, second_stage
 
 ANSWERS = "answers.jsonl"
+MAX_MODEL_LEN, MAX_SEQS = 2048, 128
 
 
 def generate_answers(model: str, work_dir: Path, first: int, second: int, max_tokens: int,
@@ -44,22 +45,24 @@ def generate_answers(model: str, work_dir: Path, first: int, second: int, max_to
 
 
 def answer_engine(model: str):
-    """An offline engine on every core this process may use: vLLM's CPU
-    worker otherwise computes on one and keeps the rest for serving (a
-    2-core machine generated at about half the rate)."""
+    """An offline engine on every core this process may use (vLLM's CPU
+    worker otherwise computes on one and keeps the rest for serving: a
+    2-core machine generated at about half the rate), with as many of
+    ``MAX_SEQS`` requests at a time as the machine's memory holds."""
     from vllm import LLM
 
-    from vllm_adaptive_spec.kv_cache_size import engine_kwargs
+    from vllm_adaptive_spec.kv_cache_size import engine_kwargs, fitting_seqs
 
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
-    return LLM(**engine_kwargs(model, "float32", max_model_len=2048, max_num_seqs=128))
+    seqs = fitting_seqs(model, MAX_MODEL_LEN, MAX_SEQS, "float32")
+    return LLM(**engine_kwargs(model, "float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=seqs))
 
 
 def close_engine(llm) -> None:
     """Stop an offline engine's processes now. Left to the garbage collector,
     its worker outlives the answers: in ``train-eagle3`` it would stay up
-    through the features with its KV cache resident (13 GiB of a 23 GiB
-    machine), and a run stopped there would leave it running without a parent."""
+    through the features with its KV cache resident (up to 13 GiB), and a
+    run stopped there would leave it running without a parent."""
     llm.llm_engine.engine_core.shutdown()
 
 
