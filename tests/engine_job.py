@@ -9,7 +9,9 @@ stop, ignore_eos, penalties (presence_penalty, frequency_penalty and repetition_
 num_gpu_blocks_override, tensor_parallel_size, block_size, abort_after_steps ({prompt index: engine steps}),
 pause_pattern ([d, p] or [d, p, k]: the plugin drafts d steps, then pauses p steps, as
 the load budget does when drafting does not pay; repeated; with k, the first drafting
-step of each cycle is a probe that drafts for k requests), record_roots (a model drafter's
+step of each cycle is a probe that drafts for k requests), paused_controls (with a
+pause_pattern: the first paused step of each cycle is a control step, draft-free for every
+part of the drafter, as the load budget's control steps are), record_roots (a model drafter's
 root draft distribution at every drafting step, see ``record_roots``), stash_bytes (an
 EAGLE-3 head's bound on kept rows of paused steps; the out key stash_drops counts the
 steps on which requests gave theirs up), max_pass_rows (the most rows of a model drafter's forward; longer
@@ -63,10 +65,13 @@ import os
 import sys
 
 
-def pause_drafting(worker, drafting: int, paused: int, probe_requests: int | None = None) -> None:
+def pause_drafting(worker, drafting: int, paused: int, probe_requests: int | None = None,
+                   controls: bool = False) -> None:
     """Replace the load budget's pause decision by a fixed pattern (sent into
     the worker with ``collective_rpc``); with ``probe_requests``, the first
-    drafting step of each cycle is a probe that drafts for that many requests."""
+    drafting step of each cycle is a probe that drafts for that many
+    requests; with ``controls``, the first paused step is a control step.
+    The hybrid's fill (its own budget's decision) drafts on every other paused step."""
     from vllm_adaptive_spec.budget.pause_control import StepDecision
 
     steps = itertools.count()
@@ -76,9 +81,11 @@ def pause_drafting(worker, drafting: int, paused: int, probe_requests: int | Non
     def begin_step() -> StepDecision:
         phase[0] = next(steps) % (drafting + paused)
         limit = probe_requests if phase[0] == 0 else None
-        return StepDecision(drafts=phase[0] < drafting, limit=limit)
+        return StepDecision(drafts=phase[0] < drafting, limit=limit, control=controls and phase[0] == drafting)
 
     proposer.begin_step = begin_step
+    if proposer.fill_budget is not None:  # the hybrid's fill drafts on every paused step too
+        proposer.fill_budget.begin_step = lambda: StepDecision(drafts=True)
     runner = worker.model_runner
     _count_calls(worker, "draft_free_verifies", runner.rejection_sampler, "forward",
                  lambda metadata, *args: not any(metadata.num_draft_tokens))
@@ -286,7 +293,8 @@ def _engine(job: dict):
     )
     if "pause_pattern" in job:
         llm.collective_rpc(functools.partial(
-            pause_drafting, **dict(zip(("drafting", "paused", "probe_requests"), job["pause_pattern"]))))
+            pause_drafting, **dict(zip(("drafting", "paused", "probe_requests"), job["pause_pattern"])),
+            controls=bool(job.get("paused_controls"))))
     if job.get("record_roots"):
         llm.collective_rpc(record_roots)
     if "stash_bytes" in job:

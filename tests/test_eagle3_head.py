@@ -71,3 +71,14 @@ def test_checkpoint_round_trip(tmp_path):
     assert torch.equal(loaded.draft_to_target, head.draft_to_target)
     for (name, mine), (_, theirs) in zip(head._checkpoint_params(), loaded._checkpoint_params()):
         assert torch.equal(mine.to(torch.bfloat16).float(), theirs), name
+
+
+def test_training_sets_of_a_curve_are_nested_prefixes_by_answer_tokens():
+    from vllm_adaptive_spec.training.train_eagle3 import first_answer_tokens
+
+    sequences = [{"tokens": list(range(n)), "prompt_len": 2} for n in (12, 7, 22, 5)]  # 10, 5, 20, 3 answer tokens
+    assert first_answer_tokens(sequences, 0) == sequences
+    assert first_answer_tokens(sequences, 15) == sequences[:2]
+    assert first_answer_tokens(sequences, 35) == sequences[:3]
+    assert first_answer_tokens(sequences, 9) == []
+    assert first_answer_tokens(sequences, 1000) == sequences

@@ -152,7 +152,8 @@ def test_adaptive_policies_greedy_equal_no_speculation(policy, settings, demo_mo
 def test_hybrid_greedy_equals_no_speculation(datastore, demo_model, prompt_ids, baseline, tmp_path):
     """The head's eagle2 tree merged with the retrieval trie (Talon's hybrid);
     the model pauses 2 steps of 5 (as the load budget pauses it when its
-    passes do not pay): the retrieval trie alone drafts then. Without the
+    passes do not pay): the retrieval trie drafts then, and the head alone
+    for the requests the trie leaves without a tree (the fill). Without the
     shared datastore it runs on the device's path: the tensor matcher's
     children, the layers at fixed capacity (``draft_loop: fixed``), nothing
     read back until the trees, and steady steps' first passes padded to the
@@ -168,7 +169,7 @@ def test_hybrid_greedy_equals_no_speculation(datastore, demo_model, prompt_ids, 
                                **graph_padding)
     assert (datastore == "shared") or run.padded_draft_passes > 0
     assert (run.tree_stats["datastore_tokens"] > 0) == (datastore == "shared")
-    assert run.tree_stats["paused_trees"] > 0
+    assert run.tree_stats["paused_trees"] > 0 and run.tree_stats["fill_trees"] > 0
     compared, _, mixed = _roots_agree(run.roots)
     padded = sum(padded for *_, padded in run.roots)
     assert (padded > 0) == (datastore == "off"), padded

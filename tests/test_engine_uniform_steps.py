@@ -48,12 +48,14 @@ def test_the_uniform_step_keeps_greedy_output_and_runs_its_parts(case, demo_mode
     job = {"model": demo_model, "prompt_token_ids": prompt_ids, "max_tokens": MAX_TOKENS, "max_num_seqs": 8,
            "speculative_config": make_spec()}
     # A model drafter drafts 3 steps in 5, as the load budget paused it (on the CPU its passes do not
-    # pay): the paused steps measure the draft-free step the width choice is judged against.
-    run = run_engine_job(tmp_path, {**job, "pause_pattern": [3, 2]} if model else job)
+    # pay), the first paused step a control step: draft-free (the hybrid's trie and its fill draft
+    # on the other), it measures the draft-free step the width choice is judged against.
+    run = run_engine_job(tmp_path, {**job, "pause_pattern": [3, 2], "paused_controls": True} if model else job)
     assert run.token_ids == baseline.token_ids
     stats = run.tree_stats
     assert stats["trees_verified"] > 0 and stats["uniform_layouts"] > 0, stats
     assert stats["width_choices"] > 0, stats  # the load budget chose widths over measured step shapes
+    assert (stats["fill_trees"] > 0) == case.startswith("hybrid"), stats  # the head where the trie has none
     # vLLM counts the padding slots as drafts; the plugin counts only nodes.
     assert run.metrics["vllm:spec_decode_num_draft_tokens"] > stats["nodes_verified"]
     assert stats["tokens_accepted"] == run.metrics["vllm:spec_decode_num_accepted_tokens"]

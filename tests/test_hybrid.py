@@ -293,3 +293,86 @@ def test_the_merge_by_token_equals_its_reference(seed):
 def sorted_by_q(tokens, q, children):
     q, order = q.sort(dim=-1, descending=True, stable=True)
     return tokens.gather(-1, order), q, children.gather(-1, order)
+
+
+def _paused_hybrid():
+    """A hybrid proposer (EAGLE-2 on the fake backend) whose model's budget pauses."""
+    from test_policies import proposer_for
+    from vllm_adaptive_spec.config import TreeConfig
+
+    proposer = proposer_for(TreeConfig("hybrid", "eagle2", 8, {"l_max": 2, "evidence_prior": 0.0},
+                                       {"top_k": 2, "depth": 3}))
+    roots, table = make(seed=3)
+    proposer.drafter.bind(TableBackend(roots, table), proposer.policy.fanout, proposer.policy.entropy_top_m)
+    proposer.load_budget.pauses._paused = 3
+    return proposer
+
+
+def _paused_step(proposer, fill_pass, decision=None):
+    import numpy as np
+
+    from vllm_adaptive_spec.budget.pause_control import StepDecision
+
+    tokens = np.array([[5, 6, 4, 4, 4, 0, 5, 6], [1, 2, 3, 7, 8, 9, 0, 11]])
+    decision = decision or proposer.begin_step()
+    assert not decision.drafts
+    return proposer.propose_trees(["a", "b"], [[6], [11]], np.array([8, 8]), tokens, [True, True], decision,
+                                  fill_pass=fill_pass)
+
+
+def test_the_head_fills_the_requests_the_trie_leaves_without_a_tree():
+    """A paused step: a (whose context repeats) gets the trie's tree; b, with
+    no match, the head's tree alone, its first pass run for b's row only,
+    timed and calibrated into the fill's own budget, its tree the policy's."""
+    from vllm_adaptive_spec.adapter.proposer import FillPass
+
+    proposer = _paused_hybrid()
+    asked = []
+
+    def fill_pass(rows):
+        asked.append(rows)
+        return FillPass(rows, 0.002)
+
+    drafts = _paused_step(proposer, fill_pass)
+    assert asked == [{1}] and drafts[0][:3] == [4, 4, 4] and drafts[1]
+    fill, model, trie = proposer.fill_budget, proposer.load_budget, proposer.paused_budget
+    assert fill.drafted_requests == 1.0 and model.drafted_requests == 0.0 and trie.drafted_requests == 2.0
+    stats = proposer.stats.as_dict()
+    assert stats["fill_trees"] == 1 and stats["paused_trees"] == 1 and stats["draft_passes"] >= 1
+    proposer.observe(["a", "b"], [proposer.trees["a"], proposer.trees["b"]], [[0], [0]])
+    assert "b" in fill.calibrated._requests and "b" not in model.calibrated._requests
+    assert "a" in trie.calibrated._requests
+    proposer.forget(["a", "b"], finished=["a", "b"])
+    assert set(proposer.requests_held().values()) == {0}
+
+
+def test_no_fill_where_its_budget_pauses_on_a_control_step_or_without_the_engines_pass():
+    from vllm_adaptive_spec.adapter.proposer import FillPass
+    from vllm_adaptive_spec.budget.pause_control import StepDecision
+
+    def refused(rows):
+        raise AssertionError("no fill was due")
+
+    proposer = _paused_hybrid()
+    proposer.fill_budget.pauses._paused = 2
+    assert _paused_step(proposer, refused)[1] == []
+    assert _paused_step(_paused_hybrid(), refused, StepDecision(drafts=False, control=True)) == [[], []]
+    assert _paused_step(_paused_hybrid(), None)[1] == []
+    limited = _paused_hybrid()
+    limited.fill_budget.pauses._proven = False  # slow start: at most probe_requests rows (here one is wanted)
+    assert _paused_step(limited, lambda rows: FillPass(set(), 0.0))[1] == []  # the engine fed none of them
+
+
+def test_a_control_step_of_the_fills_budget_is_draft_free_for_every_part():
+    """While the model is paused its budget asks for no control step; the
+    fill's budget does, and then neither the trie nor the head drafts, so
+    the step-cost fit (and a uniform step's shape table) sees steps without trees."""
+    from vllm_adaptive_spec.budget.pause_control import StepDecision
+
+    def refused(rows):
+        raise AssertionError("no fill was due")
+
+    proposer = _paused_hybrid()
+    proposer.fill_budget.begin_step = lambda: StepDecision(drafts=False, control=True)
+    assert _paused_step(proposer, refused) == [[], []]
+    assert proposer.stats.controls == 1 and proposer.stats.paused_trees == 0

@@ -52,12 +52,16 @@ def test_fitting_seqs_halves_until_the_cache_fits(tmp_path, monkeypatch):
     target = _config(tmp_path / "t", num_key_value_heads=2, head_dim=64)
     one = kv_cache_bytes(target, max_model_len=2048, max_num_seqs=1)
     reserve = 1 << 30
-    monkeypatch.setattr(kv_cache_size, "available_memory", lambda: reserve + 20 * one)
-    assert fitting_seqs(target, 2048, 128, reserve=reserve) == 16
-    monkeypatch.setattr(kv_cache_size, "available_memory", lambda: 0)
-    assert fitting_seqs(target, 2048, 128, reserve=reserve) == 1
-    monkeypatch.setattr(kv_cache_size, "available_memory", lambda: None)
-    assert fitting_seqs(target, 2048, 128, reserve=reserve) == 128
+
+    def machine(system, node):
+        monkeypatch.setattr(kv_cache_size, "available_memory", lambda: system)
+        monkeypatch.setattr(kv_cache_size, "kv_limit", lambda: node)
+        return fitting_seqs(target, 2048, 128, reserve=reserve)
+
+    assert machine(reserve + 20 * one, None) == 16  # the system's memory, less the reserve
+    assert machine(100 * reserve, 20 * one) == 16  # vLLM's node limit, however much the system has
+    assert machine(0, 20 * one) == 1
+    assert machine(None, None) == 128
 
 
 def test_draft_model_layers_and_tree_scratch_are_counted(tmp_path):

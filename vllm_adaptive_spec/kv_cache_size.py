@@ -158,22 +158,23 @@ def engine_kwargs(
 
 
 def available_memory() -> int | None:
-    """Host memory a new engine may take, or None where engines live on a GPU
-    or the figure is unknown: the smaller of the system's ``MemAvailable``
-    and what vLLM's CPU worker checks an explicit KV cache against (free,
-    file-backed and reclaimable memory of the NUMA node of the first CPU
-    this process may run on). Decision: both, since some machines report a
-    node far smaller than the system (9 of 23 GiB), and vLLM refuses a cache
-    the node cannot hold however much the system has."""
+    """Host memory available to new engines (the system's ``MemAvailable``),
+    or None where engines live on a GPU or the figure is unknown."""
+    import torch
+
+    return None if torch.cuda.is_available() else _meminfo("/proc/meminfo", ("MemAvailable",))
+
+
+def kv_limit() -> int | None:
+    """The largest explicit KV cache vLLM's CPU worker accepts, or None where
+    engines live on a GPU or the figure is unknown: the free, file-backed and
+    reclaimable memory of the NUMA node of the first CPU this process may run
+    on, which vLLM checks the cache against. It can be far below the system's
+    figure (a machine reported a node of 9 GiB in 23), whatever the system has."""
     import torch
 
     if torch.cuda.is_available():
         return None
-    figures = [figure for figure in (_meminfo("/proc/meminfo", ("MemAvailable",)), _node_available()) if figure]
-    return min(figures) if figures else None
-
-
-def _node_available() -> int | None:
     cpu = min(os.sched_getaffinity(0))
     nodes = [name for name in _listdir(f"/sys/devices/system/cpu/cpu{cpu}") if name.startswith("node")]
     if not nodes:
@@ -201,11 +202,13 @@ def _meminfo(path: str, keys: tuple[str, ...]) -> int | None:
 
 def fitting_seqs(model: str | Path, max_model_len: int, wanted: int, dtype: str = "auto", reserve: int = 2 << 30) -> int:
     """The most requests, at most ``wanted`` and halving from it, whose KV
-    cache (:func:`kv_cache_bytes`) leaves ``reserve`` bytes of
-    :func:`available_memory` for the engine's weights and runtime; at least 1."""
-    available = available_memory()
+    cache (:func:`kv_cache_bytes`) vLLM accepts (:func:`kv_limit`) and
+    leaves ``reserve`` bytes of :func:`available_memory` for the engine's
+    weights and runtime; at least 1."""
+    system = available_memory()
+    limits = [limit for limit in (kv_limit(), None if system is None else system - reserve) if limit is not None]
     seqs = wanted
-    while available is not None and seqs > 1 and (
-            kv_cache_bytes(model, max_model_len=max_model_len, max_num_seqs=seqs, dtype=dtype) + reserve > available):
+    while limits and seqs > 1 and kv_cache_bytes(model, max_model_len=max_model_len, max_num_seqs=seqs,
+                                                 dtype=dtype) > min(limits):
         seqs //= 2
     return seqs

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -18,86 +17,14 @@ import torch
 
 from vllm_adaptive_spec.adapter import step_mode
 from vllm_adaptive_spec.adapter.config_hook import tree_config_of
-from vllm_adaptive_spec.adapter.request_options import Failures, speculation_allowed
+from vllm_adaptive_spec.adapter.request_options import Failures
+from vllm_adaptive_spec.adapter.tree_stats import TreeStats
 from vllm_adaptive_spec.budget.load_budget import LoadBudget
 from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.trees.growth import grow, reachable_depth
 from vllm_adaptive_spec.budget.pause_control import StepDecision
 from vllm_adaptive_spec.budget.step_cost import StepCostFit
 from vllm_adaptive_spec.trees.tree import DraftTree
-
-
-@dataclass
-class TreeStats:
-    """Counters since the engine started, and the last verification step's
-    (read with ``LLM.collective_rpc("adaptive_tree_stats")``)."""
-
-    steps: int = 0
-    trees_verified: int = 0
-    nodes_verified: int = 0
-    tokens_accepted: int = 0
-    draft_passes: int = 0
-    proposals: int = 0  # steps that asked for trees
-    paused: int = 0  # of them, steps the load budget did not draft
-    controls: int = 0  # of those, control steps (nothing drafted, so the step-cost fit sees tree-less steps)
-    probes: int = 0  # of the others, steps that drafted to look after a pause (for a few requests)
-    leaf_paths: int = 0  # verified trees whose accepted path reached a leaf
-    paused_trees: int = 0  # trees drafted while paused (by a drafter's paused part)
-    newcomer_probes: int = 0  # trees drafted while paused for requests that never had one verified
-    trust_cuts: int = 0  # steps whose nodes the load budget's trust region cut
-    grammar_cut_nodes: int = 0  # drafted nodes a structured request's grammar removed before verification
-    forced_nodes: int = 0  # tokens a structured request's grammar forced, verified as chains (``tree_scheduler``)
-    forced_accepted: int = 0  # of them, accepted
-    last_step: dict[str, int] = field(default_factory=dict)
-
-    def record_step(self, trees: int, nodes: int, accepted: int) -> None:
-        self.steps += 1
-        self.trees_verified += trees
-        self.nodes_verified += nodes
-        self.tokens_accepted += accepted
-        self.last_step = {"trees": trees, "nodes": nodes, "tokens_committed": accepted + trees}
-
-    def record_forced(self, nodes: int, accepted: int) -> None:
-        """A step's chains of grammar-forced tokens (not the drafter's trees)."""
-        self.forced_nodes += nodes
-        self.forced_accepted += accepted
-
-    def as_dict(self) -> dict:
-        trees = max(self.trees_verified, 1)
-        return {
-            "steps": self.steps,
-            "trees_verified": self.trees_verified,
-            "nodes_verified": self.nodes_verified,
-            "tokens_accepted": self.tokens_accepted,
-            "draft_passes": self.draft_passes,
-            "proposals": self.proposals,
-            "paused": self.paused,
-            "controls": self.controls,
-            "probes": self.probes,
-            "leaf_paths": self.leaf_paths,
-            "paused_trees": self.paused_trees,
-            "newcomer_probes": self.newcomer_probes,
-            "trust_cuts": self.trust_cuts,
-            "grammar_cut_nodes": self.grammar_cut_nodes,
-            "forced_nodes": self.forced_nodes,
-            "forced_accepted": self.forced_accepted,
-            "drafting_share": 1.0 - self.paused / max(self.proposals, 1),
-            "tau": 1.0 + self.tokens_accepted / trees,
-            "nodes_per_tree": self.nodes_verified / trees,
-            "last_step": dict(self.last_step),
-        }
-
-
-def can_draft(sampling_params) -> bool:
-    """Whether a request may get a tree: its sampling must be exactly what the
-    tree verifier reproduces (penalties and bad words along each row's path,
-    logit bias, ``min_p`` and ``min_tokens`` included: ``tree_history``,
-    ``tree_logits_processors``; structured output masked per node by the
-    scheduler, ``tree_scheduler``). Requests with a thinking budget are
-    served without speculation instead, and so are those that switched it
-    off (``request_options``)."""
-    return (sampling_params is not None and sampling_params.thinking_token_budget is None
-            and speculation_allowed(sampling_params))
 
 
 class _Part(NamedTuple):
@@ -108,6 +35,25 @@ class _Part(NamedTuple):
     policy: object
     budget: LoadBudget | None
     paused: bool
+
+
+class _StepRequests(NamedTuple):
+    """What :meth:`TreeProposer.propose_trees` is given about the step's requests."""
+
+    request_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    num_tokens: np.ndarray
+    token_ids: np.ndarray
+    prompt_lens: np.ndarray | None
+    sampled_pending: bool
+
+
+class FillPass(NamedTuple):
+    """A fill's first pass (:meth:`TreeProposer.propose_trees`): the batch
+    rows it fed for drafting and the seconds of it that are the step's own."""
+
+    rows: set[int]
+    seconds: float
 
 
 class TreeProposer:
@@ -138,24 +84,38 @@ class TreeProposer:
         paused_part = getattr(self.drafter, "paused_part", None)
         self._paused_part = (None, None) if paused_part is None else paused_part()
         self._from_paused_part: set[str] = set()  # requests whose last tree came from it
+        # What drafts, while the drafter is paused, the requests its paused part left
+        # without a tree: the hybrid's model drafter alone (its head where the trie has no match).
+        fill_part = getattr(self.drafter, "fill_part", None)
+        self._fill_drafter = None if fill_part is None else fill_part()
+        self._from_fill: set[str] = set()  # requests whose last tree came from it
         self._verified: set[str] = set()  # requests that have had a tree verified (others are newcomers)
         self.failures = Failures()  # drafting that raised costs the step's trees (``request_options``)
         # The step mode's cost model (``cost_models``), shared by the load budgets.
         self.cost = self.mode.cost_model(StepCostFit()) if self.config.load_budget == "adaptive" else None
-        self.load_budget, self.paused_budget = self._budgets()
+        self.load_budget, self.paused_budget, self.fill_budget = self._budgets()
 
-    def _budgets(self) -> tuple[LoadBudget | None, LoadBudget | None]:
-        """The drafter's load budget and its paused part's, over the one
-        cost model. Decision: the paused part's drafting is not free
+    def _budgets(self) -> tuple[LoadBudget | None, LoadBudget | None, LoadBudget | None]:
+        """The drafter's load budget, its paused part's and its fill's, over
+        the one cost model. Decision: the paused part's drafting is not free
         (drafting every step, the trie's index and growth take 4% of the step
         time at batch 64, where its trees rarely pay), so it pauses on its
         own measured cost, and its trees calibrate its own rho rather than
-        the model's; the step's measured costs are shared."""
+        the model's; the step's measured costs are shared. The fill's
+        budget is the model's decision where the trie has nothing: its
+        trees are judged against no drafting, not against the trie (which
+        the drafter's own budget judges the merged trees against)."""
         if self.cost is None:
-            return None, None
+            return None, None, None
         drafter_budget = LoadBudget(self.config.budget, self.cost, realized=getattr(self.drafter, "is_model", False))
         paused = LoadBudget(self.config.budget, self.cost, realized=False) if self._paused_part[0] is not None else None
-        return drafter_budget, paused
+        fill = LoadBudget(self.config.budget, self.cost, realized=True) if self._fill_drafter is not None else None
+        return drafter_budget, paused, fill
+
+    @property
+    def fills(self) -> bool:
+        """Whether a paused step may fill (:meth:`propose_trees`' ``fill_pass``)."""
+        return self._fill_drafter is not None
 
     def load_model(self, *args, **kwargs) -> None:
         """Only the retrieval drafter runs as vLLM's drafter object, and it has no
@@ -170,6 +130,7 @@ class TreeProposer:
         for request_id in request_ids:
             self.trees.pop(request_id, None)
             self._from_paused_part.discard(request_id)
+            self._from_fill.discard(request_id)
             self._verified.discard(request_id)
             self.drafter.forget(request_id, finished=request_id in finished)
             self.policy.forget(request_id)
@@ -180,21 +141,21 @@ class TreeProposer:
         """How many requests each part keeps state for: all zero once every
         request has finished, been aborted or been preempted."""
         return {
-            "trees": len(self.trees.keys() | self._from_paused_part | self._verified),
+            "trees": len(self.trees.keys() | self._from_paused_part | self._from_fill | self._verified),
             "drafter": self.drafter.requests_held(),
             "policy": self.policy.requests_held(),
             "budget": sum(budget.requests_held() for budget in self._active_budgets()),
         }
 
     def _active_budgets(self) -> list[LoadBudget]:
-        return [b for b in (self.load_budget, self.paused_budget) if b is not None]
+        return [b for b in (self.load_budget, self.paused_budget, self.fill_budget) if b is not None]
 
     def depth_choices(self) -> dict[int, int]:
-        """How many drafting steps the load budget gave each draft depth (a
-        model drafter's; empty without one)."""
-        if self.load_budget is None:
-            return {}
-        return {depth: int(count) for depth, count in enumerate(self.load_budget.depth.choices) if count}
+        """How many drafting steps the load budgets gave each draft depth (a
+        model drafter's and its fill's; empty without one)."""
+        budgets = [budget for budget in (self.load_budget, self.fill_budget) if budget is not None]
+        counts = sum(budget.depth.choices for budget in budgets) if budgets else []
+        return {depth: int(count) for depth, count in enumerate(counts) if count}
 
     def clear_shared_datastore(self) -> int:
         """Empty the retrieval drafter's shared datastore; the tokens dropped."""
@@ -209,7 +170,8 @@ class TreeProposer:
             if self.recorder is not None:
                 self.recorder(tree, nodes)
             paused = request_id in self._from_paused_part
-            budget = self.paused_budget if paused else self.load_budget
+            budget = (self.paused_budget if paused else self.fill_budget if request_id in self._from_fill
+                      else self.load_budget)
             if budget is not None:
                 budget.observe_tree(tree, nodes, request_id)
             if not paused:
@@ -279,6 +241,7 @@ class TreeProposer:
         prompt_lens: np.ndarray | None = None,
         sampled_pending: bool = False,
         first_pass_seconds: float = 0.0,
+        fill_pass: Callable[[set[int]], FillPass] | None = None,
     ) -> list[list[int]]:
         """One tree of at most ``N`` nodes per request (empty when it may not
         draft, or when the step's ``decision`` (:meth:`begin_step`) does not
@@ -290,36 +253,91 @@ class TreeProposer:
         step's sampled tokens yet (model drafters run before vLLM's
         bookkeeping), so each context is its committed tokens followed by
         them. ``first_pass_seconds``: a model drafter's pass over this
-        step's committed tokens, run before this call; part of the drafting cost."""
+        step's committed tokens, run before this call; part of the drafting
+        cost. ``fill_pass``: on a paused step of a drafter that fills
+        (:attr:`fills`), the step's first pass, run by the engine for the
+        batch rows the fill asks for (see :meth:`_filled`)."""
+        fill = self._fill_decision(decision, fill_pass)
+        if fill is not None and fill.control:  # a draft-free step for the step-cost fit (``pause_control``)
+            decision, fill = decision._replace(control=True), None
         self._count(decision)
         part, newcomers = self._drafting_part(decision), False
         if part is None and not decision.control:
             part, newcomers = self._newcomer_part(), True
         self._from_paused_part.clear()
-        if newcomers:
-            eligible = [ok and request_id not in self._verified for ok, request_id in zip(eligible, request_ids)]
-        active, budgets, contexts = self._drafting_requests(
-            request_ids, sampled_token_ids, num_tokens, token_ids, eligible, sampled_pending, part is not None)
-        drafts: list[list[int]] = [[] for _ in request_ids]
-        if not active:
+        self._from_fill.clear()
+        step = _StepRequests(request_ids, sampled_token_ids, num_tokens, token_ids, prompt_lens, sampled_pending)
+        drafting = [ok and (not newcomers or request_id not in self._verified)
+                    for ok, request_id in zip(eligible, request_ids)] if part is not None else [False] * len(eligible)
+        drafts = self._part_drafts(part, decision.drafts, newcomers, step, drafting, first_pass_seconds)
+        if fill is not None and fill.drafts:
+            drafts = self._filled(step, eligible, drafts, fill_pass, fill.limit)
+        for request_id, draft in zip(request_ids, drafts):
+            if not draft:
+                self.trees.pop(request_id, None)
+        return self.mode.scheduled(drafts, [bool(sampled) for sampled in sampled_token_ids], self.max_step_tokens)
+
+    def _part_drafts(self, part: _Part | None, drafting: bool, newcomers: bool, step: _StepRequests,
+                     eligible: list[bool], first_pass_seconds: float = 0.0) -> list[list[int]]:
+        """Each request's draft from ``part`` (empty where it drafts none);
+        its trees kept for the runner's layout."""
+        active, budgets, contexts = self._drafting_requests(step, eligible)
+        drafts: list[list[int]] = [[] for _ in step.request_ids]
+        if part is None or not active:
             return drafts
-        active_ids = [request_ids[i] for i in active]
-        plain = sum(1 for sampled in sampled_token_ids if sampled) - len(active)
-        lens = None if prompt_lens is None else [int(prompt_lens[i]) for i in active]
-        trees = self._isolated_trees(part, decision.drafts, newcomers, active, active_ids, contexts, budgets, lens,
+        active_ids = [step.request_ids[i] for i in active]
+        plain = sum(1 for sampled in step.sampled_token_ids if sampled) - len(active)
+        lens = None if step.prompt_lens is None else [int(step.prompt_lens[i]) for i in active]
+        trees = self._isolated_trees(part, drafting, newcomers, active, active_ids, contexts, budgets, lens,
                                      plain, first_pass_seconds)
+        drawn = [request_id for request_id, tree in zip(active_ids, trees) if len(tree)]
         if part.paused:
-            self._from_paused_part.update(active_ids)
-            self.stats.paused_trees += sum(1 for tree in trees if len(tree))
+            self._from_paused_part.update(drawn)
+            self.stats.paused_trees += len(drawn)
         if newcomers:
-            self.stats.newcomer_probes += sum(1 for tree in trees if len(tree))
+            self.stats.newcomer_probes += len(drawn)
         for i, tree in zip(active, trees):
             if len(tree):
-                self.trees[request_ids[i]] = tree
+                self.trees[step.request_ids[i]] = tree
                 drafts[i] = tree.tokens
-            else:
-                self.trees.pop(request_ids[i], None)
-        return self.mode.scheduled(drafts, [bool(sampled) for sampled in sampled_token_ids], self.max_step_tokens)
+        return drafts
+
+    def _fill_decision(self, decision: StepDecision, fill_pass) -> StepDecision | None:
+        """What the fill does on this step (None: it cannot fill: the
+        drafter drafts, or the step is a control step, or the engine gave
+        no ``fill_pass``): its budget's decision, taken before the paused
+        part drafts, since a control step of the fill's budget is draft-free
+        for every part (while the model is paused, its own budget asks for
+        none, and the fit and a uniform step's shape table need steps
+        without trees); with every node verified, a fill."""
+        if fill_pass is None or not self.fills or decision.drafts or decision.control:
+            return None
+        return StepDecision(drafts=True) if self.fill_budget is None else self.fill_budget.begin_step()
+
+    def _filled(self, step: _StepRequests, eligible: list[bool], drafts: list[list[int]],
+                fill_pass: Callable[[set[int]], FillPass], limit: int | None) -> list[list[int]]:
+        """The paused step's drafts with the fill's trees added: the model
+        drafter alone (the hybrid's head, its depth and nodes chosen by the
+        fill's budget against no drafting) for the requests the paused part
+        (the trie) left without a tree (at most ``limit``); its first
+        pass is run for those rows only, the others staying paused. With every
+        node verified (no budgets), every such request is filled. Decision:
+        the trie's trees count as plain rows in the fill's cost, so a fill is
+        judged as if the trie's extra rows were free, which they are not at
+        large batches, where the fill's own budget then stops it."""
+        wanted = [i for i, ok in enumerate(eligible) if ok and step.sampled_token_ids[i] and not drafts[i]]
+        wanted = wanted[:limit] if limit is not None else wanted
+        if not wanted:
+            return drafts
+        first = fill_pass(set(wanted))
+        part = _Part(self._fill_drafter, self.policy, self.fill_budget, paused=False)
+        filled = self._part_drafts(part, False, False, step, [i in first.rows for i in range(len(eligible))],
+                                   first.seconds)
+        for i, draft in enumerate(filled):
+            if draft:
+                self._from_fill.add(step.request_ids[i])
+                self.stats.fill_trees += 1
+        return [draft or fill for draft, fill in zip(drafts, filled)]
 
     def _count(self, decision: StepDecision) -> None:
         self.stats.proposals += 1
@@ -327,20 +345,16 @@ class TreeProposer:
         self.stats.controls += decision.control
         self.stats.probes += decision.probing
 
-    def _drafting_requests(self, request_ids, sampled_token_ids, num_tokens, token_ids, eligible,
-                           sampled_pending: bool, any_drafter: bool) -> tuple[list[int], list[int], Contexts]:
-        """The batch rows that draft this step, their node budgets and
-        contexts (one gather from the token array); the others' kept trees
-        are dropped."""
-        lengths = np.asarray(num_tokens[: len(request_ids)], dtype=np.int64)
+    def _drafting_requests(self, step: _StepRequests, eligible: list[bool]) -> tuple[list[int], list[int], Contexts]:
+        """The batch rows that draft (``eligible`` ones that sampled and have
+        room for a node), their node budgets and contexts (one gather from
+        the token array)."""
+        lengths = np.asarray(step.num_tokens[: len(step.request_ids)], dtype=np.int64)
         budgets = np.minimum(self.config.budget, self.max_model_len - lengths - 1)
-        sampled = np.array([bool(tokens) for tokens in sampled_token_ids], dtype=bool)
-        drafting = sampled & np.asarray(eligible, dtype=bool) & (budgets > 0) & any_drafter
-        for i in np.flatnonzero(~drafting).tolist():
-            self.trees.pop(request_ids[i], None)
-        active = np.flatnonzero(drafting)
-        pending = [sampled_token_ids[i] for i in active.tolist()] if sampled_pending else None
-        return active.tolist(), budgets[active].tolist(), Contexts.gather(token_ids, active, lengths[active], pending)
+        sampled = np.array([bool(tokens) for tokens in step.sampled_token_ids], dtype=bool)
+        active = np.flatnonzero(sampled & np.asarray(eligible, dtype=bool) & (budgets > 0))
+        pending = [step.sampled_token_ids[i] for i in active.tolist()] if step.sampled_pending else None
+        return active.tolist(), budgets[active].tolist(), Contexts.gather(step.token_ids, active, lengths[active], pending)
 
     def _isolated_trees(self, part: _Part, drafting: bool, newcomers: bool, active, active_ids, contexts, budgets,
                         lens, plain: int, first_pass_seconds: float) -> list[DraftTree]:

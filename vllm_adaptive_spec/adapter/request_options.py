@@ -39,6 +39,18 @@ def speculation_allowed(sampling_params) -> bool:
     return extra.get(SPECULATION_KEY, "on") != "off"
 
 
+def can_draft(sampling_params) -> bool:
+    """Whether a request may get a tree: its sampling must be exactly what the
+    tree verifier reproduces (penalties and bad words along each row's path,
+    logit bias, ``min_p`` and ``min_tokens`` included: ``tree_history``,
+    ``tree_logits_processors``; structured output masked per node by the
+    scheduler, ``tree_scheduler``). Requests with a thinking budget are
+    served without speculation instead, and so are those that switched it
+    off (see above)."""
+    return (sampling_params is not None and sampling_params.thinking_token_budget is None
+            and speculation_allowed(sampling_params))
+
+
 def check_speculation_option(sampling_params) -> None:
     """Refuse an unknown ``speculation`` value, as vLLM refuses a bad sampling parameter (HTTP 400)."""
     from vllm.exceptions import VLLMValidationError

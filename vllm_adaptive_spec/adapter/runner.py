@@ -40,8 +40,9 @@ from vllm_adaptive_spec.adapter.cudagraphs import TreeCudagraphDispatcher
 from vllm_adaptive_spec.adapter.draft_head import HeadDraftBackend
 from vllm_adaptive_spec.adapter.draft_lm import LMDraftBackend
 from vllm_adaptive_spec.adapter.drafted_share import DraftedShare
-from vllm_adaptive_spec.adapter.proposer import TreeProposer, can_draft
 from vllm_adaptive_spec.adapter.pending import PendingAcceptance
+from vllm_adaptive_spec.adapter.proposer import FillPass, TreeProposer
+from vllm_adaptive_spec.adapter.request_options import can_draft
 from vllm_adaptive_spec.adapter.sampling_controls import builtin_logits_processors
 from vllm_adaptive_spec.adapter.tree_impl import check_tree_backends
 from vllm_adaptive_spec.adapter.tree_scheduler import TreeDraftTokenIds
@@ -376,28 +377,42 @@ class TreeRunnerMixin:
                                         uniform)
         decision = self.tree_proposer.begin_step()
         drafting = decision.drafts
-        first_pass_seconds = 0.0
-        probe_rows = None
-        if self._draft_backend is not None:
-            probe = decision.limit if drafting else None
-            probe_rows = None if probe is None else self._draft_backend.least_behind(probe)
-            started = time.perf_counter()
-            own_share = self._draft_backend.first_pass(
-                aux_hidden_states, common_attn_metadata.block_table_tensor, self._accepted_rows, sampled_token_ids,
-                drafting, probe_rows,
-            )
-            first_pass_seconds = own_share * (time.perf_counter() - started)
         backend = self._draft_backend
+        # A paused step of a drafter that fills runs its first pass when the fill
+        # knows its rows (``TreeProposer.propose_trees``); every step runs exactly one.
+        fills = backend is not None and not drafting and not decision.control and self.tree_proposer.fills
+        passes: list[FillPass] = []
+
+        def first_pass(draft: bool, rows: set[int] | None) -> FillPass:
+            started = time.perf_counter()
+            own_share = backend.first_pass(aux_hidden_states, common_attn_metadata.block_table_tensor,
+                                           self._accepted_rows, sampled_token_ids, draft, rows)
+            passes.append(FillPass(set(range(len(req_ids))) if rows is None else rows,
+                                   own_share * (time.perf_counter() - started)))
+            return passes[-1]
+
+        def fill_pass(rows: set[int]) -> FillPass:
+            return first_pass(True, {i for i in rows if backend.can_draft(req_ids[i])})
+
+        probe_rows = None
+        if backend is not None and not fills:
+            probe = decision.limit if drafting else None
+            probe_rows = None if probe is None else backend.least_behind(probe)
+            first_pass(drafting, probe_rows)
         eligible = [
             can_draft(self.requests[r].sampling_params)
             and (probe_rows is None or i in probe_rows)
             and (not drafting or backend is None or backend.can_draft(r))
             for i, r in enumerate(req_ids)
         ]
-        return self.tree_proposer.propose_trees(
+        drafts = self.tree_proposer.propose_trees(
             req_ids, sampled_token_ids, num_tokens, batch.token_ids_cpu, eligible, decision,
-            batch.num_prompt_tokens, sampled_pending, first_pass_seconds,
+            batch.num_prompt_tokens, sampled_pending, passes[0].seconds if passes else 0.0,
+            fill_pass if fills else None,
         )
+        if fills and not passes:
+            first_pass(False, None)
+        return drafts
 
     def take_draft_token_ids(self) -> TreeDraftTokenIds | None:
         """vLLM's drafts with each request's tree parents, for the scheduler's

@@ -27,6 +27,14 @@ no model pass, so pausing the model need not give up the retrieval side's
 tokens. It has a load budget of its own (its cost is measured, and it
 pauses where its trees do not pay, as the ``retrieval`` drafter does). The
 model's draft state is kept as for any paused model drafter.
+
+Decision (the fill): on such a step, a request whose trie has no match (or
+whose trie tree the trie's budget drops) would verify nothing, so the model
+drafts its tree alone for it (:meth:`fill_part`), sized by a load budget of
+its own that judges those trees against no drafting. The model's budget
+judges the merged trees against the trie alone, so a head that adds little
+where the trie matches is paused there and still drafts where nothing else
+does.
 """
 
 from __future__ import annotations
@@ -90,6 +98,11 @@ class HybridDrafter:
     def paused_part(self) -> tuple[RetrievalDrafter, RetrievalPolicy]:
         """What drafts while the model is paused: the retrieval trie and its policy."""
         return self.retrieval, RetrievalPolicy()
+
+    def fill_part(self) -> Eagle3Drafter | DraftModelDrafter:
+        """What drafts, while the model is paused, the requests the trie
+        left without a tree: the model drafter alone (see "the fill")."""
+        return self.model
 
     def bind(self, backend: DraftBackend, fanout: int, entropy_top_m: int = 0) -> None:
         self.model.bind(backend, fanout, entropy_top_m)

@@ -50,6 +50,20 @@ def build_draft_vocab(sequences: list[dict], size: int, vocab_size: int) -> torc
     return torch.tensor(sorted(chosen))
 
 
+def first_answer_tokens(sequences: list[dict], limit: int) -> list[dict]:
+    """The leading ``sequences`` whose answer tokens add up to at most
+    ``limit`` (all of them for 0): nested training sets of one corpus, for a
+    curve of agreement against training data."""
+    if limit <= 0:
+        return sequences
+    total = 0
+    for count, seq in enumerate(sequences):
+        total += len(seq["tokens"]) - seq["prompt_len"]
+        if total > limit:
+            return sequences[:count]
+    return sequences
+
+
 def init_from_target(head: Eagle3Head, target, draft_ids: torch.Tensor) -> None:
     last = target.model.layers[-1]
     h = head.config.hidden_size
@@ -146,6 +160,7 @@ def train(args) -> None:
     random.Random(args.seed).shuffle(sequences)
     held = max(1, int(len(sequences) * args.holdout))
     heldout, trainset = sequences[:held], sequences[held:]
+    trainset = first_answer_tokens(trainset, args.train_tokens)
 
     from vllm_adaptive_spec.training.features import load_target
 
@@ -258,6 +273,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--holdout", type=float, default=0.03)
+    p.add_argument("--train-tokens", type=int, default=0,
+                   help="train on the leading sequences (after the seeded shuffle) of at most this many answer tokens; "
+                        "0: all. The held-out split does not change")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
