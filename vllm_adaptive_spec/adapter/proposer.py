@@ -49,8 +49,9 @@ class _StepRequests(NamedTuple):
 
 
 class FillPass(NamedTuple):
-    """A fill's first pass (:meth:`TreeProposer.propose_trees`): the batch
-    rows it fed for drafting and the seconds of it that are the step's own."""
+    """A first pass (:meth:`TreeProposer.propose_trees`): the batch rows it
+    fed for drafting and the seconds the step's drafting is charged (the
+    step's own share, or for a fill the whole pass, catch-up included)."""
 
     rows: set[int]
     seconds: float

@@ -383,16 +383,19 @@ class TreeRunnerMixin:
         fills = backend is not None and not drafting and not decision.control and self.tree_proposer.fills
         passes: list[FillPass] = []
 
-        def first_pass(draft: bool, rows: set[int] | None) -> FillPass:
+        def first_pass(draft: bool, rows: set[int] | None, catch_up_charged: bool = False) -> FillPass:
             started = time.perf_counter()
             own_share = backend.first_pass(aux_hidden_states, common_attn_metadata.block_table_tensor,
                                            self._accepted_rows, sampled_token_ids, draft, rows)
+            share = 1.0 if catch_up_charged else own_share
             passes.append(FillPass(set(range(len(req_ids))) if rows is None else rows,
-                                   own_share * (time.perf_counter() - started)))
+                                   share * (time.perf_counter() - started)))
             return passes[-1]
 
         def fill_pass(rows: set[int]) -> FillPass:
-            return first_pass(True, {i for i in rows if backend.can_draft(req_ids[i])})
+            # The fill is charged its catch-up too: the rows the trie's steps left
+            # behind are fed because it drafts, and again after every trie run.
+            return first_pass(True, {i for i in rows if backend.can_draft(req_ids[i])}, catch_up_charged=True)
 
         probe_rows = None
         if backend is not None and not fills:
