@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.options import REPO
+from vllm_adaptive_spec.kv_cache_size import available_memory  # noqa: F401 - the runs' memory figure
 
 HEAD = REPO / "heads" / "smollm2-135m-eagle3"
 # vLLM's n-gram drafter as the benchmarks compare against it (K = 4).

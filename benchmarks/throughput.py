@@ -42,7 +42,6 @@ from pathlib import Path
 from benchmarks import engine_worker, engines
 from benchmarks.options import REPO, add_batches, add_output, add_sampling, add_workload, parse_spec
 from benchmarks.report import checkout_commit, compare, fmt, installed_vllm_version, machine, machine_line, pyplot, save_ratio_plot, write_report
-from vllm_adaptive_spec.kv_cache_size import available_memory
 
 
 def _tree(args, drafter: str, policy: str, budget: int | None = None, model: str | None = None, **params) -> dict:
@@ -335,7 +334,7 @@ def _run_engines(args, methods: list[str], plan: _Plan, work: Path, log, keep) -
     script = Path(__file__).resolve()
     runnable = [m for m in methods if not (m == "suffix" and suffix_error is not None)]
     planned = {m: plan.job(m, batch_sizes, max(batch_sizes)) for m in runnable}
-    problem = engines.memory_problem(planned, args.engine_per == "interleaved", available_memory())
+    problem = engines.memory_problem(planned, args.engine_per == "interleaved", engines.available_memory())
     if problem:
         raise SystemExit(f"throughput.py: {problem}")
     if args.engine_per == "interleaved":
