@@ -41,9 +41,10 @@ from vllm_adaptive_spec.adapter.draft_head import HeadDraftBackend
 from vllm_adaptive_spec.adapter.draft_lm import LMDraftBackend
 from vllm_adaptive_spec.adapter.drafted_share import DraftedShare
 from vllm_adaptive_spec.adapter.pending import PendingAcceptance
-from vllm_adaptive_spec.adapter.proposer import FillPass, TreeProposer
+from vllm_adaptive_spec.adapter.proposer import TreeProposer
 from vllm_adaptive_spec.adapter.request_options import can_draft
 from vllm_adaptive_spec.adapter.sampling_controls import builtin_logits_processors
+from vllm_adaptive_spec.adapter.step_first_pass import StepFirstPass
 from vllm_adaptive_spec.adapter.tree_impl import check_tree_backends
 from vllm_adaptive_spec.adapter.tree_scheduler import TreeDraftTokenIds
 from vllm_adaptive_spec.adapter.verifier import TreeVerifier
@@ -376,46 +377,31 @@ class TreeRunnerMixin:
                                         sum(1 for d in drafts if d and not placeholder_drafts(d)), self._branching_trees,
                                         uniform)
         decision = self.tree_proposer.begin_step()
-        drafting = decision.drafts
+        first = None if self._draft_backend is None else StepFirstPass(
+            self._draft_backend, aux_hidden_states, common_attn_metadata.block_table_tensor, self._accepted_rows,
+            sampled_token_ids, req_ids)
+        # A paused step of a drafter that fills runs its first pass when the fill knows its rows.
+        fills = first is not None and not decision.drafts and not decision.control and self.tree_proposer.fills
+        probe_rows = None if first is None or fills else first.now(decision.drafts, decision.limit)
+        drafts = self.tree_proposer.propose_trees(
+            req_ids, sampled_token_ids, num_tokens, batch.token_ids_cpu,
+            self._eligible(req_ids, decision.drafts, probe_rows), decision, batch.num_prompt_tokens,
+            sampled_pending, 0.0 if first is None else first.seconds, first.fill if fills else None,
+        )
+        if first is not None:
+            first.finish()
+        return drafts
+
+    def _eligible(self, req_ids: list[str], drafting: bool, probe_rows: set[int] | None) -> list[bool]:
+        """Which requests may get a tree this step: their sampling allows one,
+        a probe's rows only, and on a drafting step those the draft model can draft for."""
         backend = self._draft_backend
-        # A paused step of a drafter that fills runs its first pass when the fill
-        # knows its rows (``TreeProposer.propose_trees``); every step runs exactly one.
-        fills = backend is not None and not drafting and not decision.control and self.tree_proposer.fills
-        passes: list[FillPass] = []
-
-        def first_pass(draft: bool, rows: set[int] | None, catch_up_charged: bool = False) -> FillPass:
-            started = time.perf_counter()
-            own_share = backend.first_pass(aux_hidden_states, common_attn_metadata.block_table_tensor,
-                                           self._accepted_rows, sampled_token_ids, draft, rows)
-            share = 1.0 if catch_up_charged else own_share
-            passes.append(FillPass(set(range(len(req_ids))) if rows is None else rows,
-                                   share * (time.perf_counter() - started)))
-            return passes[-1]
-
-        def fill_pass(rows: set[int]) -> FillPass:
-            # The fill is charged its catch-up too: the rows the trie's steps left
-            # behind are fed because it drafts, and again after every trie run.
-            return first_pass(True, {i for i in rows if backend.can_draft(req_ids[i])}, catch_up_charged=True)
-
-        probe_rows = None
-        if backend is not None and not fills:
-            probe = decision.limit if drafting else None
-            probe_rows = None if probe is None else backend.least_behind(probe)
-            first_pass(drafting, probe_rows)
-        eligible = [
+        return [
             can_draft(self.requests[r].sampling_params)
             and (probe_rows is None or i in probe_rows)
             and (not drafting or backend is None or backend.can_draft(r))
             for i, r in enumerate(req_ids)
         ]
-        drafts = self.tree_proposer.propose_trees(
-            req_ids, sampled_token_ids, num_tokens, batch.token_ids_cpu, eligible, decision,
-            batch.num_prompt_tokens, sampled_pending, passes[0].seconds if passes else 0.0,
-            fill_pass if fills else None,
-        )
-        if fills and not passes:
-            first_pass(False, None)
-        return drafts
 
     def take_draft_token_ids(self) -> TreeDraftTokenIds | None:
         """vLLM's drafts with each request's tree parents, for the scheduler's
