@@ -324,14 +324,14 @@ def test_the_head_fills_the_requests_the_trie_leaves_without_a_tree():
     """A paused step: a (whose context repeats) gets the trie's tree; b, with
     no match, the head's tree alone, its first pass run for b's row only,
     timed and calibrated into the fill's own budget, its tree the policy's."""
-    from vllm_adaptive_spec.adapter.proposer import FillPass
+    from vllm_adaptive_spec.adapter.proposer import FirstPass
 
     proposer = _paused_hybrid()
     asked = []
 
     def fill_pass(rows):
         asked.append(rows)
-        return FillPass(rows, 0.002)
+        return FirstPass(rows, 0.002)
 
     drafts = _paused_step(proposer, fill_pass)
     assert asked == [{1}] and drafts[0][:3] == [4, 4, 4] and drafts[1]
@@ -347,7 +347,7 @@ def test_the_head_fills_the_requests_the_trie_leaves_without_a_tree():
 
 
 def test_no_fill_where_its_budget_pauses_on_a_control_step_or_without_the_engines_pass():
-    from vllm_adaptive_spec.adapter.proposer import FillPass
+    from vllm_adaptive_spec.adapter.proposer import FirstPass
     from vllm_adaptive_spec.budget.pause_control import StepDecision
 
     def refused(rows):
@@ -360,7 +360,7 @@ def test_no_fill_where_its_budget_pauses_on_a_control_step_or_without_the_engine
     assert _paused_step(_paused_hybrid(), None)[1] == []
     limited = _paused_hybrid()
     limited.fill_budget.pauses._proven = False  # slow start: at most probe_requests rows (here one is wanted)
-    assert _paused_step(limited, lambda rows: FillPass(set(), 0.0))[1] == []  # the engine fed none of them
+    assert _paused_step(limited, lambda rows: FirstPass(set(), 0.0))[1] == []  # the engine fed none of them
 
 
 def test_a_control_step_of_the_fills_budget_is_draft_free_for_every_part():

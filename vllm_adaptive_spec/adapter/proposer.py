@@ -48,7 +48,7 @@ class _StepRequests(NamedTuple):
     sampled_pending: bool
 
 
-class FillPass(NamedTuple):
+class FirstPass(NamedTuple):
     """A first pass (:meth:`TreeProposer.propose_trees`): the batch rows it
     fed for drafting and the seconds the step's drafting is charged (the
     step's own share, or for a fill the whole pass, catch-up included)."""
@@ -113,10 +113,10 @@ class TreeProposer:
         fill = LoadBudget(self.config.budget, self.cost, realized=True) if self._fill_drafter is not None else None
         return drafter_budget, paused, fill
 
-    @property
-    def fills(self) -> bool:
-        """Whether a paused step may fill (:meth:`propose_trees`' ``fill_pass``)."""
-        return self._fill_drafter is not None
+    def may_fill(self, decision: StepDecision) -> bool:
+        """Whether a step of ``decision`` may fill (:meth:`propose_trees`'
+        ``fill_pass``): a paused step, not a control step, of a drafter that fills."""
+        return self._fill_drafter is not None and not decision.drafts and not decision.control
 
     def load_model(self, *args, **kwargs) -> None:
         """Only the retrieval drafter runs as vLLM's drafter object, and it has no
@@ -242,7 +242,7 @@ class TreeProposer:
         prompt_lens: np.ndarray | None = None,
         sampled_pending: bool = False,
         first_pass_seconds: float = 0.0,
-        fill_pass: Callable[[set[int]], FillPass] | None = None,
+        fill_pass: Callable[[set[int]], FirstPass] | None = None,
     ) -> list[list[int]]:
         """One tree of at most ``N`` nodes per request (empty when it may not
         draft, or when the step's ``decision`` (:meth:`begin_step`) does not
@@ -256,7 +256,7 @@ class TreeProposer:
         them. ``first_pass_seconds``: a model drafter's pass over this
         step's committed tokens, run before this call; part of the drafting
         cost. ``fill_pass``: on a paused step of a drafter that fills
-        (:attr:`fills`), the step's first pass, run by the engine for the
+        (:meth:`may_fill`), the step's first pass, run by the engine for the
         batch rows the fill asks for (see :meth:`_filled`)."""
         fill = self._fill_decision(decision, fill_pass)
         if fill is not None and fill.control:  # a draft-free step for the step-cost fit (``pause_control``)
@@ -311,12 +311,12 @@ class TreeProposer:
         for every part (while the model is paused, its own budget asks for
         none, and the fit and a uniform step's shape table need steps
         without trees); with every node verified, a fill."""
-        if fill_pass is None or not self.fills or decision.drafts or decision.control:
+        if fill_pass is None or not self.may_fill(decision):
             return None
         return StepDecision(drafts=True) if self.fill_budget is None else self.fill_budget.begin_step()
 
     def _filled(self, step: _StepRequests, eligible: list[bool], drafts: list[list[int]],
-                fill_pass: Callable[[set[int]], FillPass], limit: int | None) -> list[list[int]]:
+                fill_pass: Callable[[set[int]], FirstPass], limit: int | None) -> list[list[int]]:
         """The paused step's drafts with the fill's trees added: the model
         drafter alone (the hybrid's head, its depth and nodes chosen by the
         fill's budget against no drafting) for the requests the paused part

@@ -381,7 +381,7 @@ class TreeRunnerMixin:
             self._draft_backend, aux_hidden_states, common_attn_metadata.block_table_tensor, self._accepted_rows,
             sampled_token_ids, req_ids)
         # A paused step of a drafter that fills runs its first pass when the fill knows its rows.
-        fills = first is not None and not decision.drafts and not decision.control and self.tree_proposer.fills
+        fills = first is not None and self.tree_proposer.may_fill(decision)
         probe_rows = None if first is None or fills else first.now(decision.drafts, decision.limit)
         drafts = self.tree_proposer.propose_trees(
             req_ids, sampled_token_ids, num_tokens, batch.token_ids_cpu,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from vllm_adaptive_spec.adapter.proposer import FillPass
+from vllm_adaptive_spec.adapter.proposer import FirstPass
 
 
 class StepFirstPass:
@@ -22,7 +22,7 @@ class StepFirstPass:
     def __init__(self, backend, aux_hidden_states, block_table, accepted_rows, sampled_token_ids, req_ids) -> None:
         self.backend, self.req_ids = backend, req_ids
         self._inputs = (aux_hidden_states, block_table, accepted_rows, sampled_token_ids)
-        self.runs: list[FillPass] = []
+        self.runs: list[FirstPass] = []
 
     @property
     def seconds(self) -> float:
@@ -36,7 +36,7 @@ class StepFirstPass:
         self._run(drafting, rows)
         return rows
 
-    def fill(self, rows: set[int]) -> FillPass:
+    def fill(self, rows: set[int]) -> FirstPass:
         """The pass for the rows a fill drafts (those the backend can draft
         for), the others paused. The fill is charged the whole pass, catch-up
         included: the rows the trie's steps left behind are fed because it
@@ -48,10 +48,10 @@ class StepFirstPass:
         if not self.runs:
             self._run(False, None)
 
-    def _run(self, drafting: bool, rows: set[int] | None, catch_up_charged: bool = False) -> FillPass:
+    def _run(self, drafting: bool, rows: set[int] | None, catch_up_charged: bool = False) -> FirstPass:
         started = time.perf_counter()
         own_share = self.backend.first_pass(*self._inputs, drafting, rows)
         share = 1.0 if catch_up_charged else own_share
-        self.runs.append(FillPass(set(range(len(self.req_ids))) if rows is None else rows,
+        self.runs.append(FirstPass(set(range(len(self.req_ids))) if rows is None else rows,
                                   share * (time.perf_counter() - started)))
         return self.runs[-1]
