@@ -71,7 +71,10 @@ def pause_drafting(worker, drafting: int, paused: int, probe_requests: int | Non
     the worker with ``collective_rpc``); with ``probe_requests``, the first
     drafting step of each cycle is a probe that drafts for that many
     requests; with ``controls``, the first paused step is a control step.
-    The hybrid's fill (its own budget's decision) drafts on every other paused step."""
+    The hybrid's fill drafts on every paused step but the control steps, and
+    verifies every node it grows (its budget is dropped, as with
+    ``load_budget: fixed``): what its budget would keep depends on this
+    machine's measured step costs, and a test of the fill's path must not."""
     from vllm_adaptive_spec.budget.pause_control import StepDecision
 
     steps = itertools.count()
@@ -84,8 +87,7 @@ def pause_drafting(worker, drafting: int, paused: int, probe_requests: int | Non
         return StepDecision(drafts=phase[0] < drafting, limit=limit, control=controls and phase[0] == drafting)
 
     proposer.begin_step = begin_step
-    if proposer.fill_budget is not None:  # the hybrid's fill drafts on every paused step too
-        proposer.fill_budget.begin_step = lambda: StepDecision(drafts=True)
+    proposer.fill_budget = None
     runner = worker.model_runner
     _count_calls(worker, "draft_free_verifies", runner.rejection_sampler, "forward",
                  lambda metadata, *args: not any(metadata.num_draft_tokens))
