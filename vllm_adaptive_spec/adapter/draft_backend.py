@@ -35,6 +35,7 @@ on; dense distributions never leave the backend.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -71,6 +72,8 @@ class Committed(NamedTuple):
 
     def where(self, keep: np.ndarray) -> "Committed":
         """The entries ``keep`` (a mask), with their rows."""
+        if keep.all():  # every step but those with a prompt chunk: nothing to drop
+            return self
         lengths = self.lengths
         return Committed(self.batch_rows[keep], self.rows[np.repeat(keep, lengths)], np.cumsum(lengths[keep]),
                          self.first_positions[keep], self.next_tokens[keep], self.drafts[keep])
@@ -325,20 +328,20 @@ class PagedDraftBackend:
         lengths = np.diff(query_start)
         rows = np.arange(query_start[0], query_start[-1], dtype=np.int64)
         chains = {i: chain for i, chain in accepted.items() if chain}
-        if chains:
-            trees = np.fromiter(chains, dtype=np.int64, count=len(chains))
-            keep = np.ones(rows.size, dtype=bool)
-            keep[packed_ranges(query_start[trees] - query_start[0], lengths[trees])] = False
-            keep[np.concatenate([np.asarray(c, dtype=np.int64) for c in chains.values()]) - query_start[0]] = True
-            lengths[trees] = [len(c) for c in chains.values()]
-            rows = rows[keep]
+        if chains:  # one pass over the rows (a few numpy calls cost more at the batches trees are drafted at)
+            starts = query_start.tolist()
+            rows = np.fromiter(itertools.chain.from_iterable(
+                chains.get(i) or range(starts[i], starts[i + 1]) for i in range(num_reqs)), dtype=np.int64)
+            lengths[list(chains)] = [len(c) for c in chains.values()]
         batch_rows = np.flatnonzero(lengths > 0)
         lengths = lengths[batch_rows]
         first = batch.num_computed_tokens_cpu[batch_rows].astype(np.int64)
         following = first + lengths
         next_tokens = np.array([s[-1] if s else -1 for s in sampled[:num_reqs]], dtype=np.int64)[batch_rows]
-        in_prompt = (next_tokens < 0) & (following < batch.num_prompt_tokens[batch_rows])
-        next_tokens[in_prompt] = batch.token_ids_cpu[batch_rows[in_prompt], following[in_prompt]]
+        missing = next_tokens < 0  # a partial prefill's: the prompt's next token, where the prompt goes on
+        if missing.any():
+            in_prompt = missing & (following < batch.num_prompt_tokens[batch_rows])
+            next_tokens[in_prompt] = batch.token_ids_cpu[batch_rows[in_prompt], following[in_prompt]]
         drafts = np.full(batch_rows.size, drafting)
         if drafting and only_rows is not None:
             drafts = np.isin(batch_rows, np.fromiter(only_rows, dtype=np.int64, count=len(only_rows)))

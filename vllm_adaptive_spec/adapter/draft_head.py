@@ -108,7 +108,7 @@ class HeadDraftBackend(PagedDraftBackend):
         """Every entry's rows at once: each row's next token and the target's
         hidden states (a copy: vLLM reuses its buffers)."""
         rows = committed.rows
-        if (np.diff(rows) == 1).all():  # no tree verified: the batch's rows in order, sliced
+        if int(rows[-1]) - int(rows[0]) + 1 == len(rows):  # no tree verified (rows rise): the batch's rows, sliced
             index = slice(int(rows[0]), int(rows[0]) + len(rows))
         else:
             index = torch.from_numpy(rows).to(self.runner.device)

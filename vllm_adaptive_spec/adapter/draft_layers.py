@@ -77,6 +77,52 @@ def _input_hidden(scratch, rows: LayerRows) -> torch.Tensor | None:
     return scratch.hidden.gather(1, columns.expand(-1, -1, scratch.hidden.shape[-1]))
 
 
+class _FedRows(NamedTuple):
+    """A ragged layer's fed slots, from each request's count of them (the
+    layer's one read): the ``requests`` with any and their ``per_request``
+    counts, and where ``every`` slot is fed (a chain's layers, a full layer)
+    nothing else, the rows then being the layer's own in its order and each
+    index a view; else the fed slots' indexes ``b_idx``, ``f_idx``.
+    Decision: a step drafts 3-8 layers, and on the CPU each operation a
+    layer drops is a few microseconds of the drafting step's host time."""
+
+    counts: list[int]
+    every: bool
+    requests: torch.Tensor
+    per_request: torch.Tensor
+    b_idx: torch.Tensor | None
+    f_idx: torch.Tensor | None
+
+    @staticmethod
+    def of(rows: LayerRows, width: int) -> "_FedRows | None":
+        per_request = rows.fed.sum(1)
+        counts = per_request.tolist()
+        if not any(counts):
+            return None
+        if min(counts) == width:
+            return _FedRows(counts, True, torch.arange(len(counts)), per_request.to(torch.int32), None, None)
+        b_idx, f_idx = rows.fed.nonzero(as_tuple=True)
+        requests = [b for b, n in enumerate(counts) if n]
+        return _FedRows([counts[b] for b in requests], False, torch.tensor(requests),
+                        torch.tensor([counts[b] for b in requests], dtype=torch.int32), b_idx, f_idx)
+
+    def of_requests(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` [B, ...] of the requests with fed slots."""
+        return values if self.every else values[self.requests]
+
+    def pick(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` [B, F, ...] of the fed slots, request after request."""
+        return values.flatten(0, 1) if self.every else values[self.b_idx, self.f_idx]
+
+    def put(self, scratch: torch.Tensor, columns: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the fed slots' ``values`` into ``scratch`` [B, N + 2, H] at their ``columns`` [B, F]."""
+        if self.every:
+            batch, width = columns.shape
+            scratch.scatter_(1, columns.unsqueeze(-1).expand(-1, -1, values.shape[-1]), values.view(batch, width, -1))
+        else:
+            scratch[self.b_idx, columns[self.b_idx, self.f_idx]] = values
+
+
 class RaggedLayers:
     """A layer's fed rows only, its scratch on the host."""
 
@@ -92,53 +138,46 @@ class RaggedLayers:
         """Run the draft model on the live frontier nodes; their node ids
         (-1: not fed) and draft distributions, ``[B, F, top_k]``."""
         rows = _laid_out(scratch, live, parents)
-        b_idx, f_idx = rows.fed.nonzero(as_tuple=True)  # the layer's one read: the rows the forward takes
-        if b_idx.numel() == 0:
+        fed = _FedRows.of(rows, live.shape[1])
+        if fed is None:
             return rows.node, empty_distribution(live.shape, backend.top_k)
-        node = rows.node[b_idx, f_idx]
-        requests = rows.fed.any(1).nonzero(as_tuple=True)[0]
-        per_request = rows.fed.sum(1)[requests].to(torch.int32)
-        starts = torch.zeros(requests.shape[0] + 1, dtype=torch.int32)
-        starts[1:] = per_request.cumsum(0)
-        window = scratch.state.count[requests]
-        seq_lens = (scratch.context[requests] + window).to(torch.int32)
+        starts = torch.zeros(fed.requests.shape[0] + 1, dtype=torch.int32)
+        torch.cumsum(fed.per_request, 0, out=starts[1:])
+        window = fed.of_requests(scratch.state.count)
+        seq_lens = (fed.of_requests(scratch.context) + window).to(torch.int32)
         hidden = _input_hidden(scratch, rows)
-        if hidden is not None:
-            hidden = hidden[b_idx.to(hidden.device), f_idx.to(hidden.device)]
-        mask = rows.visible[b_idx, f_idx, : int(window.max())]
-        layout = PassLayout.on_host(starts, seq_lens, scratch.block_table[scratch.rows[requests]])
-        with tree_step.published(self._layer_step(backend, requests, per_request, node, starts, mask, window,
-                                                  scratch.keys)):
-            logits, out_hidden = backend.run(tokens[b_idx, f_idx], rows.position[b_idx, f_idx], hidden,
-                                             rows.slot[b_idx, f_idx], layout)
+        mask = fed.pick(rows.visible)[:, : int(window.max())]
+        layout = PassLayout(starts, seq_lens, seq_lens, scratch.block_table[fed.of_requests(scratch.rows)],
+                            max(fed.counts), int(seq_lens.max()))
+        # A row per request that sees its whole tree: a chain's layer, plain causal decoding (vLLM's own kernel).
+        chain = max(fed.counts) == 1 and bool((mask.sum(1) == window).all())
+        with tree_step.published(None if chain else self._layer_step(backend, fed, starts, mask, window,
+                                                                      scratch.keys)):
+            logits, out_hidden = backend.run(fed.pick(tokens), fed.pick(rows.position),
+                                             None if hidden is None else fed.pick(hidden), fed.pick(rows.slot), layout)
         if scratch.hidden is not None:
-            scratch.hidden[b_idx, node] = out_hidden
+            fed.put(scratch.hidden, rows.column, out_hidden)
         dist = DraftDistribution(*(x.to(self.device) for x in backend.distribution(logits)))
-        if b_idx.numel() == live.numel():  # every slot fed (a chain's layers): the rows in the layer's order
+        if fed.every:  # the rows in the layer's order
             return rows.node, _shaped(live.shape, dist)
         out = empty_distribution(live.shape, backend.top_k)
         for mine, theirs in zip(out, dist):
-            mine[b_idx, f_idx] = theirs
+            mine[fed.b_idx, fed.f_idx] = theirs
         return rows.node, out
 
     @staticmethod
-    def _layer_step(backend, requests, per_request, node, starts, mask, window, keys) -> tree_step.DraftStep | None:
-        """The layer's rows for the tree path, or None where the layer is a
-        chain's (one node per request that sees its whole tree): plain causal
-        decoding, which vLLM's own kernel serves."""
-        one_each = node.shape[0] == requests.shape[0]  # a row per request: row k is request k's
-        if one_each and bool((mask.sum(1) == window).all()):
-            return None
+    def _layer_step(backend, fed: "_FedRows", starts, mask, window, keys) -> tree_step.DraftStep:
+        """The layer's rows for the tree path."""
         device = backend.runner.device
         return tree_step.DraftStep(
-            batch_indices=torch.arange(requests.shape[0], device=device),
-            query_rows=torch.arange(node.shape[0], device=device),
+            batch_indices=torch.arange(fed.requests.shape[0], device=device),
+            query_rows=torch.arange(int(starts[-1]), device=device),
             query_start_loc=starts.to(device),
             query_mask=mask.to(device),
             window_lens=window.to(device, torch.int32),
-            max_query_len=int(per_request.max()),
+            max_query_len=max(fed.counts),
             step_keys=keys,
-            step_requests=requests,
+            step_requests=fed.requests,
         )
 
 
