@@ -89,8 +89,8 @@ class HeadDraftBackend(PagedDraftBackend):
         lengths, first = committed.lengths, committed.first_positions
         starts = committed.ends - lengths
         self.paused_rows.keep(following, hidden, [(names[e], int(first[e]), int(starts[e]), int(lengths[e]))
-                                                  for e in np.flatnonzero(~committed.drafts & ~given_up).tolist()])
-        drafting = np.flatnonzero(committed.drafts & ~given_up)
+                                                  for e in (~committed.drafts & ~given_up).nonzero()[0].tolist()])
+        drafting = (committed.drafts & ~given_up).nonzero()[0]
         kept = [self.paused_rows.take(names[e], int(first[e])) for e in drafting.tolist()]
         self.paused_rows.bound()
         if not drafting.size:
