@@ -282,9 +282,11 @@ class TreeProposer:
                      eligible: list[bool], first_pass_seconds: float = 0.0) -> list[list[int]]:
         """Each request's draft from ``part`` (empty where it drafts none);
         its trees kept for the runner's layout."""
-        active, budgets, contexts = self._drafting_requests(step, eligible)
         drafts: list[list[int]] = [[] for _ in step.request_ids]
-        if part is None or not active:
+        if part is None:  # a paused step of a model drafter: no contexts to gather
+            return drafts
+        active, budgets, contexts = self._drafting_requests(step, eligible)
+        if not active:
             return drafts
         active_ids = [step.request_ids[i] for i in active]
         plain = sum(1 for sampled in step.sampled_token_ids if sampled) - len(active)
