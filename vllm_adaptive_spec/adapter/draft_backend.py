@@ -328,13 +328,14 @@ class PagedDraftBackend:
         num_reqs = batch.num_reqs
         query_start = self.runner.query_start_loc.np[: num_reqs + 1].astype(np.int64)
         lengths = query_start[1:] - query_start[:-1]
-        rows = np.arange(query_start[0], query_start[-1], dtype=np.int64)
         chains = {i: chain for i, chain in accepted.items() if chain}
         if chains:  # one pass over the rows (a few numpy calls cost more at the batches trees are drafted at)
             starts = query_start.tolist()
             rows = np.fromiter(itertools.chain.from_iterable(
                 chains.get(i) or range(starts[i], starts[i + 1]) for i in range(num_reqs)), dtype=np.int64)
             lengths[list(chains)] = [len(c) for c in chains.values()]
+        else:
+            rows = np.arange(query_start[0], query_start[-1], dtype=np.int64)
         batch_rows = (lengths > 0).nonzero()[0]
         lengths = lengths[batch_rows]
         first = batch.num_computed_tokens_cpu[batch_rows].astype(np.int64)

@@ -46,12 +46,6 @@ class PassLayout(NamedTuple):
     max_query_len: int
     max_seq_len: int
 
-    @staticmethod
-    def on_host(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor) -> "PassLayout":
-        """A layout whose lengths are host tensors: the bounds are the lengths."""
-        return PassLayout(query_start_loc, seq_lens, seq_lens, block_table, int(query_start_loc.diff().max()),
-                          int(seq_lens.max()))
-
 
 def empty_distribution(shape: tuple[int, ...], top_k: int, device: torch.device | str = "cpu") -> DraftDistribution:
     """Zero probabilities (no candidates) for ``shape`` nodes."""
