@@ -53,17 +53,23 @@ def _check(logits: torch.Tensor, k: int, m: int) -> None:
 
 
 def draft_distribution_reference(logits: torch.Tensor, k: int, m: int = 0) -> DraftDistribution:
-    """The torch reference (float32)."""
+    """The torch reference (float32), also what runs off CUDA. The top tokens
+    are taken from the dense softmax (probabilities order as the logits do;
+    equal ones keep the lower token id first): one fused softmax and one
+    selection, where a ``logsumexp`` beside a ``topk`` of the logits costs
+    several more operations a pass, and a draft pass on the CPU is paid in
+    operations. ``k = 1`` without entropy (a chain's pass) is one maximum."""
     _check(logits, k, m)
-    x = logits.float()
-    log_norm = torch.logsumexp(x, dim=-1, keepdim=True)
-    values, tokens = x.topk(max(k, m), dim=-1)
-    probs = torch.exp(values - log_norm)
+    probs = torch.softmax(logits.float(), dim=-1)
+    if k == 1 and m == 0:
+        top, tokens = probs.max(dim=-1, keepdim=True)
+    else:
+        top, tokens = probs.topk(max(k, m), dim=-1)
     if m == 0:  # no entropy asked for (a model drafter's every layer): the top k are all there is, nothing to cut
-        return DraftDistribution(tokens, probs, probs[:, 0], probs.new_zeros(probs.shape[0]))
-    top_m = probs[:, :m]
+        return DraftDistribution(tokens, top, top[:, 0], top.new_zeros(top.shape[0]))
+    top_m = top[:, :m]
     entropy = -torch.where(top_m > 0, top_m * torch.log(top_m), 0.0).sum(-1)
-    return DraftDistribution(tokens[:, :k], probs[:, :k], probs[:, 0], entropy)
+    return DraftDistribution(tokens[:, :k], top[:, :k], top[:, 0], entropy)
 
 
 if triton is not None:

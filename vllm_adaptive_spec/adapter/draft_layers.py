@@ -22,6 +22,7 @@ over one layout (``layer_layout.lay_out_layer``), chosen by the step mode
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -73,32 +74,34 @@ def _input_hidden(scratch, rows: LayerRows) -> torch.Tensor | None:
 
 class _FedRows(NamedTuple):
     """A ragged layer's fed slots, from each request's count of them (the
-    layer's one read): the ``requests`` with any and their ``per_request``
-    counts, and where ``every`` slot is fed (a chain's layers, a full layer)
-    nothing else, the rows then being the layer's own in its order and each
-    index a view; else the fed slots' indexes ``b_idx``, ``f_idx``.
+    layer's one read): the ``requests`` with any, their ``counts`` and the
+    pass's ``starts`` (its ``query_start_loc``, made on the host from the
+    counts), and where ``every`` slot is fed (a chain's layers, a full
+    layer) nothing else, the rows then being the layer's own in its order
+    and each index a view; else the fed slots' indexes ``b_idx``, ``f_idx``.
     Decision: a step drafts 3-8 layers, and on the CPU each operation a
     layer drops is a few microseconds of the drafting step's host time."""
 
     counts: list[int]
     every: bool
     requests: torch.Tensor
-    per_request: torch.Tensor
+    starts: torch.Tensor
     b_idx: torch.Tensor | None
     f_idx: torch.Tensor | None
 
     @staticmethod
     def of(rows: LayerRows, width: int) -> "_FedRows | None":
-        per_request = rows.fed.sum(1)
-        counts = per_request.tolist()
+        counts = rows.fed.sum(1).tolist()
         if not any(counts):
             return None
         if min(counts) == width:
-            return _FedRows(counts, True, torch.arange(len(counts)), per_request.to(torch.int32), None, None)
+            starts = torch.arange(0, width * len(counts) + 1, width, dtype=torch.int32)
+            return _FedRows(counts, True, torch.arange(len(counts)), starts, None, None)
         b_idx, f_idx = rows.fed.nonzero(as_tuple=True)
         requests = [b for b, n in enumerate(counts) if n]
-        return _FedRows([counts[b] for b in requests], False, torch.tensor(requests),
-                        torch.tensor([counts[b] for b in requests], dtype=torch.int32), b_idx, f_idx)
+        counts = [counts[b] for b in requests]
+        starts = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32)
+        return _FedRows(counts, False, torch.tensor(requests), starts, b_idx, f_idx)
 
     def of_requests(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` [B, ...] of the requests with fed slots."""
@@ -135,8 +138,7 @@ class RaggedLayers:
         fed = _FedRows.of(rows, live.shape[1])
         if fed is None:
             return rows.node, empty_distribution(live.shape, backend.top_k)
-        starts = torch.zeros(fed.requests.shape[0] + 1, dtype=torch.int32)
-        torch.cumsum(fed.per_request, 0, out=starts[1:])
+        starts = fed.starts
         window = fed.of_requests(scratch.state.count)
         seq_lens = (fed.of_requests(scratch.context) + window).to(torch.int32)
         hidden = _input_hidden(scratch, rows)

@@ -216,8 +216,11 @@ def _packed(candidates: Candidates, layer: Layer, chosen: torch.Tensor, frontier
     rest invalid (``valid`` False; they hold whichever candidate the sort put
     there, and every reader masks by ``valid``); their handles and path
     probabilities (the next frontier's)."""
-    ranked = torch.sort((~chosen).to(torch.int8), dim=1, stable=True)
-    order, here = ranked.indices[:, :width], ranked.values[:, :width] == 0
+    if chosen.shape[1] == 1:  # one candidate a request (a chain's layer): already packed
+        order, here = torch.zeros_like(chosen, dtype=torch.long), chosen
+    else:
+        ranked = torch.sort((~chosen).to(torch.int8), dim=1, stable=True)
+        order, here = ranked.indices[:, :width], ranked.values[:, :width] == 0
     if order.shape[1] < width:  # a layer with fewer candidates than slots: pad with invalid slots
         order = torch.nn.functional.pad(order, (0, width - order.shape[1]))
         here = torch.nn.functional.pad(here, (0, width - here.shape[1]))
