@@ -42,6 +42,35 @@ def demo_tokenizer(demo_model):
     return AutoTokenizer.from_pretrained(demo_model)
 
 
+# The default config's drafter (retrieval, N = 16, the adaptive budget).
+PARITY_SPEC = {"method": "adaptive_tree", "num_speculative_tokens": 16, "tree": {"drafter": "retrieval"}}
+
+
+@pytest.fixture(scope="session")
+def parity_servers(demo_model, tmp_path_factory):
+    """``({"none": server, "tree": server}, log folder)``: a server without
+    speculation and one with ``PARITY_SPEC``, both healthy, started once for
+    the parity and fuzz tests (a start of two servers is minutes on a 2-core
+    machine); stopped at the end of the session."""
+    from benchmarks import serve_load
+    from benchmarks.serving.servers import Server, free_port
+
+    out, servers = tmp_path_factory.mktemp("parity_servers"), {}
+    try:
+        for label, spec in (("none", None), ("tree", PARITY_SPEC)):
+            args = serve_load.server_args(demo_model, 1024, 4, "float32", spec, chunked=False)
+            args += ["--max-num-seqs", "8", "--distributed-executor-backend", "uni"]
+            if spec is not None:  # vLLM's per-request report of what speculation did
+                args += ["--per-request-spec-decode-metrics", "summary"]
+            servers[label] = Server(demo_model, free_port(), spec, args, out / f"{label}.log")
+        for server in servers.values():
+            server.wait_healthy()
+        yield servers, out
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
 @dataclass
 class EngineRun:
     token_ids: list[list[int] | None]

@@ -1,6 +1,6 @@
 """Seeded random combinations of the API's sampling options, sent to a server
 without speculation and to one with ``adaptive_tree`` (the parity test's two
-servers, ``test_serve_parity.parity_servers``), 8 at a time to each in turn:
+servers, ``conftest.parity_servers``), 8 at a time to each in turn:
 every request gets the same status from both, none a 5xx (a refusal the same
 message), a greedy one the same answer (text, finish reason, token counts,
 logprobs within tolerance; a sampled one only as many choices: its trees draw
@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from parity_cases import A, CODE, EXTRACT, FACTS, FENCE, FOX, HERE, IM_END, NEWLINE, PROMPT, REPEAT, SCHEMA, THE, Case
-from test_serve_parity import answer, differences, parity_servers
+from test_serve_parity import answer, differences
 
 
 pytestmark = pytest.mark.engine
@@ -139,17 +139,16 @@ CASES = [draw(_RNG, index) for index in range(REQUESTS)]
 
 
 @pytest.fixture(scope="module")
-def fuzz(demo_model, tmp_path_factory):
+def fuzz(parity_servers, demo_model):
     """Every case's answer from each server ({"none": [...], "tree": [...]}),
     each server's /health status after the run, and the tree server's log."""
-    out = tmp_path_factory.mktemp("fuzz")
-    with parity_servers(demo_model, out) as servers:
-        result = {}
-        for label, server in servers.items():
-            with ThreadPoolExecutor(CONCURRENCY) as pool:
-                result[label] = list(pool.map(lambda case: ask(server.base, demo_model, case), CASES))
-        result["health"] = {label: health(server.base) for label, server in servers.items()}
-    (out / "answers.json").write_text(json.dumps(result, indent=1))
+    servers, out = parity_servers
+    result = {}
+    for label, server in servers.items():
+        with ThreadPoolExecutor(CONCURRENCY) as pool:
+            result[label] = list(pool.map(lambda case: ask(server.base, demo_model, case), CASES))
+    result["health"] = {label: health(server.base) for label, server in servers.items()}
+    (out / "fuzz_answers.json").write_text(json.dumps(result, indent=1))
     result["tree_log"] = (out / "tree.log").read_text(errors="replace")
     return result
 

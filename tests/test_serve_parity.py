@@ -3,8 +3,8 @@ without speculation answers, the same way: the same status for every
 sampling option of ``/v1/chat/completions`` and ``/v1/completions``
 (``parity_cases.py``), the same error message for every malformed one, and
 the same answer (text, finish reason, token counts, logprobs) for greedy and
-seeded requests that vLLM's own sampler serves. Both servers are up at once,
-with the default config's drafter (retrieval, N = 16, the adaptive budget)."""
+seeded requests that vLLM's own sampler serves. Both servers are up at once
+(``conftest.parity_servers``, shared with the fuzz test)."""
 
 from __future__ import annotations
 
@@ -13,61 +13,38 @@ import math
 import re
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 
-from benchmarks import serve_load
-from benchmarks.serving.servers import Server, counters, free_port
+from benchmarks.serving.servers import counters
 from parity_cases import CASES, Case
 
 
 pytestmark = pytest.mark.engine
 
-SPEC = {"method": "adaptive_tree", "num_speculative_tokens": 16, "tree": {"drafter": "retrieval"}}
 VOLATILE = {"id", "created", "system_fingerprint"}  # differ between any two answers
 LOGPROB_TOLERANCE = 1e-3  # the same logits row computed in differently shaped batches
 
 
 @pytest.fixture(scope="module")
-def answers(demo_model, tmp_path_factory):
+def answers(parity_servers, demo_model):
     """Every case's normalised answer from each server: {"none": {...}, "tree": {...}},
-    and the tree server's spec-decode counters."""
-    out = tmp_path_factory.mktemp("parity")
-    with parity_servers(demo_model, out) as servers:
-        result = {}
-        together = [case for case in CASES if not case.alone]
-        for label, server in servers.items():
-            with ThreadPoolExecutor(8) as pool:
-                result[label] = dict(zip((c.name for c in together),
-                                         pool.map(lambda case: answer(server.base, demo_model, case), together)))
-            result[label] |= {case.name: answer(server.base, demo_model, case) for case in CASES if case.alone}
-        result["counters"] = counters(servers["tree"].get("/metrics"))
-        (out / "answers.json").write_text(json.dumps(result, indent=1))
-        return result
-
-
-@contextmanager
-def parity_servers(model: str, out: Path) -> Iterator[dict[str, Server]]:
-    """The server without speculation ("none") and the one with ``SPEC``
-    ("tree"), both healthy (logs in ``out``); stopped on exit."""
-    servers = {}
-    try:
-        for label, spec in (("none", None), ("tree", SPEC)):
-            args = serve_load.server_args(model, 1024, 4, "float32", spec, chunked=False)
-            args += ["--max-num-seqs", "8", "--distributed-executor-backend", "uni"]
-            if spec is not None:  # vLLM's per-request report of what speculation did (``spec`` in ``answer``)
-                args += ["--per-request-spec-decode-metrics", "summary"]
-            servers[label] = Server(model, free_port(), spec, args, out / f"{label}.log")
-        for server in servers.values():
-            server.wait_healthy()
-        yield servers
-    finally:
-        for server in servers.values():
-            server.stop()
+    and the tree server's spec-decode counters for these cases alone (the servers are
+    shared with the fuzz test, which may have run first)."""
+    servers, out = parity_servers
+    before = counters(servers["tree"].get("/metrics"))
+    result = {}
+    together = [case for case in CASES if not case.alone]
+    for label, server in servers.items():
+        with ThreadPoolExecutor(8) as pool:
+            result[label] = dict(zip((c.name for c in together),
+                                     pool.map(lambda case: answer(server.base, demo_model, case), together)))
+        result[label] |= {case.name: answer(server.base, demo_model, case) for case in CASES if case.alone}
+    after = counters(servers["tree"].get("/metrics"))
+    result["counters"] = {key: value - before.get(key, 0.0) for key, value in after.items()}
+    (out / "answers.json").write_text(json.dumps(result, indent=1))
+    return result
 
 
 def answer(base: str, model: str, case: Case) -> dict:
