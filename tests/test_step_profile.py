@@ -3,6 +3,8 @@ engines stepped in turn in one process (``step_profile.py --engine-layout
 lockstep``) keep their phases apart, code they share included. Pure logic,
 no engine."""
 
+import pytest
+
 from vllm_adaptive_spec.adapter.phase_times import _Timer, _wrap
 
 
@@ -65,3 +67,17 @@ def test_the_graph_each_forward_was_dispatched_to_is_counted():
     phases = {key: [timer.seconds[key], timer.calls[key]] for key in timer.seconds}
     assert phases == {"graph FULL": [0.0, 2], "graph PIECEWISE": [0.0, 1]}
     assert graphs(phases) == "FULL 2 / PIECEWISE 1"
+
+
+def test_a_method_name_sets_a_policy_s_own_settings():
+    """``NAME@POLICY:KEY=VALUE:...`` replaces the named settings (a shape the
+    floor sweep does not run, such as a one-pass wide tree); without them the
+    floor sweep's settings for that policy name apply."""
+    from benchmarks.step_profile import method_config
+
+    wide = method_config("eagle3-4@eagle2:top_k=4:depth=1")
+    assert wide["tree"] == {"drafter": "eagle3", "policy": "eagle2", "top_k": 4, "depth": 1, "load_budget": "fixed"}
+    assert method_config("eagle3-adaptive-8@eagle2-D18")["tree"] == {
+        "drafter": "eagle3", "policy": "eagle2", "depth": 18, "load_budget": "adaptive"}
+    with pytest.raises(ValueError):
+        method_config("eagle3-4@eagle2:top_k=wide")
