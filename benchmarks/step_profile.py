@@ -44,7 +44,8 @@ share bounds what overlapping drafting with verification could save;
 load budget (what a model drafter costs while the budget pauses it);
 ``hybrid-N`` / ``hybrid-adaptive-N``: the EAGLE-3 head's EAGLE-2 tree merged
 with the retrieval trie (Talon's hybrid), likewise. ``@POLICY`` after a model
-drafter's name picks its policy (``eagle3-adaptive-32@talon``).
+drafter's name picks its policy (``eagle3-adaptive-32@talon``), ``@POLICY:KEY=VALUE:...``
+its settings too (``eagle3-4@eagle2:top_k=4:depth=1``: one pass, four wide).
 
 For ``adaptive_tree`` methods, rows marked ``[drafting]``, ``[probe]``,
 ``[paused]`` and ``[no proposal]`` split the steps by what the step's
@@ -82,13 +83,9 @@ MAX_LEN = 64  # l_max = l_min = 64: the suffix never matches, no tree is drafted
 
 
 def method_config(name: str) -> dict | None:
-    """The speculative config of a method name; ``NAME@POLICY`` picks a model drafter's
-    policy (default ``eagle2``; e.g. ``eagle3-adaptive-32@talon``), with the settings the
-    floor sweep gives it (``engines.MODEL_POLICIES``: ``@eagle2-D18`` is eagle2 at depth 18);
-    ``NAME@POLICY:KEY=VALUE:...`` sets the policy's own settings instead (integers, e.g.
-    ``eagle3-4@eagle2:top_k=4:depth=1``, a tree of one pass four wide)."""
+    """The speculative config of a method name (Methods above; ``@POLICY`` in ``engines.MODEL_POLICIES``)."""
     name, _, policy = name.partition("@")
-    policy, _, settings = policy.partition(":")
+    policy, *settings = policy.split(":")
     if name in ("none", "none-v1-sync"):
         return None
     if name == "ngram":
@@ -106,8 +103,7 @@ def method_config(name: str) -> dict | None:
         if name.startswith(prefix):
             adaptive = name.startswith(prefix + "adaptive-")
             policy, params = engines.MODEL_POLICIES.get(policy or "eagle2", (policy, {}))
-            if settings:
-                params = {key: int(value) for key, _, value in (item.partition("=") for item in settings.split(":"))}
+            params = {k: int(v) for k, _, v in (item.partition("=") for item in settings)} if settings else params
             return {"method": "adaptive_tree", "num_speculative_tokens": int(name.rsplit("-", 1)[1]),
                     "tree": {"drafter": drafter, "policy": policy, **params,
                              "load_budget": "adaptive" if adaptive else "fixed"}}
