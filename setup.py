@@ -1,4 +1,5 @@
-"""Install vllm-adaptive-spec: the plugin package and its Triton kernels.
+"""Install vllm-adaptive-spec: the plugin package, its Triton kernels and the
+C++ source of its CPU tree attention (compiled on first use).
 
 vLLM comes through an extra because its CPU and GPU builds are different
 distributions of the same ``vllm`` module:
@@ -17,7 +18,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_adaptive_spec*", "kernels*", "benchmarks"]),
-    package_data={"vllm_adaptive_spec": ["data/*.jsonl"]},
+    package_data={"vllm_adaptive_spec": ["data/*.jsonl"], "kernels": ["*.cpp"]},  # the CPU op is built from its source
     install_requires=[
         "torch",
         "transformers",

@@ -15,6 +15,7 @@ from collections import defaultdict
 import pytest
 
 from conftest import HEAD, chat_token_ids, run_engine_job
+from kernels.tree_attention_cpu import SETTING
 from vllm_adaptive_spec.prompts import load_prompts, one_per_category
 
 pytestmark = pytest.mark.engine
@@ -98,6 +99,19 @@ def test_eagle3_eagle2_tree_greedy_equals_no_speculation(demo_model, prompt_ids,
     assert run.metrics["vllm:prefix_cache_hits"] >= 2 * 128, run.metrics
     compared, caught_up, _ = _roots_agree(run.roots)
     assert compared >= 20 and caught_up >= 5, (compared, caught_up)
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_either_cpu_tree_attention_keeps_greedy_output(path, demo_model, prompt_ids, baseline, tmp_path):
+    """The target's verification and the head's tree passes on the native
+    CPU tree attention, then on the torch path (the one a machine without a
+    compiler takes), each forced by its setting: greedy output unchanged."""
+    spec = adaptive("eagle3", HEAD, 12, policy="eagle2", top_k=3, depth=4)
+    job = {"model": demo_model, "prompt_token_ids": prompt_ids, "max_tokens": MAX_TOKENS, "max_num_seqs": 8,
+           "speculative_config": spec}
+    run = run_engine_job(tmp_path, job, env={SETTING: path})
+    assert run.token_ids == baseline.token_ids
+    assert run.tree_stats["draft_passes"] > 0 and run.tau > 1.5, run.tree_stats
 
 
 def _roots_agree(recorded) -> tuple[int, int, int]:

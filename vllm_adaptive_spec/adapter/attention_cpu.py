@@ -2,11 +2,15 @@
 
 The CPU platform always picks ``CPU_ATTN``; the worker re-registers that name
 to :class:`TreeCPUAttentionBackend` when adaptive_tree is selected, so target
-(and draft) layers get :class:`TreeCPUAttentionImpl`. Its C++ kernel takes no
-mask: the rows of requests whose tree branches are recomputed
-(:class:`~vllm_adaptive_spec.adapter.tree_impl.TreeImplMixin`) by
-:func:`paged_tree_attention` (``kernels.tree_attention``'s reference
-semantics, reading whole cache pages); a model drafter's tree layers by
+(and draft) layers get :class:`TreeCPUAttentionImpl`. vLLM's C++ kernel takes
+no mask: the rows of requests whose tree branches are recomputed
+(:class:`~vllm_adaptive_spec.adapter.tree_impl.TreeImplMixin`), the target's
+and a model drafter's tree passes alike, by the native op of
+``kernels.tree_attention_cpu``, which reads the cache pages where they lie.
+Where that op is not built (no compiler, or the setting asks for torch) or
+does not cover the layer's shape, the torch path: :func:`paged_tree_attention`
+(``kernels.tree_attention``'s reference semantics, reading whole cache pages)
+and, for a model drafter's tree layers,
 :func:`~vllm_adaptive_spec.adapter.draft_attention_cpu.draft_pass_attention`,
 which reads each drafting step's committed context once.
 
@@ -17,7 +21,9 @@ AMX machines that replaces the ``amx`` packing for bf16.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -28,11 +34,13 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from kernels.tree_attention import key_visibility
+from kernels.tree_attention_cpu import NativeRows, native_op, supports, tree_attention_cpu
 from vllm_adaptive_spec.adapter.cpu_cache_layout import group_keys, groups_by_length, page_layouts
 from vllm_adaptive_spec.adapter.draft_attention_cpu import draft_pass_attention
 from vllm_adaptive_spec.adapter.tree_impl import TreeImplMixin
 
 PINNED_LAYOUTS = ("vec", "vec16")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -190,8 +198,22 @@ class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             self._set_isa_to_layers(layer_names)
 
 
+@functools.cache
+def _unsupported(shape: str) -> None:
+    logger.warning("adaptive_tree: the native CPU tree attention does not cover %s; its rows take the torch path",
+                   shape)
+
+
 class TreeCPUAttentionImpl(TreeImplMixin, CPUAttentionBackendImpl):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.native_op = native_op()  # built (or found cached) as the engine starts, not in its first step
+
     def tree_forward(self, query, kv_cache, attn_metadata, rows):
+        if self.native_op is not None:
+            if supports(query, kv_cache):
+                return self.native_forward(query, kv_cache, attn_metadata, rows)
+            _unsupported(f"{query.dtype} queries over a {kv_cache.dtype} cache of shape {tuple(kv_cache.shape)}")
         if getattr(rows, "step_keys", None) is not None:  # a drafting pass: the step's context read once
             return draft_pass_attention(query, kv_cache, rows, self.scale)
         if rows.page_plan is None:  # the pass's first layer builds it, the others reuse it
@@ -205,6 +227,19 @@ class TreeCPUAttentionImpl(TreeImplMixin, CPUAttentionBackendImpl):
                 group_keys(kv_cache),
             )
         return paged_tree_attention(query, kv_cache, rows.page_plan, self.scale)
+
+    def native_forward(self, query, kv_cache, attn_metadata, rows):
+        """The native op over the pass's own metadata (a drafting pass's
+        committed context is its rows' keys before their window)."""
+        if rows.page_plan is None:  # the pass's first layer lays out the metadata, the others reuse it
+            rows.page_plan = NativeRows.of(
+                attn_metadata.block_table[rows.batch_indices],
+                rows.query_start_loc,
+                attn_metadata.seq_lens[rows.batch_indices],
+                rows.query_mask,
+                rows.window_lens,
+            )
+        return tree_attention_cpu(self.native_op, query, kv_cache, rows.page_plan, self.scale)
 
 
 class TreeCPUAttentionBackend(CPUAttentionBackend):
