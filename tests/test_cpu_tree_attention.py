@@ -122,3 +122,37 @@ def test_the_tree_path_and_vllms_kernel_agree_on_causal_rows(tmp_path):
     assert [(r["batch"], r["context"], r["long"], r["rows"], r["groups"]) for r in results] == [
         (1, 200, 0, 5, 1), (4, 150, 1500, 4, 2)]
     assert all(r["max_abs_difference"] < 1e-5 and r["tree_path_ms"] > 0 and r["native_ms"] > 0 for r in results)
+
+
+def test_a_whole_pass_is_its_causal_rows_and_its_tree_rows():
+    """The native op's whole verification pass (``whole_pass_rows``): a
+    decoding request's row, a chain's causal rows and a branching tree's rows
+    together give the reference's result for each, where vLLM's kernel would
+    have computed the first two and the tree path the third."""
+    from types import SimpleNamespace
+
+    from kernels.tree_attention import causal_query_mask
+    from kernels.tree_attention_cpu import machine_isa, build, tree_attention_cpu
+    from vllm_adaptive_spec.adapter.attention_cpu import whole_pass_rows
+    from vllm_adaptive_spec.adapter.cpu_cache_layout import cache_views
+    from vllm_adaptive_spec.adapter.step import AttentionRows
+
+    rng = torch.Generator().manual_seed(0)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    q_lens, seq_lens = [1, 5, 4], torch.tensor([40, 170, 90], dtype=torch.int32)
+    starts = torch.tensor([0, 1, 6, 10], dtype=torch.int32)
+    kv_cache = torch.randn(20, 3, 32, 128, generator=rng)
+    block_table = torch.randperm(20, generator=rng)[:18].view(3, 6).int()
+    query = torch.randn(10, 9, 64, generator=rng)
+    metadata = SimpleNamespace(query_start_loc=starts, max_query_len=max(q_lens), block_table=block_table,
+                               seq_lens=seq_lens)
+    rows = AttentionRows(batch_indices=torch.tensor([2]), query_rows=torch.arange(6, 10),
+                         query_start_loc=torch.tensor([0, 4], dtype=torch.int32), query_mask=tree, max_query_len=4)
+    got = tree_attention_cpu(build(machine_isa()), query, kv_cache, whole_pass_rows(metadata, rows), 0.125)
+    mask = causal_query_mask(starts, 5)
+    mask[6:10, :4], mask[6:10, 4:] = tree, False
+    expected = tree_attention_reference(query, *cache_views(kv_cache), block_table, starts, seq_lens, mask, 0.125)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    causal = tree_attention_reference(query, *cache_views(kv_cache), block_table, starts, seq_lens,
+                                      causal_query_mask(starts, 5), 0.125)
+    assert not torch.allclose(got[6:], causal[6:], atol=1e-3)  # the tree's rows are not the causal ones

@@ -33,13 +33,18 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from kernels.tree_attention import key_visibility
+from kernels.tree_attention import causal_query_mask, key_visibility
 from kernels.tree_attention_cpu import NativeRows, native_op, supports, tree_attention_cpu
+from vllm_adaptive_spec.adapter import step as tree_step
 from vllm_adaptive_spec.adapter.cpu_cache_layout import group_keys, groups_by_length, page_layouts
 from vllm_adaptive_spec.adapter.draft_attention_cpu import draft_pass_attention
 from vllm_adaptive_spec.adapter.tree_impl import TreeImplMixin
 
 PINNED_LAYOUTS = ("vec", "vec16")
+# The most rows of one request in a pass the native op computes whole. Decision: a pass with a longer
+# query (a prompt chunk) keeps vLLM's kernel, which skips a causal query's masked keys where the op
+# reads them all, and the op then takes the tree rows alone.
+WHOLE_PASS_ROWS = 64
 logger = logging.getLogger(__name__)
 
 
@@ -209,6 +214,18 @@ class TreeCPUAttentionImpl(TreeImplMixin, CPUAttentionBackendImpl):
         super().__init__(*args, **kwargs)
         self.native_op = native_op()  # built (or found cached) as the engine starts, not in its first step
 
+    def pass_forward(self, query, kv_cache, attn_metadata, rows):
+        """A verification pass's every row on the native op (no row computed
+        twice), where no request of it has more than ``WHOLE_PASS_ROWS`` rows."""
+        if (self.native_op is None or isinstance(rows, tree_step.DraftStep) or rows.window_lens is not None
+                or attn_metadata.causal is not True or attn_metadata.max_query_len > WHOLE_PASS_ROWS
+                or not supports(query, kv_cache)):
+            return None
+        if rows.page_plan is None:  # the pass's first layer lays out the metadata, the others reuse it
+            rows.page_plan = whole_pass_rows(attn_metadata, rows)
+        num_rows = attn_metadata.num_actual_tokens
+        return tree_attention_cpu(self.native_op, query[:num_rows], kv_cache, rows.page_plan, self.scale)
+
     def tree_forward(self, query, kv_cache, attn_metadata, rows):
         if self.native_op is not None:
             if supports(query, kv_cache):
@@ -240,6 +257,17 @@ class TreeCPUAttentionImpl(TreeImplMixin, CPUAttentionBackendImpl):
                 rows.window_lens,
             )
         return tree_attention_cpu(self.native_op, query, kv_cache, rows.page_plan, self.scale)
+
+
+def whole_pass_rows(attn_metadata, rows) -> NativeRows:
+    """Every row of a verification pass for the native op: each request's
+    query rows causal, the tree rows ``rows`` seeing what their masks mark."""
+    query_start_loc = attn_metadata.query_start_loc
+    mask = causal_query_mask(query_start_loc, attn_metadata.max_query_len)
+    width = rows.query_mask.shape[1]
+    mask[rows.query_rows, :width] = rows.query_mask
+    mask[rows.query_rows, width:] = False
+    return NativeRows.of(attn_metadata.block_table, query_start_loc, attn_metadata.seq_lens, mask)
 
 
 class TreeCPUAttentionBackend(CPUAttentionBackend):

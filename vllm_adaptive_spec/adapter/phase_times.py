@@ -9,7 +9,8 @@ attention of the target forward and of a draft pass are told apart.
 
 Phases: ``execute_model`` (``prepare``: vLLM's input layout plus the tree
 layout; ``forward``: the target model, within it ``attention`` for vLLM's
-stock kernel and ``tree_attention`` for tree rows), ``sample_tokens``
+stock kernel and ``tree_attention`` for the tree path: tree rows, or a whole pass on
+the CPU's native op), ``sample_tokens``
 (``verify``: vLLM's sampler or the tree verifier, within it ``compaction``:
 moving accepted KV and the budget's observations; ``draft``: the drafter,
 within it ``draft_first_pass`` / ``draft_pass`` for model drafters and
@@ -111,7 +112,8 @@ def install(worker) -> bool:
 
         from vllm_adaptive_spec.adapter import attention_cpu as tree_module
 
-        stock_impls, tree_functions = (CPUAttentionBackendImpl,), ("paged_tree_attention", "draft_pass_attention")
+        stock_impls = (CPUAttentionBackendImpl,)
+        tree_functions = ("tree_attention_cpu", "paged_tree_attention", "draft_pass_attention")
 
     runner = worker.model_runner
     if getattr(runner, "_step_timer", None) is not None:

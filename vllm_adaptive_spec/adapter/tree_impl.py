@@ -6,9 +6,11 @@ in a pass that carries branching trees (:mod:`~vllm_adaptive_spec.adapter.step`)
 the stock kernel computes every row as usual, then the rows of those
 requests are recomputed by the platform's tree path (:meth:`tree_forward`)
 and overwritten. When every row of the pass belongs to such a tree, only the
-tree path runs. Rows without a tree, causal rows and chains (exact under a
-causal kernel, since a chain's depth positions are sequential) never leave
-the stock kernel.
+tree path runs; so does it where the platform's tree path computes a whole
+pass at the stock kernel's cost (:meth:`pass_forward`: the CPU's native op,
+its causal rows as masks). Otherwise rows without a tree, causal rows and
+chains (exact under a causal kernel, since a chain's depth positions are
+sequential) never leave the stock kernel.
 
 A uniform tree step that CUDA graphs replay (``UniformRows`` published) is
 different: every row of the pass takes the platform's graph-safe tree launch
@@ -58,6 +60,12 @@ class TreeImplMixin:
         rows = step if isinstance(step, tree_step.DraftStep) else getattr(step, "attention", None)
         if attn_metadata is None or self.attn_type != AttentionType.DECODER:
             rows = None
+        if rows is not None and output_scale is None:
+            whole = self.pass_forward(query, kv_cache, attn_metadata, rows)
+            if whole is not None:
+                num_rows = attn_metadata.num_actual_tokens
+                output[:num_rows].view(num_rows, self.num_heads, -1).copy_(whole)
+                return output
         rows_only = (
             rows is not None
             and rows.query_rows.shape[0] == attn_metadata.num_actual_tokens
@@ -78,6 +86,13 @@ class TreeImplMixin:
         (:class:`~vllm_adaptive_spec.adapter.step.UniformRows`), with a
         launch a CUDA graph can replay; platforms without graphs never see one."""
         raise NotImplementedError
+
+    def pass_forward(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata, rows) -> torch.Tensor | None:
+        """``[T, Hq, D]`` attention of every row of a pass carrying tree rows
+        ``rows``, its other rows causal, where the platform's tree path
+        computes them all at the stock kernel's cost (else None: the stock
+        kernel runs, then :meth:`tree_forward` recomputes the tree rows)."""
+        return None
 
     def tree_forward(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata, rows) -> torch.Tensor:
         """``[T, Hq, D]`` attention of the tree rows ``query`` (rows
