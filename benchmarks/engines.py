@@ -43,6 +43,9 @@ from vllm_adaptive_spec.kv_cache_size import available_memory  # noqa: F401 - th
 HEAD = REPO / "heads" / "smollm2-135m-eagle3"
 # vLLM's n-gram drafter as the benchmarks compare against it (K = 4).
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+# vLLM's ``suffix`` at its defaults (SpeculativeConfig.suffix_decoding_*); num_speculative_tokens, which vLLM
+# would default to the tree depth, is given so the KV cache is sized for it.
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 24, "suffix_decoding_max_tree_depth": 24}
 # A model drafter's policy settings by name: each policy at its defaults, and at its largest documented
 # depth (eagle2 also at depth 18); the floor sweep's cells and the step profile's ``@POLICY`` use them.
 MODEL_POLICIES = {

@@ -32,24 +32,21 @@ engine step (self time: a phase's time without the phases inside it):
   model drafter's passes (the first pass and every tree layer), which replay
   the PIECEWISE graphs vLLM captured for its drafter.
 
-Methods: ``none``, ``vllm-eagle3-K`` (vLLM's EAGLE-3 chain of K with ``--head``), ``none-v1-sync`` (no speculation on the plugin's runner
-and scheduling: vLLM's V1 runner, synchronous), ``ngram`` (vLLM's, K=4), ``tree-N`` (adaptive_tree
-retrieval, ``load_budget: fixed`` at N), ``tree-adaptive-N`` (the default load
-budget, at most N) and ``tree-0`` (adaptive_tree whose suffix can never match:
-the plugin's cost with no tree at all); ``eagle3-N`` / ``draft-lm-N``: the
-model drafters (EAGLE-2 trees of N nodes, ``load_budget: fixed``; the head of
-``--head``, the draft LM of ``vllm-adaptive-spec draft-lm``), whose ``dpass``
-share bounds what overlapping drafting with verification could save;
-``eagle3-adaptive-N`` / ``draft-lm-adaptive-N``: the same under the default
-load budget (what a model drafter costs while the budget pauses it);
-``hybrid-N`` / ``hybrid-adaptive-N``: the EAGLE-3 head's EAGLE-2 tree merged
-with the retrieval trie (Talon's hybrid), likewise. ``@POLICY`` after a model
-drafter's name picks its policy (``eagle3-adaptive-32@talon``), ``@POLICY:KEY=VALUE:...``
-its settings too (``eagle3-4@eagle2:top_k=4:depth=1``: one pass, four wide).
+Methods: ``none``, ``vllm-eagle3-K`` (vLLM's EAGLE-3 chain of K with ``--head``), ``none-v1-sync`` (no
+speculation on the plugin's runner and scheduling: vLLM's V1 runner, synchronous), ``ngram`` (vLLM's, K=4),
+``suffix`` (vLLM's, at its defaults; not in lockstep), ``tree-N`` (adaptive_tree retrieval, ``load_budget:
+fixed`` at N), ``tree-adaptive-N`` (the default load budget, at most N) and ``tree-0`` (adaptive_tree whose
+suffix can never match: the plugin's cost with no tree at all); ``eagle3-N`` / ``draft-lm-N``: the model
+drafters (EAGLE-2 trees of N nodes, ``load_budget: fixed``; the head of ``--head``, the draft LM of
+``vllm-adaptive-spec draft-lm``), whose ``dpass`` share bounds what overlapping drafting with verification
+could save; ``eagle3-adaptive-N`` / ``draft-lm-adaptive-N``: the same under the default load budget (what a
+model drafter costs while the budget pauses it); ``hybrid-N`` / ``hybrid-adaptive-N``: the EAGLE-3 head's
+EAGLE-2 tree merged with the retrieval trie (Talon's hybrid), likewise. ``@POLICY`` after a model drafter's
+name picks its policy (``eagle3-adaptive-32@talon``), ``@POLICY:KEY=VALUE:...`` its settings too
+(``eagle3-4@eagle2:top_k=4:depth=1``: one pass, four wide).
 
-For ``adaptive_tree`` methods, rows marked ``[drafting]``, ``[probe]``,
-``[paused]`` and ``[no proposal]`` split the steps by what the step's
-proposal did (the plugin's counters read after every step, outside its
+For ``adaptive_tree`` methods, rows marked ``[drafting]``, ``[probe]``, ``[paused]`` and ``[no proposal]``
+split the steps by what the step's proposal did (the plugin's counters read after every step, outside its
 timing): what a paused drafter costs per step, and what a probe costs.
 
 Reproduce (about 12 minutes on 2 CPU cores; writes ``step_profile.{json,md}``)::
@@ -59,9 +56,7 @@ Reproduce (about 12 minutes on 2 CPU cores; writes ``step_profile.{json,md}``)::
     .venv/bin/vllm-adaptive-spec bench step-profile --methods none,tree-0,tree-adaptive-16 --batch-sizes 8 \
         --sampling '{"repetition_penalty": 1.1}' --engine-layout lockstep
 
-``--sampling`` adds sampling parameters to every (greedy) request, as in
-``bench throughput``: penalties, or ``{"structured_outputs": {"json": SCHEMA}}``.
-"""
+``--sampling`` adds sampling parameters to every (greedy) request, as in ``bench throughput``."""
 
 from __future__ import annotations
 
@@ -88,8 +83,8 @@ def method_config(name: str) -> dict | None:
     policy, *settings = policy.split(":")
     if name in ("none", "none-v1-sync"):
         return None
-    if name == "ngram":
-        return dict(engines.NGRAM)
+    if name in ("ngram", "suffix"):
+        return dict(engines.NGRAM if name == "ngram" else engines.SUFFIX)
     if name.startswith("vllm-eagle3-"):
         return {"method": "eagle3", "num_speculative_tokens": int(name.rsplit("-", 1)[1])}
     if name.startswith("tree-"):
@@ -107,8 +102,8 @@ def method_config(name: str) -> dict | None:
             return {"method": "adaptive_tree", "num_speculative_tokens": int(name.rsplit("-", 1)[1]),
                     "tree": {"drafter": drafter, "policy": policy, **params,
                              "load_budget": "adaptive" if adaptive else "fixed"}}
-    raise ValueError(f"unknown method {name!r}: none, ngram, vllm-eagle3-K, tree-N, tree-adaptive-N, eagle3-N, eagle3-adaptive-N, "
-                     "draft-lm-N, draft-lm-adaptive-N, hybrid-N, hybrid-adaptive-N")
+    raise ValueError(f"unknown method {name!r}: none, ngram, suffix, vllm-eagle3-K, tree-N, tree-adaptive-N, eagle3-N, "
+                     "eagle3-adaptive-N, draft-lm-N, draft-lm-adaptive-N, hybrid-N, hybrid-adaptive-N")
 
 
 def with_draft_model(spec: dict | None, head: str) -> dict | None:
@@ -406,10 +401,15 @@ def _jobs(args, model: str, conversations: list) -> dict[str, dict]:
 def _one_after_another(args, jobs: dict[str, dict], progress) -> list[dict]:
     """Each method's engine in a worker process of its own, in turn: its rows
     (``progress(rows)`` after each)."""
-    rows = []
+    rows, suffix_dir = [], None
     for name, job in jobs.items():
         print(f"{name} ...", flush=True)
+        if name.startswith("suffix") and suffix_dir is None:
+            suffix_dir, suffix_error = engines.suffix_decoding_dir()
+            if suffix_error:
+                raise SystemExit(f"step_profile.py: suffix: {suffix_error}")
         result = engines.run_engine(job, args.out, f"profile-{name.replace(' #', '-')}", args.worker_timeout,
+                                    env=engines.suffix_env(suffix_dir) if name.startswith("suffix") else None,
                                     script=Path(__file__).resolve())
         if "error" in result:
             rows += [{"method": name, "batch_size": b, "error": f"{result['error']}, see {result['log']}"}

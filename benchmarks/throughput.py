@@ -92,12 +92,8 @@ METHODS = {
                                               matcher="tensors"),
     "chain-draft-lm": lambda args: _tree(args, "draft_model", "chain", args.chain_k, _draft_lm(args)),
     "tree-draft-lm": lambda args: _tree(args, "draft_model", "eagle2", args.tree_budget, _draft_lm(args)),
-    # vLLM's defaults (SpeculativeConfig.suffix_decoding_*); num_speculative_tokens, which
-    # vLLM would default to the tree depth, is given so the KV cache is sized for it.
-    "suffix": lambda args: {"method": "suffix", "num_speculative_tokens": SUFFIX_DEPTH,
-                            "suffix_decoding_max_tree_depth": SUFFIX_DEPTH},
+    "suffix": lambda args: dict(engines.SUFFIX),
 }
-SUFFIX_DEPTH = 24
 RUNNERS = {"none-v1-sync": engine_worker.V1_SYNC}  # methods on another runner than vLLM's default
 BASELINE = "none"
 # The default run stays within 15 minutes on 2 CPU cores.
