@@ -17,7 +17,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["vllm_adaptive_spec*", "kernels*", "benchmarks"]),
+    packages=find_packages(include=["vllm_adaptive_spec*", "kernels*", "benchmarks", "benchmarks.*"]),
     package_data={"vllm_adaptive_spec": ["data/*.jsonl"], "kernels": ["*.cpp"]},  # the CPU op is built from its source
     install_requires=[
         "torch",
