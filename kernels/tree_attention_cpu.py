@@ -56,6 +56,7 @@ BUILDS = {
 }
 
 
+@functools.cache
 def machine_isa() -> str:
     """The widest of :data:`BUILDS` this machine runs (torch's own reading of the CPU)."""
     capability = torch.backends.cpu.get_cpu_capability()

@@ -35,7 +35,6 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from kernels.tree_attention import causal_query_mask, key_visibility
 from kernels.tree_attention_cpu import NativeRows, native_op, supports, tree_attention_cpu
-from vllm_adaptive_spec.adapter import step as tree_step
 from vllm_adaptive_spec.adapter.cpu_cache_layout import group_keys, groups_by_length, page_layouts
 from vllm_adaptive_spec.adapter.draft_attention_cpu import draft_pass_attention
 from vllm_adaptive_spec.adapter.tree_impl import TreeImplMixin
@@ -214,23 +213,34 @@ class TreeCPUAttentionImpl(TreeImplMixin, CPUAttentionBackendImpl):
         super().__init__(*args, **kwargs)
         self.native_op = native_op()  # built (or found cached) as the engine starts, not in its first step
 
+    def layer_op(self, query, kv_cache):
+        """The native op where it is built and covers this layer, else None (the torch path)."""
+        if self.native_op is None:
+            return None
+        if not supports(query, kv_cache):
+            _unsupported(f"{query.dtype} queries over a {kv_cache.dtype} cache of shape {tuple(kv_cache.shape)}")
+            return None
+        return self.native_op
+
     def pass_forward(self, query, kv_cache, attn_metadata, rows):
         """A verification pass's every row on the native op (no row computed
-        twice), where no request of it has more than ``WHOLE_PASS_ROWS`` rows."""
-        if (self.native_op is None or isinstance(rows, tree_step.DraftStep) or rows.window_lens is not None
-                or attn_metadata.causal is not True or attn_metadata.max_query_len > WHOLE_PASS_ROWS
-                or not supports(query, kv_cache)):
+        twice), where no request of it has more than ``WHOLE_PASS_ROWS`` rows
+        (a drafting pass, whose rows see a window, is all tree rows already)."""
+        if (rows.window_lens is not None or attn_metadata.causal is not True
+                or attn_metadata.max_query_len > WHOLE_PASS_ROWS):
+            return None
+        op = self.layer_op(query, kv_cache)
+        if op is None:
             return None
         if rows.page_plan is None:  # the pass's first layer lays out the metadata, the others reuse it
             rows.page_plan = whole_pass_rows(attn_metadata, rows)
         num_rows = attn_metadata.num_actual_tokens
-        return tree_attention_cpu(self.native_op, query[:num_rows], kv_cache, rows.page_plan, self.scale)
+        return tree_attention_cpu(op, query[:num_rows], kv_cache, rows.page_plan, self.scale)
 
     def tree_forward(self, query, kv_cache, attn_metadata, rows):
-        if self.native_op is not None:
-            if supports(query, kv_cache):
-                return self.native_forward(query, kv_cache, attn_metadata, rows)
-            _unsupported(f"{query.dtype} queries over a {kv_cache.dtype} cache of shape {tuple(kv_cache.shape)}")
+        op = self.layer_op(query, kv_cache)
+        if op is not None:
+            return self.native_forward(op, query, kv_cache, attn_metadata, rows)
         if getattr(rows, "step_keys", None) is not None:  # a drafting pass: the step's context read once
             return draft_pass_attention(query, kv_cache, rows, self.scale)
         if rows.page_plan is None:  # the pass's first layer builds it, the others reuse it
@@ -245,7 +255,7 @@ class TreeCPUAttentionImpl(TreeImplMixin, CPUAttentionBackendImpl):
             )
         return paged_tree_attention(query, kv_cache, rows.page_plan, self.scale)
 
-    def native_forward(self, query, kv_cache, attn_metadata, rows):
+    def native_forward(self, op, query, kv_cache, attn_metadata, rows):
         """The native op over the pass's own metadata (a drafting pass's
         committed context is its rows' keys before their window)."""
         if rows.page_plan is None:  # the pass's first layer lays out the metadata, the others reuse it
@@ -256,7 +266,7 @@ class TreeCPUAttentionImpl(TreeImplMixin, CPUAttentionBackendImpl):
                 rows.query_mask,
                 rows.window_lens,
             )
-        return tree_attention_cpu(self.native_op, query, kv_cache, rows.page_plan, self.scale)
+        return tree_attention_cpu(op, query, kv_cache, rows.page_plan, self.scale)
 
 
 def whole_pass_rows(attn_metadata, rows) -> NativeRows:
