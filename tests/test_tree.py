@@ -130,6 +130,8 @@ def test_host_trees_match_the_naive_walk(seed):
         assert host.parents[b].tolist() == tree.parents + [ROOT] * (24 - n)
     assert host.branches().tolist() == [tree.branches() for tree in trees]
     assert HostTrees.of([]).tokens.shape == (0, 0)
+    chains = HostTrees.of([DraftTree.chain([1, 2]), DraftTree(), DraftTree.chain([3, 4, 5])], width=4)
+    assert chains.ancestors.tolist() == [[[j <= i < n for j in range(4)] for i in range(4)] for n in (2, 0, 3)]
 
 
 def test_main_path_and_keep_best():

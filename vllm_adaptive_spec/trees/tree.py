@@ -201,8 +201,21 @@ class HostTrees(NamedTuple):
 
 def ancestors_of(parents: np.ndarray, valid: np.ndarray) -> np.ndarray:
     """[B, W, W] ancestor-or-self masks of breadth-first trees (``parents``
-    [B, W], ``valid`` [B, W]): every node's chain to the root followed for
-    the whole batch at once, one round a tree level."""
+    [B, W], ``valid`` [B, W]). A chain's mask is its lower triangle (most of
+    a retrieval drafter's trees: one continuation matched), so only the
+    branching trees follow every node's chain to the root, for all of them
+    at once, one round a tree level."""
+    width = parents.shape[1]
+    nodes = np.arange(width)
+    mask = (nodes[:, None] >= nodes[None, :]) & valid[:, :, None]
+    branching = np.flatnonzero(((parents != nodes - 1) & valid).any(1))
+    if branching.size:
+        mask[branching] = _followed_to_root(parents[branching], valid[branching])
+    return mask
+
+
+def _followed_to_root(parents: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """:func:`ancestors_of` by pointer chasing, for trees of any shape."""
     batch, width = parents.shape
     mask = np.zeros((batch, width, width), dtype=bool)
     trees, nodes = np.indices((batch, width))
