@@ -9,14 +9,15 @@ import json
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "results"
+OUT = REPO / "benchmarks" / "out"
 HELDOUT = REPO / "benchmarks" / "data" / "heldout_prompts.jsonl"
 
 
 def add_output(parser: argparse.ArgumentParser, subdir: str = "") -> None:
     """``--out``: where the tool writes its report (JSON, Markdown, plot) and
-    its engines' logs; under ``benchmarks/results/``, which git ignores."""
-    parser.add_argument("--out", type=Path, default=RESULTS / subdir,
+    its engines' logs; under ``benchmarks/out/``, which git ignores (the
+    committed results pages are ``benchmarks/results/``)."""
+    parser.add_argument("--out", type=Path, default=OUT / subdir,
                         help="directory for the report (JSON, Markdown, plot) and logs (default: %(default)s)")
 
 

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 from benchmarks import engine_worker
-from benchmarks.options import RESULTS, add_batches, add_output, int_list
+from benchmarks.options import OUT, add_batches, add_output, int_list
 from benchmarks.report import write_report
 
 
@@ -105,7 +105,7 @@ def model_path(shape: str, workdir: Path) -> tuple[str, dict]:
 
 
 def measure(context: int, rows: tuple[int, ...], repeats: int, dtype: str, shape: str = "demo",
-            workdir: Path = RESULTS, batch_sizes: tuple[int, ...] = (1,)) -> dict:
+            workdir: Path = OUT, batch_sizes: tuple[int, ...] = (1,)) -> dict:
     # logits_ms is sent to the worker, which vLLM only pickles with this set.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import SamplingParams

@@ -68,7 +68,7 @@ Reproduce (CPU; the default retrieval tree and the hybrid, about 40 minutes on 2
     .venv/bin/vllm-adaptive-spec bench serve-load --spec retrieval='{"method": "adaptive_tree",
         "num_speculative_tokens": 16, "tree": {"drafter": "retrieval"}}' --spec hybrid='{"method":
         "adaptive_tree", "num_speculative_tokens": 24, "model": "heads/smollm2-135m-eagle3",
-        "tree": {"drafter": "hybrid"}}' --out benchmarks/results/serve_load
+        "tree": {"drafter": "hybrid"}}' --out benchmarks/out/serve_load
 """
 
 from __future__ import annotations

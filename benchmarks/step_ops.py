@@ -14,8 +14,9 @@ report: engine steps, operations a step in all, those in vLLM's model code
 code on every side) and the rest, and the sources that dispatch the most a
 step, per spec.
 
-Reproduce (about 2 minutes on 2 CPU cores; the twenty-seventh session's
-run adds a third spec, the chain with ``"draft_loop": "fixed"``)::
+Reproduce (about 2 minutes on 2 CPU cores; the run of 2026-11-28 in
+``benchmarks/results/history.md`` adds a third spec, the chain with
+``"draft_loop": "fixed"``)::
 
     H=heads/smollm2-135m-eagle3
     .venv/bin/vllm-adaptive-spec bench step-ops --batch-size 1 \\

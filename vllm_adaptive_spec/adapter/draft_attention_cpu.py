@@ -16,7 +16,7 @@ group's members without rows in a pass compute padding rows rather than
 being gathered out of the group's layout, a copy the cache is meant to
 avoid. One pass of 64 requests took half the time of re-reading the pages,
 the EAGLE-3 tree's draft forward about 10% less at batch 64
-(``benchmarks/RESULTS.md``, twenty-fourth session).
+(``benchmarks/results/history.md``, 2026-11-28).
 """
 
 from __future__ import annotations

@@ -85,8 +85,8 @@ def jump_forward_tokens(grammar, encode, limit: int) -> list[int]:
     the colon, and the model writes ``name`` then ``":"``): replaying the
     demo model's JSON answers, the whole string's tokens were accepted 80
     times of 160, all but the last 80 of 80 (``bench retrieval-calibration``,
-    ``jump-forward-whole`` and ``jump-forward``; ``benchmarks/RESULTS.md``).
-    A grammar that has ended (``ignore_eos`` decodes past its stop token, as
+    ``jump-forward-whole`` and ``jump-forward``, 2026-11-28;
+    ``benchmarks/results/history.md``). A grammar that has ended (``ignore_eos`` decodes past its stop token, as
     vLLM allows) forces nothing, and its matcher is not asked: xgrammar's
     check aborts on a matcher that accepted its stop token."""
     if grammar.is_terminated():

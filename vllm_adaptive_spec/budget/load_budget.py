@@ -1,6 +1,6 @@
 """The load budget: which drafted nodes are worth verifying this step, and
 whether to draft at all (docs/algorithms.md section 8; the measurements
-behind each decision: benchmarks/RESULTS.md, "The load budget's decisions").
+behind each decision: docs/load_budget.md).
 
 A step goes through it in a fixed order: :meth:`LoadBudget.begin_step`
 (does the step draft, for how many requests; ``pause_control``), then

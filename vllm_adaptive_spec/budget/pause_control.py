@@ -1,7 +1,6 @@
 """When a drafter drafts at all: the load budget's pauses, probes, windows
 and control steps as one small state machine (docs/algorithms.md section 8;
-what each rule was measured against: benchmarks/RESULTS.md, "The load
-budget's decisions").
+what each rule was measured against: docs/load_budget.md).
 
 Each step starts with :meth:`PauseControl.begin_step`, which judges the last
 measured step and returns the step's :class:`StepDecision`; the budget's

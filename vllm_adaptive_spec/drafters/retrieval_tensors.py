@@ -27,10 +27,10 @@ Decision (``matcher: auto``): the trie, for now on CUDA too. On the CPU the
 tensors compare every position of every context with the suffix and every
 pair of continuations, where the trie updates its index with the step's new
 tokens and builds only the nodes it is asked for; the tensor version measured
-several times slower there (``benchmarks/RESULTS.md``). On CUDA it is not
-measured yet, and its trees are read back once a drafting step (the load
-budget and vLLM's scheduler take them on the host), a synchronisation the
-trie does not add; ``scripts/gpu_checks.sh`` runs both.
+several times slower there (``benchmarks/results/history.md``, 2026-11-28).
+On CUDA it is not measured yet, and its trees are read back once a drafting
+step (the load budget and vLLM's scheduler take them on the host), a
+synchronisation the trie does not add; ``scripts/gpu_checks.sh`` runs both.
 """
 
 from __future__ import annotations

@@ -72,9 +72,9 @@ def resolve_matcher(matcher: str, datastore: str = "off", corpus: str = "") -> s
     module: an incremental suffix index and lazy tries, in Python) or
     ``tensors`` (``retrieval_tensors``: batched tensor operations where the
     tokens are). ``auto`` is the trie on every platform: several times
-    faster on the CPU (``benchmarks/RESULTS.md``); on CUDA the tensors are
-    not measured yet (``scripts/gpu_checks.sh`` compares both) and they read
-    their trees back once a drafting step. The shared datastore and the
+    faster on the CPU (``benchmarks/results/history.md``, 2026-11-28); on
+    CUDA the tensors are not measured yet (``scripts/gpu_checks.sh``
+    compares both) and they read their trees back once a drafting step. The shared datastore and the
     corpus are matched by the trie only."""
     others = datastore != "off" or bool(corpus)
     if matcher == "tensors" and others:
