@@ -29,8 +29,8 @@ from benchmarks.options import HELDOUT, add_batches, add_output
 from benchmarks.report import write_report
 from vllm_adaptive_spec.demo_model import ensure_demo_model
 from vllm_adaptive_spec.drafters.contexts import Contexts
-from vllm_adaptive_spec.drafters.retrieval_trie import RetrievalDrafter
 from vllm_adaptive_spec.drafters.retrieval_tensors import TensorRetrievalDrafter
+from vllm_adaptive_spec.drafters.retrieval_trie import RetrievalDrafter
 
 def streams(batch: int, length: int, seed: int) -> list[list[int]]:
     from transformers import AutoTokenizer

@@ -13,8 +13,9 @@ from test_model_drafter import TableBackend, make, paths
 from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.drafters.hybrid import NO_TRIE_NODE, HybridDrafter, merged
 from vllm_adaptive_spec.drafters.model import Eagle3Drafter
-from vllm_adaptive_spec.trees.growth import Candidates, grow, grow_fixed
 from vllm_adaptive_spec.policies import ChainPolicy, DynaTreePolicy, Eagle2Policy, TalonPolicy
+from vllm_adaptive_spec.trees.candidates import Candidates
+from vllm_adaptive_spec.trees.growth import grow, grow_fixed
 
 
 def grow_hybrid(backend, policy, budget, contexts, **retrieval):

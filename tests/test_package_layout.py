@@ -1,5 +1,5 @@
 """The package's shape (no engine): no import cycle between its modules
-(function-level imports included, ``TYPE_CHECKING`` ones not), no module
+(function-level and ``TYPE_CHECKING`` imports included), no module
 name used in two folders, no tracked text file that cites an issue number or
 a work period by its count (the measured history included); and the docs'
 code map names every module, their tables' cells short."""
@@ -24,19 +24,11 @@ def modules() -> dict[str, Path]:
     return {module_name(path): path for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
 
 
-def _type_checking(node: ast.AST) -> bool:
-    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-
-
 def imports(tree: ast.AST, known: set[str]) -> set[str]:
-    """The package modules a module imports, anywhere but under ``if TYPE_CHECKING``."""
+    """The package modules a module imports, anywhere (``TYPE_CHECKING``
+    blocks and functions included: a loop of design is one all the same)."""
     found: set[str] = set()
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if _type_checking(node):
-            continue
-        stack.extend(ast.iter_child_nodes(node))
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name in known)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -75,6 +67,11 @@ def test_no_import_cycle_in_the_package():
     graph = import_graph()
     assert "vllm_adaptive_spec.adapter.tree_scheduler" in graph["vllm_adaptive_spec.adapter.runner"]
     assert cycle(graph) is None, " -> ".join(cycle(graph))
+
+
+def test_imports_include_type_checking_and_function_level_ones():
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from a.b import C\ndef f():\n    import a.d\n"
+    assert imports(ast.parse(source), {"a.b", "a.d"}) == {"a.b", "a.d"}
 
 
 def test_the_cycle_finder_finds_a_cycle():

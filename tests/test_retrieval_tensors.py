@@ -26,8 +26,8 @@ from vllm_adaptive_spec.drafters.retrieval_tensors import (
     evidence_table,
     longest_matches,
 )
-from vllm_adaptive_spec.trees.growth import grow
 from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy
+from vllm_adaptive_spec.trees.growth import grow
 from vllm_adaptive_spec.trees.tree import DraftTree
 
 PROMPTS = Path(__file__).parent.parent / "vllm_adaptive_spec" / "data" / "prompts.jsonl"

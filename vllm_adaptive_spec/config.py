@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_adaptive_spec.classifier import FILE_NAME
+from vllm_adaptive_spec.config_schema import Param
 from vllm_adaptive_spec.drafters import DRAFTER_POLICIES, DRAFTERS
-from vllm_adaptive_spec.drafters.retrieval_trie import matcher_of
 from vllm_adaptive_spec.drafters.retrieval_tensors import make_retrieval
-from vllm_adaptive_spec.policies import POLICIES, Param
+from vllm_adaptive_spec.drafters.retrieval_trie import matcher_of
+from vllm_adaptive_spec.policies import POLICIES
 
 METHOD = "adaptive_tree"
 MAX_BUDGET = 128  # vLLM's rejection-sampler layout caps drafts per request at 128.

@@ -41,12 +41,12 @@ from __future__ import annotations
 
 import torch
 
+from vllm_adaptive_spec.config_schema import Param
 from vllm_adaptive_spec.drafters.model import ROOT_HANDLE, DraftBackend, DraftModelDrafter, Eagle3Drafter
-from vllm_adaptive_spec.drafters.retrieval_trie import RetrievalDrafter
 from vllm_adaptive_spec.drafters.retrieval_tensors import make_retrieval
-from vllm_adaptive_spec.trees.growth import Candidates, Growth
-from vllm_adaptive_spec.policies import Param
+from vllm_adaptive_spec.drafters.retrieval_trie import RetrievalDrafter
 from vllm_adaptive_spec.policies.retrieval import RetrievalPolicy
+from vllm_adaptive_spec.trees.candidates import Candidates, Growth
 
 NO_TRIE_NODE = -2  # the trie's root is node -1, as the retrieval drafter's handles
 BASES = {"eagle3": Eagle3Drafter, "draft_model": DraftModelDrafter}

@@ -31,8 +31,8 @@ from typing import Protocol
 import torch
 
 from kernels.draft_distribution import DraftDistribution
-from vllm_adaptive_spec.trees.growth import Candidates, Growth
-from vllm_adaptive_spec.policies import Param
+from vllm_adaptive_spec.config_schema import Param
+from vllm_adaptive_spec.trees.candidates import Candidates, Growth
 
 ROOT_HANDLE = -1
 

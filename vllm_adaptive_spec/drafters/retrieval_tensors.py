@@ -42,7 +42,7 @@ import torch
 from kernels.tree_gating import keep_best
 from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.drafters.retrieval_trie import EVIDENCE_EXPONENT, RetrievalDrafter, matcher_of
-from vllm_adaptive_spec.trees.growth import Candidates, Growth
+from vllm_adaptive_spec.trees.candidates import Candidates, Growth
 from vllm_adaptive_spec.trees.tree import ROOT, DraftTree
 
 PAD = -1

@@ -56,10 +56,10 @@ from typing import Callable
 
 import torch
 
+from vllm_adaptive_spec.config_schema import Param
 from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.drafters.datastore import Datastore, SuffixIndex
-from vllm_adaptive_spec.trees.growth import Candidates, Growth
-from vllm_adaptive_spec.policies import Param
+from vllm_adaptive_spec.trees.candidates import Candidates, Growth
 from vllm_adaptive_spec.trees.tree import ROOT, DraftTree
 
 ROOT_HANDLE = -1

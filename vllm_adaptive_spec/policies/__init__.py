@@ -1,6 +1,6 @@
 """Tree policies, one per module; the shared interface and helpers in :mod:`.base`."""
 
-from vllm_adaptive_spec.policies.base import Param, TreePolicy, top_by_path_probability
+from vllm_adaptive_spec.policies.base import TreePolicy, top_by_path_probability
 from vllm_adaptive_spec.policies.c2t import C2TPolicy
 from vllm_adaptive_spec.policies.chain import ChainPolicy
 from vllm_adaptive_spec.policies.deagle import DeaglePolicy
@@ -21,7 +21,6 @@ __all__ = [
     "DeaglePolicy",
     "DynaTreePolicy",
     "Eagle2Policy",
-    "Param",
     "RetrievalPolicy",
     "TalonPolicy",
     "TreePolicy",

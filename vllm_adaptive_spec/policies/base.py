@@ -1,5 +1,6 @@
-"""What every tree policy shares: the parameter schema, the interface and
-the selection helpers.
+"""What every tree policy shares: the interface and the selection helpers
+(a policy's parameters are declared with the config schema's
+:class:`~vllm_adaptive_spec.config_schema.Param`).
 
 A policy turns each layer of the drafter's candidates into the next layer of
 the tree, or stops (docs/algorithms.md sections 2-6). The growth loop
@@ -12,32 +13,12 @@ state per request (DynaTree's history tuning) keep it keyed by request id:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
-
 import torch
 
 from kernels.tree_gating import keep_best
-from vllm_adaptive_spec.trees.growth import Layer
+from vllm_adaptive_spec.config_schema import Param
+from vllm_adaptive_spec.trees.candidates import Layer
 from vllm_adaptive_spec.trees.tree import DraftTree
-
-
-@dataclass(frozen=True)
-class Param:
-    """A tunable setting: its type, default and the rule a value must obey."""
-
-    kind: type
-    default: Any
-    rule: str
-    check: Callable[[Any], bool]
-
-
-def fraction(default: float) -> Param:
-    return Param(float, default, "a number from 0 to 1", lambda v: 0.0 <= v <= 1.0)
-
-
-def integer(default: int, low: int, high: int) -> Param:
-    return Param(int, default, f"an integer from {low} to {high}", lambda v: low <= v <= high)
 
 
 def top_by_path_probability(p: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,9 @@ import torch
 
 from kernels.c2t_gate import c2t_gate
 from vllm_adaptive_spec.classifier import FILE_NAME, C2TClassifier
-from vllm_adaptive_spec.trees.growth import Layer
-from vllm_adaptive_spec.policies.base import Param, TreePolicy, fraction, integer, top_by_path_probability
+from vllm_adaptive_spec.config_schema import Param, fraction, integer
+from vllm_adaptive_spec.policies.base import TreePolicy, top_by_path_probability
+from vllm_adaptive_spec.trees.candidates import Layer
 
 
 class C2TPolicy(TreePolicy):

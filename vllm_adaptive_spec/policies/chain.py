@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_adaptive_spec.trees.growth import Layer
 from vllm_adaptive_spec.policies.base import TreePolicy
+from vllm_adaptive_spec.trees.candidates import Layer
 from vllm_adaptive_spec.trees.tree import ROOT, DraftTree
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from vllm_adaptive_spec.trees.growth import Layer
-from vllm_adaptive_spec.policies.base import fraction, integer
+from vllm_adaptive_spec.config_schema import fraction, integer
 from vllm_adaptive_spec.policies.eagle2 import Eagle2Policy
+from vllm_adaptive_spec.trees.candidates import Layer
 
 
 class DeaglePolicy(Eagle2Policy):

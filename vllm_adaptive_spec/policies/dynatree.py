@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.tree_gating import dynatree_gate
-from vllm_adaptive_spec.trees.growth import Layer
-from vllm_adaptive_spec.policies.base import Param, TreePolicy, fraction, integer, remaining
+from vllm_adaptive_spec.config_schema import Param, fraction, integer
+from vllm_adaptive_spec.policies.base import TreePolicy, remaining
+from vllm_adaptive_spec.trees.candidates import Layer
 from vllm_adaptive_spec.trees.tree import DraftTree
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from kernels.draft_distribution import MAX_M
-from vllm_adaptive_spec.trees.growth import Layer
-from vllm_adaptive_spec.policies.base import TreePolicy, best_of_layer, integer, top_by_path_probability
+from vllm_adaptive_spec.config_schema import integer
+from vllm_adaptive_spec.policies.base import TreePolicy, best_of_layer, top_by_path_probability
+from vllm_adaptive_spec.trees.candidates import Layer
 
 
 class Eagle2Policy(TreePolicy):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from vllm_adaptive_spec.trees.growth import Layer
-from vllm_adaptive_spec.policies.base import TreePolicy, fraction, top_by_path_probability
+from vllm_adaptive_spec.config_schema import fraction
+from vllm_adaptive_spec.policies.base import TreePolicy, top_by_path_probability
+from vllm_adaptive_spec.trees.candidates import Layer
 from vllm_adaptive_spec.trees.tree import DraftTree
 
 

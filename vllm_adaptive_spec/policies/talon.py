@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from vllm_adaptive_spec.trees.growth import Layer
 from kernels.tree_gating import talon_gate
-from vllm_adaptive_spec.policies.base import Param, TreePolicy, integer, remaining
+from vllm_adaptive_spec.config_schema import Param, integer
+from vllm_adaptive_spec.policies.base import TreePolicy, remaining
+from vllm_adaptive_spec.trees.candidates import Layer
 
 
 class TalonPolicy(TreePolicy):
