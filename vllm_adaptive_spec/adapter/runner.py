@@ -6,7 +6,7 @@ Per engine step:
    hence sequential KV slots ``p0 + i``), each request's scheduled drafts are
    matched to its tree (a breadth-first prefix, as the scheduler may cut the
    list) and node positions become ``p0 + depth``. The runner holds the
-   step's layout (:class:`~vllm_adaptive_spec.adapter.step.TreeStep`) until
+   step's layout (:class:`~vllm_adaptive_spec.adapter.tree_step.TreeStep`) until
    its verification and publishes it while vLLM picks the step's graph, runs
    its forward and samples it (:meth:`TreeRunnerMixin._step_published`).
 2. the forward: tree rows attend to the prefix, their ancestors and themselves.
@@ -35,8 +35,9 @@ import torch
 from vllm.utils.torch_utils import PIN_MEMORY
 
 from kernels.kv_compaction import compact_kv
-from vllm_adaptive_spec.adapter import step as tree_step
+from vllm_adaptive_spec.adapter import tree_step
 from vllm_adaptive_spec.adapter.cudagraphs import TreeCudagraphDispatcher
+from vllm_adaptive_spec.adapter.draft_first_pass import StepFirstPass
 from vllm_adaptive_spec.adapter.draft_head import HeadDraftBackend
 from vllm_adaptive_spec.adapter.draft_lm import LMDraftBackend
 from vllm_adaptive_spec.adapter.drafted_share import DraftedShare
@@ -44,12 +45,11 @@ from vllm_adaptive_spec.adapter.pending import PendingAcceptance
 from vllm_adaptive_spec.adapter.proposer import TreeProposer
 from vllm_adaptive_spec.adapter.request_options import can_draft
 from vllm_adaptive_spec.adapter.sampling_controls import builtin_logits_processors
-from vllm_adaptive_spec.adapter.step_first_pass import StepFirstPass
 from vllm_adaptive_spec.adapter.tree_impl import check_tree_backends
 from vllm_adaptive_spec.adapter.tree_scheduler import TreeDraftTokenIds
 from vllm_adaptive_spec.adapter.verifier import TreeVerifier
-from vllm_adaptive_spec.trees.step_widths import drafted_nodes, uniform_rows
 from vllm_adaptive_spec.trees.tree import DraftTree
+from vllm_adaptive_spec.trees.uniform_widths import drafted_nodes, uniform_rows
 from vllm_adaptive_spec.trees.verify import Acceptance, path_moves
 
 SUPPORTED_LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
@@ -120,7 +120,7 @@ class TreeRunnerMixin:
             self._tree_proposer.drafter.bind(self._draft_backend, policy.fanout, policy.entropy_top_m)
         if vllm_config.parallel_config.tensor_parallel_size > 1:
             self._tree_proposer.agree = rank0_reading
-        # The step mode's layout builder (``step_mode``): the persistent tree buffers of uniform steps.
+        # The step mode's layout builder (``ragged_or_uniform``): the persistent tree buffers of uniform steps.
         self._layout = self._tree_proposer.mode.layout(vllm_config.scheduler_config.max_num_seqs, device)
 
     def initialize_kv_cache(self, *args, **kwargs) -> None:
@@ -254,7 +254,7 @@ class TreeRunnerMixin:
                 first = int(query_start[index])
                 self._accepted_rows[index] = list(range(first, first + int(num_scheduled_tokens[index]) - len(drafts)))
                 continue
-            nodes = drafted_nodes(drafts)  # the rest: a uniform step's padding (``step_widths``)
+            nodes = drafted_nodes(drafts)  # the rest: a uniform step's padding (``uniform_widths``)
             tree = None if req_id in grammar_forced else self._scheduled_tree(req_id, nodes, grammar_kept.get(req_id))
             if tree is None or tree.tokens != list(drafts[:nodes]):
                 tree = DraftTree.chain(list(drafts[:nodes]))
@@ -290,7 +290,7 @@ class TreeRunnerMixin:
 
     def _lay_out(self, batch_indices, trees, starts, lengths, paddings, num_scheduled_tokens) -> tree_step.TreeStep:
         """The step's trees laid out over its rows by the step mode's layout
-        (``step_mode``; ``cudagraphs.DecodeGraphsMixin`` adds what a replayed
+        (``ragged_or_uniform``; ``cudagraphs.DecodeGraphsMixin`` adds what a replayed
         graph reads), node rows at ``p0 + depth``."""
         step = self._layout.lay_out(batch_indices, trees, starts, lengths, paddings, num_scheduled_tokens,
                                     self.input_batch.num_reqs, self.device)
@@ -298,7 +298,11 @@ class TreeRunnerMixin:
         return step
 
     def _set_depth_positions(self, step: tree_step.TreeStep) -> None:
-        """Node rows get position ``p0 + depth`` (the root row keeps ``p0``)."""
+        """Node rows get position ``p0 + depth`` (the root row keeps ``p0``).
+        A step whose trees are all chains (no rows for the tree attention)
+        has every node at ``p0 + depth`` already."""
+        if step.causal:
+            return
         device = self.positions.device
         self.positions[step.node_rows.to(device)] += step.node_offsets.to(device, self.positions.dtype)
 
