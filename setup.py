@@ -18,7 +18,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_adaptive_spec*", "kernels*", "benchmarks", "benchmarks.*"]),
-    package_data={"vllm_adaptive_spec": ["data/*.jsonl"], "kernels": ["*.cpp"]},  # the CPU op is built from its source
+    # The CPU op is built from its source; the benchmarks' default prompts ship with them.
+    package_data={"vllm_adaptive_spec": ["data/*.jsonl"], "kernels": ["*.cpp"], "benchmarks": ["data/*.json*"]},
     install_requires=[
         "torch",
         "transformers",

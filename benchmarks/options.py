@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-OUT = REPO / "benchmarks" / "out"
+# A checkout keeps the tools' output beside them; an installed copy writes under the working directory.
+OUT = (REPO if (REPO / ".git").exists() else Path.cwd()) / "benchmarks" / "out"
 HELDOUT = REPO / "benchmarks" / "data" / "heldout_prompts.jsonl"
 
 
