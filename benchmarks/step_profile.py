@@ -4,7 +4,7 @@ For every method and batch size b: b requests in flight (``max(b, 4)`` prompts
 in all, round-robin over the prompt categories, greedy, ``--max-tokens``
 each), the engine stepped by hand. Each step's wall time is measured around
 ``LLMEngine.step``; inside the worker the phases are timed by
-``vllm_adaptive_spec.adapter.phase_times``. The table gives milliseconds per
+``benchmarks.phase_times``. The table gives milliseconds per
 engine step (self time: a phase's time without the phases inside it):
 
 * ``forward``: the target model without attention; ``attn``: vLLM's C++
@@ -70,8 +70,8 @@ from pathlib import Path
 
 from benchmarks import engine_worker, engines
 from benchmarks.options import add_batches, add_output, add_sampling, add_workload
+from benchmarks.phase_times import DRAFT_GRAPH_KEY, GRAPH_KEY
 from benchmarks.report import write_report
-from vllm_adaptive_spec.adapter.phase_times import DRAFT_GRAPH_KEY, GRAPH_KEY
 
 
 MAX_LEN = 64  # l_max = l_min = 64: the suffix never matches, no tree is drafted
@@ -159,7 +159,7 @@ class ProfiledEngine:
     def __init__(self, llm, job: dict) -> None:
         from vllm import SamplingParams
 
-        from vllm_adaptive_spec.adapter import phase_times
+        from benchmarks import phase_times
 
         self.llm, self.engine, self.profile = llm, llm.llm_engine, phase_times
         tokenizer = llm.get_tokenizer()

@@ -25,7 +25,7 @@ def test_every_tool_answers_help(tool, capsys):
 def test_every_tool_module_is_listed():
     """A tool added to the package is reachable from the command (the
     package's helpers excepted)."""
-    helpers = {"__init__", "chain_drafters", "bench", "engines", "engine_worker", "gpu_timing", "options", "report"}
+    helpers = {"__init__", "chain_drafters", "bench", "engines", "engine_worker", "gpu_timing", "options", "phase_times", "report"}
     modules = {path.stem for path in BENCHMARKS.glob("*.py")} - helpers
     assert modules == {module for module, _ in TOOLS.values()}
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from test_tree import random_bfs_tree
 
+from vllm_adaptive_spec.budget.cost_fit import StepCostFit
 from vllm_adaptive_spec.budget.load_budget import COLD_TRIALS, LoadBudget
 from vllm_adaptive_spec.budget.node_allocation import allocate
-from vllm_adaptive_spec.budget.step_cost import StepCostFit
 from vllm_adaptive_spec.trees.tree import DraftTree
 
 

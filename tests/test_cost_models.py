@@ -7,10 +7,10 @@ import itertools
 import numpy as np
 import pytest
 
+from vllm_adaptive_spec.budget.cost_fit import StepCostFit
 from vllm_adaptive_spec.budget.cost_models import LinearCost, ShapeCost, best_width
+from vllm_adaptive_spec.budget.cost_table import StepCostTable
 from vllm_adaptive_spec.budget.load_budget import LoadBudget
-from vllm_adaptive_spec.budget.step_cost import StepCostFit
-from vllm_adaptive_spec.budget.step_cost_table import StepCostTable
 from vllm_adaptive_spec.trees.tree import DraftTree
 
 WIDTHS = (2, 4, 8, 16)

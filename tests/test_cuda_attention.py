@@ -23,7 +23,7 @@ from vllm.v1.attention.backends import flash_attn, triton_attn
 
 from kernels.tree_attention import tree_attention_reference, tree_attention_triton
 from vllm_adaptive_spec.adapter import attention_cuda
-from vllm_adaptive_spec.adapter import step as tree_step
+from vllm_adaptive_spec.adapter import tree_step
 from vllm_adaptive_spec.adapter.attention_cuda import TreeFlashAttentionImpl, TreeTritonAttentionImpl, cache_views
 from vllm_adaptive_spec.adapter.cudagraphs import graph_modes
 from vllm_adaptive_spec.adapter.tree_impl import check_tree_backends

@@ -83,8 +83,8 @@ def test_while_the_budget_pauses_the_model_the_retrieval_trie_still_drafts():
     import numpy as np
 
     from test_policies import proposer_for
-    from vllm_adaptive_spec.config import TreeConfig
     from vllm_adaptive_spec.budget.pause_control import StepDecision
+    from vllm_adaptive_spec.config import TreeConfig
 
     # No backend bound: a model pass would fail.
     proposer = proposer_for(TreeConfig("hybrid", "dynatree", 8, {"l_max": 2, "evidence_prior": 0.0}, {"window": 1}))
@@ -108,8 +108,8 @@ def test_the_retrieval_trie_has_a_budget_of_its_own():
     import numpy as np
 
     from test_policies import proposer_for
-    from vllm_adaptive_spec.config import TreeConfig
     from vllm_adaptive_spec.budget.pause_control import StepDecision
+    from vllm_adaptive_spec.config import TreeConfig
 
     proposer = proposer_for(TreeConfig("hybrid", "dynatree", 8, {"l_max": 2, "evidence_prior": 0.0}, {"window": 1}))
     model, trie = proposer.load_budget, proposer.paused_budget
@@ -137,8 +137,8 @@ def test_with_every_node_verified_a_paused_step_drafts_the_trie():
     import numpy as np
 
     from test_policies import proposer_for
-    from vllm_adaptive_spec.config import TreeConfig
     from vllm_adaptive_spec.budget.pause_control import StepDecision
+    from vllm_adaptive_spec.config import TreeConfig
 
     proposer = proposer_for(TreeConfig("hybrid", "dynatree", 8, {"l_max": 2, "evidence_prior": 0.0}, {"window": 1},
                                        load_budget="fixed"))

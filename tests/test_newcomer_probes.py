@@ -8,9 +8,9 @@ from test_budget import _feed_steps
 from test_cost_models import shape_budget
 from test_policies import proposer_for
 
+from vllm_adaptive_spec.budget.cost_table import StepCostTable
 from vllm_adaptive_spec.budget.load_budget import LoadBudget
 from vllm_adaptive_spec.budget.pause_control import StepDecision
-from vllm_adaptive_spec.budget.step_cost_table import StepCostTable
 from vllm_adaptive_spec.config import TreeConfig
 from vllm_adaptive_spec.trees.tree import DraftTree
 

@@ -11,11 +11,11 @@ import torch
 from vllm.config import CUDAGraphMode
 
 from vllm_adaptive_spec.adapter.draft_layers import FixedLayers, RaggedLayers
-from vllm_adaptive_spec.adapter.step_mode import RaggedLayout, UniformLayout, resolve
+from vllm_adaptive_spec.adapter.ragged_or_uniform import RaggedLayout, UniformLayout, resolve
+from vllm_adaptive_spec.budget.cost_fit import StepCostFit
 from vllm_adaptive_spec.budget.cost_models import LinearCost, ShapeCost
-from vllm_adaptive_spec.budget.step_cost import StepCostFit
 from vllm_adaptive_spec.config import TreeConfig
-from vllm_adaptive_spec.trees.step_widths import padded_rows
+from vllm_adaptive_spec.trees.uniform_widths import padded_rows
 
 
 def engine(device: str, graphs: CUDAGraphMode | None, spec_tokens: int = 16, max_seqs: int = 8):

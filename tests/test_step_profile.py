@@ -1,11 +1,11 @@
-"""The step profile's timers (``vllm_adaptive_spec/adapter/phase_times.py``):
+"""The step profile's timers (``benchmarks/phase_times.py``):
 engines stepped in turn in one process (``step_profile.py --engine-layout
 lockstep``) keep their phases apart, code they share included. Pure logic,
 no engine."""
 
 import pytest
 
-from vllm_adaptive_spec.adapter.phase_times import _Timer, _wrap
+from benchmarks.phase_times import _Timer, _wrap
 
 
 class _Attention:
@@ -49,7 +49,7 @@ def test_runners_stepped_in_turn_keep_their_own_phase_times():
 def test_the_graph_each_forward_was_dispatched_to_is_counted():
     from vllm.config import CUDAGraphMode
 
-    from vllm_adaptive_spec.adapter.phase_times import _count_graphs
+    from benchmarks.phase_times import _count_graphs
 
     from benchmarks.step_profile import graphs
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from vllm_adaptive_spec.adapter.step import build_step
+from vllm_adaptive_spec.adapter.tree_step import build_step
 from vllm_adaptive_spec.trees.tree import DraftTree
 
 
@@ -68,7 +68,7 @@ def test_a_branching_tree_is_not_causal():
 
 
 def test_padding_rows_of_a_uniform_step_see_up_to_the_root_and_no_row_sees_them():
-    """A uniform step of width 4 (``step_widths``): a tree of 3 nodes and a
+    """A uniform step of width 4 (``uniform_widths``): a tree of 3 nodes and a
     chain of 1, each padded with -1 drafts to 4 (rows 4-8 and 9-13)."""
     tree = DraftTree(tokens=[5, 6, 7], parents=[-1, -1, 0], q=[0.6, 0.4, 1.0])
     step = build_step([0, 1], [tree, DraftTree.chain([8])], [4, 9], [5, 5], torch.device("cpu"), [1, 3])

@@ -1,5 +1,5 @@
 """The uniform step's device part, from the persistent tree buffers: the
-layout (``step.uniform_layout``), the acceptance and the KV moves. Equal to
+layout (``tree_step.uniform_layout``), the acceptance and the KV moves. Equal to
 the reference path on random trees, ties included; traced whole by
 ``torch.compile(fullgraph=True)`` (no host read, no data-dependent shape);
 the same torch operations whatever the batch and the width."""
@@ -16,7 +16,7 @@ import torch
 from test_tree import random_bfs_tree
 from test_tree_buffers import reference_tensors
 
-from vllm_adaptive_spec.adapter.step import uniform_layout
+from vllm_adaptive_spec.adapter.tree_step import uniform_layout
 from vllm_adaptive_spec.trees.tree import DraftTree, TreeBatch
 from vllm_adaptive_spec.trees.tree_buffers import TreeBuffers
 from vllm_adaptive_spec.trees.tree_tensors import row_visibility

@@ -1,6 +1,6 @@
 """Width-bucketed uniform steps: the widths, and drafts padded to them."""
 
-from vllm_adaptive_spec.trees.step_widths import drafted_nodes, step_width, step_widths, uniform_drafts
+from vllm_adaptive_spec.trees.uniform_widths import drafted_nodes, step_width, step_widths, uniform_drafts
 
 
 def test_widths_end_at_the_node_budget():

@@ -31,7 +31,7 @@ ENGINE_PARAMS = {
     "load_budget": Param(
         str, "adaptive", "one of 'adaptive', 'fixed'", lambda v: v in ("adaptive", "fixed")
     ),
-    # Width-bucketed uniform steps (``step_widths``): on with CUDA graphs, where a
+    # Width-bucketed uniform steps (``uniform_widths``): on with CUDA graphs, where a
     # padded row costs almost nothing; off on the CPU, where every row costs.
     "uniform_steps": Param(
         str, "auto", "one of 'auto', 'on', 'off'", lambda v: v in ("auto", "on", "off")

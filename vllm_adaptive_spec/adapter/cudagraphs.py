@@ -19,10 +19,10 @@ step without speculation. Decision: capture FULL graphs for one-row-a-request
 decode batches too (keys ``num_tokens == num_reqs``, ``uniform``; they never
 collide with vLLM's, whose ``num_reqs`` is ``num_tokens / (1 +
 num_speculative_tokens)``) for every batch size up to ``max_num_seqs``
-(``step_widths.plugin_batch_sizes``) and dispatch draft-free decode steps to them,
+(``uniform_widths.plugin_batch_sizes``) and dispatch draft-free decode steps to them,
 so such a step is vLLM's own step without speculation.
 
-Uniform tree steps (the step mode's, ``step_mode``, where graphs replay).
+Uniform tree steps (the step mode's, ``ragged_or_uniform``, where graphs replay).
 A drafting step whose every request has ``R = 1 + W`` rows is
 keyed ``(b * R, b, uniform)`` for every plugin batch size ``b`` and every
 width ``W`` (vLLM's own ``R = 1 + num_speculative_tokens`` too) and replays
@@ -30,7 +30,7 @@ a FULL graph in which every attention layer runs the tree kernel's
 graph-safe launch over all rows (``TreeImplMixin``), reading its masks from
 one persistent buffer the runner fills on the device before the step, from
 the trees in the persistent tree buffers (``tree_buffers``;
-:class:`~vllm_adaptive_spec.adapter.step.UniformRows`). So these graphs are
+:class:`~vllm_adaptive_spec.adapter.tree_step.UniformRows`). So these graphs are
 captured with that step published: a graph captured without it would have
 frozen vLLM's causal kernel in. A capture that fails drops its key (the
 step then runs PIECEWISE) with one log line.
@@ -47,8 +47,8 @@ from vllm.logger import init_logger
 from vllm.forward_context import BatchDescriptor
 from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
-from vllm_adaptive_spec.adapter import step as tree_step
-from vllm_adaptive_spec.trees.step_widths import plugin_batch_sizes, uniform_rows
+from vllm_adaptive_spec.adapter import tree_step
+from vllm_adaptive_spec.trees.uniform_widths import plugin_batch_sizes, uniform_rows
 
 logger = init_logger(__name__)
 
@@ -74,7 +74,7 @@ def graph_modes(valid_modes, invalid_modes, branching: bool):
 def plain_decode_keys(cudagraph_mode: CUDAGraphMode, uniform_decode_query_len: int, max_tokens: int,
                       max_num_seqs: int, has_lora_config: bool) -> list[BatchDescriptor]:
     """The FULL-graph keys of draft-free decode batches (one row a request)
-    to capture beside vLLM's: one per ``step_widths.plugin_batch_sizes``, where vLLM
+    to capture beside vLLM's: one per ``uniform_widths.plugin_batch_sizes``, where vLLM
     captures FULL decode graphs for speculative steps (a FULL decode mode of
     its own routine) and a step of one row a request is not one of them
     (``uniform_decode_query_len`` > 1). None with LoRA, whose graphs vLLM

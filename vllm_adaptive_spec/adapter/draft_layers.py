@@ -1,6 +1,6 @@
 """How a model drafter's tree layer reaches the draft model: two variants
 over one layout (``layer_layout.lay_out_layer``), chosen by the step mode
-(``step_mode``) and the tree config's ``draft_loop``.
+(``ragged_or_uniform``) and the tree config's ``draft_loop``.
 
 * :class:`RaggedLayers` (ragged steps'): the forward takes the fed rows only, and
   a layer shaped like a chain goes to vLLM's own kernel. Finding those rows
@@ -28,9 +28,9 @@ from typing import NamedTuple
 import torch
 
 from kernels.draft_distribution import DraftDistribution
-from vllm_adaptive_spec.adapter import step as tree_step
+from vllm_adaptive_spec.adapter import tree_step
 from vllm_adaptive_spec.trees.layer_layout import LayerRows, lay_out_layer
-from vllm_adaptive_spec.trees.step_widths import padded_rows
+from vllm_adaptive_spec.trees.uniform_widths import padded_rows
 
 
 class PassLayout(NamedTuple):

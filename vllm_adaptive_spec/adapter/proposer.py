@@ -15,15 +15,15 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from vllm_adaptive_spec.adapter import step_mode
+from vllm_adaptive_spec.adapter import ragged_or_uniform
 from vllm_adaptive_spec.adapter.config_hook import tree_config_of
 from vllm_adaptive_spec.adapter.request_options import Failures
 from vllm_adaptive_spec.adapter.tree_stats import TreeStats
+from vllm_adaptive_spec.budget.cost_fit import StepCostFit
 from vllm_adaptive_spec.budget.load_budget import LoadBudget
+from vllm_adaptive_spec.budget.pause_control import StepDecision
 from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.trees.growth import grow, reachable_depth
-from vllm_adaptive_spec.budget.pause_control import StepDecision
-from vllm_adaptive_spec.budget.step_cost import StepCostFit
 from vllm_adaptive_spec.trees.tree import DraftTree
 
 
@@ -74,8 +74,8 @@ class TreeProposer:
         self.trees: dict[str, DraftTree] = {}
         self.stats = TreeStats()
         self.recorder = None  # called with each verified tree and its accepted nodes (c2t-collect)
-        # Ragged or uniform steps (``step_mode``), decided once for the engine.
-        self.mode = step_mode.resolve(self.config, vllm_config)
+        # Ragged or uniform steps (``ragged_or_uniform``), decided once for the engine.
+        self.mode = ragged_or_uniform.resolve(self.config, vllm_config)
         self.max_step_tokens: int = vllm_config.scheduler_config.max_num_batched_tokens
         # The clock reading the load budget acts on (the engine's runner makes
         # it rank 0's under tensor parallelism, see ``runner.rank0_reading``).

@@ -2,14 +2,14 @@
 
 * :class:`RaggedSteps`: a request's rows are its tree's; the load budget
   prices a row (``cost_models.LinearCost``); the tree layout is built on the
-  host (``step.build_step``); a model drafter's layers run ragged, the fed
+  host (``tree_step.build_step``); a model drafter's layers run ragged, the fed
   rows only (``draft_layers.RaggedLayers``). Where every row costs (the CPU)
   a padded row would be a row paid for nothing.
-* :class:`UniformSteps` (``trees.step_widths``): every decoding request of a
+* :class:`UniformSteps` (``trees.uniform_widths``): every decoding request of a
   drafting step has ``1 + W`` rows, ``W`` one of a few widths; the load
   budget chooses the width by the measured cost of each step shape
   (``cost_models.ShapeCost``); the layout comes from persistent tree buffers
-  on the device (``step.build_uniform_step``); a model drafter's layers run
+  on the device (``tree_step.build_uniform_step``); a model drafter's layers run
   at fixed capacity with every forward in the draft model's persistent
   buffers (``draft_layers.FixedLayers``). That is the step a CUDA graph
   replays; where no graph replays it (the CPU) it runs the same, the
@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import torch
 
-from vllm_adaptive_spec.adapter import step as tree_step
+from vllm_adaptive_spec.adapter import tree_step
 from vllm_adaptive_spec.adapter.draft_layers import FixedLayers, RaggedLayers
+from vllm_adaptive_spec.budget.cost_fit import StepCostFit
 from vllm_adaptive_spec.budget.cost_models import LinearCost, ShapeCost
-from vllm_adaptive_spec.budget.step_cost import StepCostFit
-from vllm_adaptive_spec.budget.step_cost_table import StepCostTable
-from vllm_adaptive_spec.trees.step_widths import plugin_batch_sizes, step_widths, uniform_drafts
+from vllm_adaptive_spec.budget.cost_table import StepCostTable
 from vllm_adaptive_spec.trees.tree_buffers import TreeBuffers
+from vllm_adaptive_spec.trees.uniform_widths import plugin_batch_sizes, step_widths, uniform_drafts
 
 
 def graphs_replay(vllm_config, device_type: str) -> bool:
@@ -89,7 +89,7 @@ class UniformSteps(RaggedSteps):
         return ShapeCost(self.widths, StepCostTable(self.batch_sizes), LinearCost(fit))
 
     def scheduled(self, drafts: list[list[int]], decoding: list[bool], max_tokens: int) -> list[list[int]]:
-        """Each decoding request's drafts padded to the step's width (``step_widths.uniform_drafts``)."""
+        """Each decoding request's drafts padded to the step's width (``uniform_widths.uniform_drafts``)."""
         return uniform_drafts(drafts, decoding, self.widths, max_tokens)
 
     def draft_layers(self, device) -> FixedLayers | RaggedLayers:

@@ -13,7 +13,7 @@ drafts before it. With trees, the worker's drafts come with their parents
   as vLLM validates a chain), the rest keep their tree. The worker learns
   which nodes stayed from the step's scheduler output (``tree_kept``: per
   request whose tree lost nodes, the kept node indices), so it verifies
-  exactly that subtree. With uniform steps (``step_widths``) the removed
+  exactly that subtree. With uniform steps (``uniform_widths``) the removed
   nodes' places become padding (``-1``), so a step keeps its width;
 * fills the bitmask per node (``get_grammar_bitmask``): row 0 the request's
   state, row ``1 + j`` the state after node ``j``'s path, walking the tree
@@ -54,10 +54,10 @@ from vllm.v1.core.sched.output import GrammarOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds
 
-from vllm_adaptive_spec.adapter import step_mode
+from vllm_adaptive_spec.adapter import ragged_or_uniform
 from vllm_adaptive_spec.adapter.config_hook import tree_config_of
 from vllm_adaptive_spec.adapter.request_options import Failures, speculation_allowed
-from vllm_adaptive_spec.trees.step_widths import drafted_nodes
+from vllm_adaptive_spec.trees.uniform_widths import drafted_nodes
 
 
 @dataclass
@@ -199,7 +199,7 @@ class TreeScheduler(Scheduler):
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
         config = tree_config_of(vllm_config)
-        self._pad_removed = config is not None and step_mode.resolve(config, vllm_config).uniform
+        self._pad_removed = config is not None and ragged_or_uniform.resolve(config, vllm_config).uniform
         self._forcing_limit = config.budget if config is not None and config.grammar_forcing else 0
         self._scratch_mask: torch.Tensor | None = None  # one bitmask row for ``forced_tokens``
         self._failures = Failures()

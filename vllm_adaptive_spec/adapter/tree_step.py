@@ -167,7 +167,7 @@ def build_step(
 ) -> TreeStep:
     """Lay out the trees of one step. A request's tree occupies ``1 + n`` of
     its query rows (root, then nodes), followed by its ``paddings`` rows (the
-    ``-1`` drafts of a uniform step, ``step_widths``), which see the rows up
+    ``-1`` drafts of a uniform step, ``uniform_widths``), which see the rows up
     to the root and which no row sees; earlier rows (if any) are causal, and
     every tree row sees them all. Only the requests whose tree branches need
     the tree path of the attention (:class:`AttentionRows`).
@@ -238,7 +238,7 @@ def build_uniform_step(
     slots: list[int], trees: list[DraftTree], rows: int, buffers: TreeBuffers, device: torch.device,
 ) -> TreeStep:
     """Lay out a uniform step (every request of the batch ``rows`` query
-    rows: root, its tree's nodes, then padding; ``step_widths``) from the
+    rows: root, its tree's nodes, then padding; ``uniform_widths``) from the
     persistent tree buffers: the trees (of batch rows ``slots``) travel in
     one pinned, non-blocking copy, and every row index, position offset and
     mask is derived from them on the device, in operations whose count

@@ -1,15 +1,15 @@
 """What the load budget plans a step against: one of two cost models, chosen
-with the step mode (``adapter/step_mode``), under one
+with the step mode (``adapter/ragged_or_uniform``), under one
 :class:`~vllm_adaptive_spec.budget.load_budget.LoadBudget`.
 
-* :class:`LinearCost` (ragged steps): the fitted line of ``step_cost``, a
+* :class:`LinearCost` (ragged steps): the fitted line of ``cost_fit``, a
   tree's row costing its share of the step (``beta``), a tree and a
   branching tree their own (``eta``, ``xi``); the budget keeps the nodes
   worth their row (``node_allocation.plan_nodes``), a tree's nodes off its
   main path only where branching pays (``node_allocation.shaped``).
-* :class:`ShapeCost` (uniform steps, ``trees.step_widths``): every decoding
+* :class:`ShapeCost` (uniform steps, ``trees.uniform_widths``): every decoding
   request of a drafting step has ``1 + W`` rows whatever its tree fills, so
-  a step costs the measured time of its shape (``step_cost_table``), not a
+  a step costs the measured time of its shape (``cost_table``), not a
   price per row; within the width a node costs nothing more and the choice
   is the width: each tree's best ``W`` nodes, ``W`` maximising the step's
   expected committed tokens per second (:func:`best_width`). Until the
@@ -29,9 +29,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from vllm_adaptive_spec.budget.cost_fit import StepCostFit
+from vllm_adaptive_spec.budget.cost_table import StepCostTable
 from vllm_adaptive_spec.budget.node_allocation import modelled_seconds, plan_nodes, shaped
-from vllm_adaptive_spec.budget.step_cost import StepCostFit
-from vllm_adaptive_spec.budget.step_cost_table import StepCostTable
 from vllm_adaptive_spec.trees.tree import DraftTree
 
 
@@ -49,7 +49,7 @@ class Planned(NamedTuple):
 
 
 class LinearCost:
-    """The line through the measured steps (``step_cost.StepCostFit``)."""
+    """The line through the measured steps (``cost_fit.StepCostFit``)."""
 
     width_choices = 0  # steps whose width measured shapes chose (none here)
 
@@ -119,7 +119,7 @@ def best_width(
 
 
 class ShapeCost:
-    """The measured time of each uniform step shape (``step_cost_table``),
+    """The measured time of each uniform step shape (``cost_table``),
     over the step widths ``widths``; the line (``linear``) until the batch's
     draft-free step is measured."""
 

@@ -1,10 +1,10 @@
 """What a uniform decode step costs, measured per (batch, rows a request).
 
-On a GPU a uniform tree step (``step_widths``) replays a captured graph of
+On a GPU a uniform tree step (``uniform_widths``) replays a captured graph of
 ``b`` requests with ``R`` rows each, ``b`` padded to the next captured batch
 size: a padding row costs what a filled row costs, and rows cost almost
 nothing up to the device's width and then in full. A line through the
-measured steps (``step_cost.StepCostFit``) is the wrong model there (a captured
+measured steps (``cost_fit.StepCostFit``) is the wrong model there (a captured
 graph pays its padded rows whatever the tree); a table of the measured times of each (padded batch, ``R``) is
 the right one, since those are the only shapes the step can take.
 

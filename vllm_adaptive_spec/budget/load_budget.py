@@ -53,11 +53,11 @@ from typing import NamedTuple
 
 from vllm_adaptive_spec.budget import node_allocation
 from vllm_adaptive_spec.budget.calibration import Calibration
+from vllm_adaptive_spec.budget.cost_fit import StepCostFit
 from vllm_adaptive_spec.budget.cost_models import LinearCost, ShapeCost
 from vllm_adaptive_spec.budget.draft_depth import DraftDepth, kept_by_depth
 from vllm_adaptive_spec.budget.node_allocation import at_least, within
 from vllm_adaptive_spec.budget.pause_control import PauseControl, PauseSettings, StepDecision
-from vllm_adaptive_spec.budget.step_cost import StepCostFit
 from vllm_adaptive_spec.trees.tree import DraftTree
 
 ROW_GROWTH = 2  # see "Trust region"

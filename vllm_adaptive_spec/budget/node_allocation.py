@@ -4,7 +4,7 @@ functions (docs/algorithms.md section 8).
 A step keeps, over the whole batch, the nodes that maximise its expected
 committed tokens per second ``G / C`` with ``G = B + sum of kept p_hat`` and
 ``C = alpha + beta * (B + n_kept) + eta * trees + delta * B_drafting``
-(``step_cost.Fit``; ``delta`` the drafter's time per drafting request). A
+(``cost_fit.Fit``; ``delta`` the drafter's time per drafting request). A
 ratio of sums over nodes that each add ``p_hat`` to ``G`` and ``beta`` to
 ``C`` is maximised by keeping exactly the nodes with ``p_hat > beta * G / C``
 at the optimum, found greedily by descending ``p_hat``; as ``p`` never rises
@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from vllm_adaptive_spec.budget.step_cost import Fit
+from vllm_adaptive_spec.budget.cost_fit import Fit
 from vllm_adaptive_spec.trees.tree import DraftTree
 
 MAX_RHO = 2.0  # the calibration's largest value (``calibration.Calibration``)

@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from vllm_adaptive_spec.budget.step_cost import StepCostFit
+from vllm_adaptive_spec.budget.cost_fit import StepCostFit
 
 CONTROL_SPREAD, CONTROL_GAP = 0.02, 16
 

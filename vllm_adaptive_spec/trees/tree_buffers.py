@@ -1,6 +1,6 @@
 """A step's trees in persistent device buffers, with ancestor bitmasks.
 
-A uniform tree step (``step_widths``) reads its trees from
+A uniform tree step (``uniform_widths``) reads its trees from
 tensors allocated once, one row per slot of vLLM's input batch and
 ``capacity`` node slots a row: ``tokens``, ``parents``, ``depth``,
 ``num_nodes`` and, per node, its ancestor-or-self set as a bitmask (bit

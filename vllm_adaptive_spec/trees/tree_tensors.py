@@ -13,7 +13,7 @@ request's valid nodes are its first ``num_nodes`` slots, breadth-first,
 every parent before its children; invalid slots hold token ``-1`` and parent
 ``-1``, depth 0 and an all-false ancestor row.
 
-What a uniform step derives from them (``step.uniform_layout``, then the
+What a uniform step derives from them (``tree_step.uniform_layout``, then the
 verifier's ``verify.accept`` and the KV moves) is traced whole by
 ``torch.compile(fullgraph=True)`` at fixed shapes and dispatches the same
 torch operations whatever the batch and the width
