@@ -84,7 +84,7 @@ def _guarded(function, record, steps: str | None):
     ``record[steps]`` (for the tree verifier: each call with trees)."""
 
     def run(*args, **kwargs):
-        from vllm_adaptive_spec.adapter import tree_step
+        from vllm_adaptive_spec.step import tree_step
 
         current = tree_step.current()
         tree = steps in ("draft_loops", "first_passes", "layouts") or (isinstance(current, tree_step.TreeStep)
@@ -119,7 +119,7 @@ def install(worker) -> None:
     verifier = runner.rejection_sampler
     verifier.forward = _guarded(verifier.forward, record, "tree_steps")
     runner._set_depth_positions = _guarded(runner._set_depth_positions, record, None)
-    from vllm_adaptive_spec.adapter import tree_step
+    from vllm_adaptive_spec.step import tree_step
 
     tree_step.uniform_layout = _guarded(tree_step.uniform_layout, record, "layouts")  # a uniform step's device layout
     if runner._draft_backend is not None:

@@ -135,7 +135,7 @@ def test_a_whole_pass_is_its_causal_rows_and_its_tree_rows():
     from kernels.tree_attention_cpu import machine_isa, build, tree_attention_cpu
     from vllm_adaptive_spec.adapter.attention_cpu import whole_pass_rows
     from vllm_adaptive_spec.adapter.cpu_cache_layout import cache_views
-    from vllm_adaptive_spec.adapter.tree_step import AttentionRows
+    from vllm_adaptive_spec.step.tree_step import AttentionRows
 
     rng = torch.Generator().manual_seed(0)
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)

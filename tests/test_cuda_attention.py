@@ -23,10 +23,10 @@ from vllm.v1.attention.backends import flash_attn, triton_attn
 
 from kernels.tree_attention import tree_attention_reference, tree_attention_triton
 from vllm_adaptive_spec.adapter import attention_cuda
-from vllm_adaptive_spec.adapter import tree_step
 from vllm_adaptive_spec.adapter.attention_cuda import TreeFlashAttentionImpl, TreeTritonAttentionImpl, cache_views
 from vllm_adaptive_spec.adapter.cudagraphs import graph_modes
 from vllm_adaptive_spec.adapter.tree_impl import check_tree_backends
+from vllm_adaptive_spec.step import tree_step
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 16
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

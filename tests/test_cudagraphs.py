@@ -16,16 +16,16 @@ import torch
 from vllm.config import CUDAGraphMode as Mode
 from vllm.forward_context import BatchDescriptor
 
-from vllm_adaptive_spec.adapter import tree_step
+from vllm_adaptive_spec.step import tree_step
 from vllm_adaptive_spec.adapter.cudagraphs import (
     DecodeGraphsMixin,
     TreeCudagraphDispatcher,
     is_plain_decode_key,
     plain_decode_keys,
 )
-from vllm_adaptive_spec.adapter.ragged_or_uniform import UniformLayout, UniformSteps
 from vllm_adaptive_spec.adapter.runner import TreeRunnerMixin
 from vllm_adaptive_spec.config import TreeConfig
+from vllm_adaptive_spec.step.modes import UniformLayout, UniformSteps
 from vllm_adaptive_spec.trees.tree import DraftTree
 from vllm_adaptive_spec.trees.tree_buffers import TreeBuffers
 from vllm_adaptive_spec.trees.uniform_widths import plugin_batch_sizes, step_widths

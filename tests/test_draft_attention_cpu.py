@@ -13,7 +13,7 @@ from kernels.tree_attention import tree_attention_reference
 from vllm_adaptive_spec.adapter import cpu_cache_layout
 from vllm_adaptive_spec.adapter.cpu_cache_layout import cache_views
 from vllm_adaptive_spec.adapter.draft_attention_cpu import draft_pass_attention
-from vllm_adaptive_spec.adapter.tree_step import DraftStep, StepKeys
+from vllm_adaptive_spec.step.tree_step import DraftStep, StepKeys
 
 HEADS, GROUP, HEAD_DIM, BLOCK = 3, 3, 64, 32
 

@@ -325,7 +325,7 @@ def test_the_head_fills_the_requests_the_trie_leaves_without_a_tree():
     """A paused step: a (whose context repeats) gets the trie's tree; b, with
     no match, the head's tree alone, its first pass run for b's row only,
     timed and calibrated into the fill's own budget, its tree the policy's."""
-    from vllm_adaptive_spec.adapter.proposer import FirstPass
+    from vllm_adaptive_spec.step.propose import FirstPass
 
     proposer = _paused_hybrid()
     asked = []
@@ -348,8 +348,8 @@ def test_the_head_fills_the_requests_the_trie_leaves_without_a_tree():
 
 
 def test_no_fill_where_its_budget_pauses_on_a_control_step_or_without_the_engines_pass():
-    from vllm_adaptive_spec.adapter.proposer import FirstPass
     from vllm_adaptive_spec.budget.pause_control import StepDecision
+    from vllm_adaptive_spec.step.propose import FirstPass
 
     def refused(rows):
         raise AssertionError("no fill was due")

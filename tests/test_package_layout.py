@@ -79,6 +79,30 @@ def test_the_cycle_finder_finds_a_cycle():
     assert cycle({"a": {"b"}, "b": set()}) is None
 
 
+def vllm_internals(tree: ast.AST) -> set[str]:
+    """The vLLM modules a module imports beyond the public top level (``from vllm import LLM``)."""
+    found = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    found |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    return {name for name in found if name.startswith("vllm.")}
+
+
+def test_every_vllm_internal_is_imported_in_the_adapter_and_the_step_imports_none():
+    """vLLM's internals are touched in ``adapter/`` alone; the engine step
+    (``step/``) and the core below it import neither vLLM nor the adapter
+    (only the plugin's entry point installs it)."""
+    known = modules()
+    outside = {name: sorted(found) for name, path in known.items() if not name.startswith("vllm_adaptive_spec.adapter")
+               and (found := vllm_internals(ast.parse(path.read_text())))}
+    assert outside == {}
+    graph = import_graph()
+    into_adapter = {name: sorted(t for t in targets if t.startswith("vllm_adaptive_spec.adapter"))
+                    for name, targets in graph.items()
+                    if not name.startswith("vllm_adaptive_spec.adapter") and name != "vllm_adaptive_spec.plugin"}
+    assert {name: found for name, found in into_adapter.items() if found} == {}
+    assert vllm_internals(ast.parse("from vllm import LLM\nfrom vllm.config import X\nimport vllm.utils")) == {
+        "vllm.config", "vllm.utils"}
+
+
 def test_no_module_name_in_two_folders():
     names: dict[str, list[Path]] = {}
     for folder in (*PACKAGES, "benchmarks"):

@@ -14,8 +14,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def source_copy(destination: Path) -> Path:
-    """The files git tracks, copied as a clean clone has them (no build left from an earlier run)."""
-    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    """The files a commit would hold (tracked, or new and not ignored), copied
+    as a clean clone has them: no build left from an earlier run."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout
     for name in filter(None, listed.decode().split("\0")):
         if (ROOT / name).is_file():
             (destination / name).parent.mkdir(parents=True, exist_ok=True)

@@ -10,11 +10,12 @@ import pytest
 import torch
 from vllm.config import CUDAGraphMode
 
-from vllm_adaptive_spec.adapter.draft_layers import FixedLayers, RaggedLayers
-from vllm_adaptive_spec.adapter.ragged_or_uniform import RaggedLayout, UniformLayout, resolve
+from vllm_adaptive_spec.adapter.ragged_or_uniform import resolve
 from vllm_adaptive_spec.budget.cost_fit import StepCostFit
 from vllm_adaptive_spec.budget.cost_models import LinearCost, ShapeCost
 from vllm_adaptive_spec.config import TreeConfig
+from vllm_adaptive_spec.step.draft_layers import FixedLayers, RaggedLayers
+from vllm_adaptive_spec.step.modes import RaggedLayout, UniformLayout
 from vllm_adaptive_spec.trees.uniform_widths import padded_rows
 
 

@@ -1,6 +1,6 @@
 """A request's ``speculation`` option (checked where vLLM checks sampling
 parameters, so its API answers 400 for a bad value) and what a failure in
-the plugin's per-request work costs (``adapter/request_options``; on the
+the plugin's per-request work costs (``adapter/request_options``, ``step/failures``; on the
 engine: ``test_engine_request_isolation.py``)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
 
 from vllm_adaptive_spec.adapter import config_hook, request_options, sampling_controls
+from vllm_adaptive_spec.step.failures import Failures
 
 
 def _ngram() -> SpeculativeConfig:
@@ -45,7 +46,7 @@ def test_an_unknown_speculation_value_is_refused_naming_the_key_and_the_values(v
 
 
 def test_a_failure_costs_the_fallback_and_is_logged_once_per_request(caplog):
-    failures = request_options.Failures()
+    failures = Failures()
 
     def broken():
         raise RuntimeError("injected")

@@ -9,7 +9,7 @@ import random
 import torch
 from test_tree import random_bfs_tree
 
-from vllm_adaptive_spec.adapter.tree_step import build_step, build_uniform_step
+from vllm_adaptive_spec.step.tree_step import build_step, build_uniform_step
 from vllm_adaptive_spec.trees.tree import DraftTree, HostTrees
 from vllm_adaptive_spec.trees.tree_buffers import TreeBuffers, num_words, pack_bits, unpack_bits
 from vllm_adaptive_spec.trees.tree_tensors import TreeTensors

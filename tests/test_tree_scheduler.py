@@ -170,7 +170,7 @@ def test_a_terminated_grammar_forces_nothing_and_is_not_asked():
 
 def test_a_walk_that_raises_leaves_the_matcher_where_it_began():
     """A failure inside the grammar's walk (a cut, a bitmask row) costs the
-    request its tree for the step (``request_options.Failures``); the matcher
+    request its tree for the step (``failures.Failures``); the matcher
     must still be where it was, or the request's later steps would read a
     grammar state its output never reached."""
     grammar = WordGrammar([])

@@ -2,7 +2,7 @@
 
 import torch
 
-from vllm_adaptive_spec.adapter.tree_step import build_step
+from vllm_adaptive_spec.step.tree_step import build_step
 from vllm_adaptive_spec.trees.tree import DraftTree
 
 

@@ -16,7 +16,7 @@ import torch
 from test_tree import random_bfs_tree
 from test_tree_buffers import reference_tensors
 
-from vllm_adaptive_spec.adapter.tree_step import uniform_layout
+from vllm_adaptive_spec.step.tree_step import uniform_layout
 from vllm_adaptive_spec.trees.tree import DraftTree, TreeBatch
 from vllm_adaptive_spec.trees.tree_buffers import TreeBuffers
 from vllm_adaptive_spec.trees.tree_tensors import row_visibility

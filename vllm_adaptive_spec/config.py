@@ -36,7 +36,7 @@ ENGINE_PARAMS = {
     "uniform_steps": Param(
         str, "auto", "one of 'auto', 'on', 'off'", lambda v: v in ("auto", "on", "off")
     ),
-    # How a model drafter's tree layers run (``adapter/draft_layers``): ``ragged``
+    # How a model drafter's tree layers run (``step/draft_layers``): ``ragged``
     # (the fed rows only) or ``fixed`` (every layer B x F rows, nothing read
     # back); ``auto``: fixed where uniform steps are on, ragged elsewhere.
     "draft_loop": Param(

@@ -30,7 +30,7 @@ a FULL graph in which every attention layer runs the tree kernel's
 graph-safe launch over all rows (``TreeImplMixin``), reading its masks from
 one persistent buffer the runner fills on the device before the step, from
 the trees in the persistent tree buffers (``tree_buffers``;
-:class:`~vllm_adaptive_spec.adapter.tree_step.UniformRows`). So these graphs are
+:class:`~vllm_adaptive_spec.step.tree_step.UniformRows`). So these graphs are
 captured with that step published: a graph captured without it would have
 frozen vLLM's causal kernel in. A capture that fails drops its key (the
 step then runs PIECEWISE) with one log line.
@@ -47,7 +47,7 @@ from vllm.logger import init_logger
 from vllm.forward_context import BatchDescriptor
 from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
-from vllm_adaptive_spec.adapter import tree_step
+from vllm_adaptive_spec.step import tree_step
 from vllm_adaptive_spec.trees.uniform_widths import plugin_batch_sizes, uniform_rows
 
 logger = init_logger(__name__)

@@ -6,7 +6,7 @@ pass's rows see their request's whole committed draft context plus some of
 the step's tree nodes so far. The context does not change during the step
 (nodes are written after it, at ``C + node id``), so its keys and values are
 gathered from the paged cache and laid out in float32 once per step and
-cache (:class:`ContextKeys`, kept in the step's :class:`~vllm_adaptive_spec.adapter.tree_step.StepKeys`),
+cache (:class:`ContextKeys`, kept in the step's :class:`~vllm_adaptive_spec.step.tree_step.StepKeys`),
 and each pass gathers only the tree's window. A row's scores over both are
 one softmax, so the result is :func:`~vllm_adaptive_spec.adapter.attention_cpu.paged_tree_attention`'s.
 
@@ -75,7 +75,7 @@ def gather_context(kv_cache: torch.Tensor, lengths: torch.Tensor, block_table: t
 
 def draft_pass_attention(query: torch.Tensor, kv_cache: torch.Tensor, rows, scale: float) -> torch.Tensor:
     """``[T, Hq, D]`` attention of one drafting pass's rows (a
-    :class:`~vllm_adaptive_spec.adapter.tree_step.DraftStep` with ``step_keys``):
+    :class:`~vllm_adaptive_spec.step.tree_step.DraftStep` with ``step_keys``):
     the step's context keys (gathered by the step's first pass over this
     cache) and the pass's window of tree nodes, group by group."""
     step = rows.step_keys

@@ -46,8 +46,8 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from kernels.draft_distribution import DraftDistribution, draft_distribution
-from vllm_adaptive_spec.adapter import tree_step
-from vllm_adaptive_spec.adapter.draft_layers import FixedShape, PassLayout, RaggedLayers, empty_distribution
+from vllm_adaptive_spec.step import tree_step
+from vllm_adaptive_spec.step.draft_layers import FixedShape, PassLayout, RaggedLayers, empty_distribution
 from vllm_adaptive_spec.trees.layer_layout import TreeState, empty_state, node_slots
 from vllm_adaptive_spec.trees.packed_ranges import packed_ranges
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from vllm_adaptive_spec.adapter.proposer import FirstPass
+from vllm_adaptive_spec.step.propose import FirstPass
 
 
 class StepFirstPass:

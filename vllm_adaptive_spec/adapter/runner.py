@@ -6,7 +6,7 @@ Per engine step:
    hence sequential KV slots ``p0 + i``), each request's scheduled drafts are
    matched to its tree (a breadth-first prefix, as the scheduler may cut the
    list) and node positions become ``p0 + depth``. The runner holds the
-   step's layout (:class:`~vllm_adaptive_spec.adapter.tree_step.TreeStep`) until
+   step's layout (:class:`~vllm_adaptive_spec.step.tree_step.TreeStep`) until
    its verification and publishes it while vLLM picks the step's graph, runs
    its forward and samples it (:meth:`TreeRunnerMixin._step_published`).
 2. the forward: tree rows attend to the prefix, their ancestors and themselves.
@@ -35,19 +35,19 @@ import torch
 from vllm.utils.torch_utils import PIN_MEMORY
 
 from kernels.kv_compaction import compact_kv
-from vllm_adaptive_spec.adapter import tree_step
 from vllm_adaptive_spec.adapter.cudagraphs import TreeCudagraphDispatcher
 from vllm_adaptive_spec.adapter.draft_first_pass import StepFirstPass
 from vllm_adaptive_spec.adapter.draft_head import HeadDraftBackend
 from vllm_adaptive_spec.adapter.draft_lm import LMDraftBackend
 from vllm_adaptive_spec.adapter.drafted_share import DraftedShare
-from vllm_adaptive_spec.adapter.pending import PendingAcceptance
 from vllm_adaptive_spec.adapter.proposer import TreeProposer
 from vllm_adaptive_spec.adapter.request_options import can_draft
 from vllm_adaptive_spec.adapter.sampling_controls import builtin_logits_processors
 from vllm_adaptive_spec.adapter.tree_impl import check_tree_backends
 from vllm_adaptive_spec.adapter.tree_scheduler import TreeDraftTokenIds
 from vllm_adaptive_spec.adapter.verifier import TreeVerifier
+from vllm_adaptive_spec.step import tree_step
+from vllm_adaptive_spec.step.pending import PendingAcceptance
 from vllm_adaptive_spec.trees.tree import DraftTree
 from vllm_adaptive_spec.trees.uniform_widths import drafted_nodes, uniform_rows
 from vllm_adaptive_spec.trees.verify import Acceptance, path_moves

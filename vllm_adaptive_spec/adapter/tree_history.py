@@ -30,8 +30,8 @@ import torch
 from vllm.model_executor.layers.utils import apply_penalties
 from vllm.v1.sample.ops.bad_words import apply_bad_words
 
-from vllm_adaptive_spec.adapter.transfer import to_device
 from vllm_adaptive_spec.adapter.tree_logits_processors import apply_row_min_tokens, has_min_tokens
+from vllm_adaptive_spec.step.transfer import to_device
 from vllm_adaptive_spec.trees.packed_ranges import packed_ranges
 from vllm_adaptive_spec.trees.tree import DraftTree
 

@@ -2,7 +2,7 @@
 
 :class:`TreeImplMixin` goes before a vLLM attention impl (``CPU_ATTN``,
 ``FLASH_ATTN``, ``TRITON_ATTN``). vLLM's kernels take no per-request mask, so
-in a pass that carries branching trees (:mod:`~vllm_adaptive_spec.adapter.tree_step`)
+in a pass that carries branching trees (:mod:`~vllm_adaptive_spec.step.tree_step`)
 the stock kernel computes every row as usual, then the rows of those
 requests are recomputed by the platform's tree path (:meth:`tree_forward`)
 and overwritten. When every row of the pass belongs to such a tree, only the
@@ -26,7 +26,7 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.attention.selector import _cached_get_attn_backend
 
-from vllm_adaptive_spec.adapter import tree_step
+from vllm_adaptive_spec.step import tree_step
 
 NO_WINDOW = (None, -1, (-1, -1))
 
@@ -83,7 +83,7 @@ class TreeImplMixin:
 
     def uniform_forward(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata, rows) -> torch.Tensor:
         """``[T, Hq, D]`` attention of every row of a uniform tree step
-        (:class:`~vllm_adaptive_spec.adapter.tree_step.UniformRows`), with a
+        (:class:`~vllm_adaptive_spec.step.tree_step.UniformRows`), with a
         launch a CUDA graph can replay; platforms without graphs never see one."""
         raise NotImplementedError
 
@@ -96,8 +96,8 @@ class TreeImplMixin:
 
     def tree_forward(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata, rows) -> torch.Tensor:
         """``[T, Hq, D]`` attention of the tree rows ``query`` (rows
-        :class:`~vllm_adaptive_spec.adapter.tree_step.AttentionRows` or a
-        :class:`~vllm_adaptive_spec.adapter.tree_step.DraftStep`) over the layer's cache."""
+        :class:`~vllm_adaptive_spec.step.tree_step.AttentionRows` or a
+        :class:`~vllm_adaptive_spec.step.tree_step.DraftStep`) over the layer's cache."""
         raise NotImplementedError
 
 

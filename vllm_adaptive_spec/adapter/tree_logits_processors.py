@@ -26,7 +26,7 @@ from vllm.v1.sample.logits_processor.builtin import (
     MinTokensLogitsProcessor,
 )
 
-from vllm_adaptive_spec.adapter.transfer import to_device
+from vllm_adaptive_spec.step.transfer import to_device
 
 
 def _processor(processors, kind):

@@ -56,7 +56,8 @@ from vllm.v1.outputs import DraftTokenIds
 
 from vllm_adaptive_spec.adapter import ragged_or_uniform
 from vllm_adaptive_spec.adapter.config_hook import tree_config_of
-from vllm_adaptive_spec.adapter.request_options import Failures, speculation_allowed
+from vllm_adaptive_spec.adapter.request_options import speculation_allowed
+from vllm_adaptive_spec.step.failures import Failures
 from vllm_adaptive_spec.trees.uniform_widths import drafted_nodes
 
 

@@ -36,11 +36,11 @@ from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-from vllm_adaptive_spec.adapter import tree_step
-from vllm_adaptive_spec.adapter.request_options import Failures
-from vllm_adaptive_spec.adapter.transfer import to_device
 from vllm_adaptive_spec.adapter.tree_history import RowHistories
 from vllm_adaptive_spec.adapter.tree_logits_processors import apply_row_logit_bias, apply_row_min_p, has_logit_bias
+from vllm_adaptive_spec.step import tree_step
+from vllm_adaptive_spec.step.failures import Failures
+from vllm_adaptive_spec.step.transfer import to_device
 from vllm_adaptive_spec.trees.verify import PAD, Acceptance, accept, sample_with_noise
 
 

@@ -93,7 +93,7 @@ def grow_fixed(drafter: Drafter, policy: TreePolicy, budget: torch.Tensor, depth
     keeps its first ``width`` (by frontier, then candidate order), a tree cut
     to the capacity. :func:`grow` grows this way, on the drafter's
     ``device``, for a drafter of :class:`Growth` ``FIXED_LAYERS`` (a model
-    drafter whose draft loop reads nothing back: ``adapter/draft_layers.FixedLayers``)."""
+    drafter whose draft loop reads nothing back: ``step/draft_layers.FixedLayers``)."""
     return assemble(grow_layers(drafter, policy, budget, depth, width, floor), policy, budget)
 
 

@@ -159,7 +159,7 @@ class HostTrees(NamedTuple):
     numpy, not torch: a step's layout is built on the host every step from
     arrays of a few hundred elements, where a numpy operation costs about a
     microsecond and a torch one several; the step's one copy to the device
-    takes them as they are (``adapter/transfer``)."""
+    takes them as they are (``step/transfer``)."""
 
     tokens: np.ndarray
     parents: np.ndarray

@@ -15,7 +15,10 @@ import math
 
 import numpy as np
 import torch
-from vllm.utils.torch_utils import PIN_MEMORY
+
+# Pinned host memory where CUDA is (what a non-blocking copy needs); a host
+# without CUDA never copies (``_is_cuda``).
+PIN_MEMORY = torch.cuda.is_available()
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_adaptive_spec.adapter import tree_step
+from vllm_adaptive_spec.step import tree_step
 from vllm_adaptive_spec.trees.verify import Acceptance
 
 

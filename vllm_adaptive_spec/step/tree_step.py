@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from vllm_adaptive_spec.adapter.transfer import packed_to_device, to_device
+from vllm_adaptive_spec.step.transfer import packed_to_device, to_device
 from vllm_adaptive_spec.trees.packed_ranges import packed_ranges
 from vllm_adaptive_spec.trees.tree import DraftTree, HostTrees, TreeBatch
 from vllm_adaptive_spec.trees.tree_buffers import TreeBuffers
@@ -173,7 +173,7 @@ def build_step(
     the tree path of the attention (:class:`AttentionRows`).
     Built on the host as numpy arrays for all requests at once (no loop over
     them); everything the device needs arrives in one pinned, non-blocking
-    copy (:func:`~vllm_adaptive_spec.adapter.transfer.packed_to_device`)."""
+    copy (:func:`~vllm_adaptive_spec.step.transfer.packed_to_device`)."""
     host = HostTrees.of(trees)
     starts, lengths = np.asarray(query_starts, dtype=np.int64), np.asarray(query_lens, dtype=np.int64)
     before = lengths - 1 - host.num_nodes - (0 if paddings is None else np.asarray(paddings, dtype=np.int64))
@@ -269,7 +269,7 @@ def build_uniform_step(
     )
 
 
-class UniformLayout(NamedTuple):
+class UniformDeviceLayout(NamedTuple):
     """The device part of a uniform step's layout (:func:`uniform_layout`)."""
 
     tree: TreeTensors
@@ -281,7 +281,7 @@ class UniformLayout(NamedTuple):
     root_rows: torch.Tensor
 
 
-def uniform_layout(tree: TreeTensors, index: torch.Tensor) -> UniformLayout:
+def uniform_layout(tree: TreeTensors, index: torch.Tensor) -> UniformDeviceLayout:
     """Every row index, depth offset and mask of a uniform step whose
     requests (batch rows ``index``) have ``1 + W`` rows each, from their
     trees read at width ``W``: operations whose count depends on neither
@@ -290,7 +290,7 @@ def uniform_layout(tree: TreeTensors, index: torch.Tensor) -> UniformLayout:
     rows = width + 1
     base = index * rows  # each request's first row, its root's
     nodes = torch.arange(width, device=base.device)
-    return UniformLayout(
+    return UniformDeviceLayout(
         tree=tree,
         query_rows=(base.unsqueeze(1) + torch.arange(rows, device=base.device)).flatten(),
         query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=base.device) * rows,

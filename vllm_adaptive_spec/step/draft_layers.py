@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from kernels.draft_distribution import DraftDistribution
-from vllm_adaptive_spec.adapter import tree_step
+from vllm_adaptive_spec.step import tree_step
 from vllm_adaptive_spec.trees.layer_layout import LayerRows, lay_out_layer
 from vllm_adaptive_spec.trees.uniform_widths import padded_rows
 
