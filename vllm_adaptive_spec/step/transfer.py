@@ -11,22 +11,17 @@ packed or copied.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 import torch
 
-# Pinned host memory where CUDA is (what a non-blocking copy needs); a host
-# without CUDA never copies (``_is_cuda``).
-PIN_MEMORY = torch.cuda.is_available()
-
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """One host list or tensor on ``device``, copied without a wait."""
     host = torch.as_tensor(values, dtype=dtype)
-    if not _is_cuda(device):
-        return host
-    return (host.pin_memory() if PIN_MEMORY else host).to(device, non_blocking=PIN_MEMORY)
+    return _moved(host, device) if _is_cuda(device) else host
 
 
 def packed_to_device(parts: list, device: torch.device) -> list[torch.Tensor]:
@@ -38,11 +33,27 @@ def packed_to_device(parts: list, device: torch.device) -> list[torch.Tensor]:
         return [torch.as_tensor(part) for part in parts]
     flat = torch.from_numpy(np.concatenate([np.asarray(part, dtype=np.int64).reshape(-1) for part in parts]
                                            if parts else [np.empty(0, dtype=np.int64)]))
-    if PIN_MEMORY:
-        flat = flat.pin_memory()
-    moved = flat.to(device, non_blocking=PIN_MEMORY)
+    moved = _moved(flat, device)
     sizes = [math.prod(part.shape) for part in parts]
     return [piece.view(tuple(part.shape)) for piece, part in zip(moved.split(sizes), parts)]
+
+
+def _moved(host: torch.Tensor, device) -> torch.Tensor:
+    """``host`` on the CUDA ``device``: pinned and non-blocking where the
+    host can pin, else a plain (waiting) copy."""
+    pin = _can_pin()
+    return (host.pin_memory() if pin else host).to(device, non_blocking=pin)
+
+
+@functools.cache
+def _can_pin() -> bool:
+    """Whether this host pins memory, tried once: not every CUDA host does
+    (WSL, by driver), so it is asked of the host, not assumed."""
+    try:
+        torch.empty(1).pin_memory()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _is_cuda(device) -> bool:
