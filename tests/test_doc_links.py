@@ -5,6 +5,7 @@ folders move (results by topic and date); a link left behind fails here."""
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -26,12 +27,15 @@ def slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
-def anchors(page: Path) -> set[str]:
+@functools.cache
+def anchors(page: Path) -> frozenset[str]:
+    """The page's heading anchors (a repeated heading's get ``-1``, ``-2``, ...)."""
     seen: dict[str, int] = {}
     for heading in re.findall(r"^#{1,6} (.*)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.S), re.M):
         name = slug(heading)
         seen[name] = seen.get(name, -1) + 1
-        yield name if seen[name] == 0 else f"{name}-{seen[name]}"
+    return frozenset(name if count == 0 else f"{name}-{count}" for name, top in seen.items()
+                     for count in range(top + 1))
 
 
 def broken(page: Path) -> list[str]:
@@ -45,7 +49,7 @@ def broken(page: Path) -> list[str]:
         dest = (page.parent / path).resolve() if path else page
         if not dest.exists():
             found.append(target)
-        elif anchor and dest.suffix == ".md" and anchor not in set(anchors(dest)):
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             found.append(target)
     # A path cut short by a pattern (``-{a,b}``, ``*``) names what starts with it.
     found += [path for path in FIGURE.findall(text) if not any(ROOT.glob(path.rstrip(".") + "*"))]
