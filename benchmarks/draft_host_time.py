@@ -17,7 +17,7 @@ within 10% of batch 8).
 
 Drafters: ``retrieval`` (the trie), ``retrieval-tensors`` (``matcher:
 tensors``), ``eagle3`` (the project's head, EAGLE-2 tree at depth 8, ``N =
---budget``, ``load_budget: fixed``, ``draft_loop: ragged``), ``eagle3-fixed``
+--nodes``, ``load_budget: fixed``, ``draft_loop: ragged``), ``eagle3-fixed``
 (the same, ``draft_loop: fixed``: every layer ``B x F`` rows, nothing read back),
 ``hybrid`` (the head's EAGLE-2 tree merged with the trie matcher's, ragged) and
 ``hybrid-fixed`` (merged with the tensor matcher's children, ``draft_loop: fixed``).
@@ -51,14 +51,14 @@ MODEL_DRAFTERS = {  # name -> the tree config's drafter, its draft loop and the 
 }
 
 
-def spec_of(drafter: str, budget: int, head: str) -> dict:
+def spec_of(drafter: str, nodes: int, head: str) -> dict:
     if drafter in MODEL_DRAFTERS:
         kind, loop, matcher = MODEL_DRAFTERS[drafter]
         tree = {"drafter": kind, "policy": "eagle2", "depth": 8, "load_budget": "fixed", "draft_loop": loop, **matcher}
-        return {"method": "adaptive_tree", "num_speculative_tokens": budget, "model": head, "tree": tree}
+        return {"method": "adaptive_tree", "num_speculative_tokens": nodes, "model": head, "tree": tree}
     matcher = {"retrieval": "trie", "retrieval-tensors": "tensors"}[drafter]
     tree = {"drafter": "retrieval", "matcher": matcher, "load_budget": "fixed"}
-    return {"method": "adaptive_tree", "num_speculative_tokens": budget, "tree": tree}
+    return {"method": "adaptive_tree", "num_speculative_tokens": nodes, "tree": tree}
 
 
 def profile_drafting(worker, warmup: int, steps: int) -> None:
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--drafters", default="retrieval,retrieval-tensors,eagle3")
     add_batches(parser, "8,64")
     add_workload(parser, max_tokens=48, prompts=None)
-    parser.add_argument("--budget", type=int, default=16, help="N, nodes per tree")
+    parser.add_argument("--nodes", "--budget", type=int, default=16, help="N, nodes per tree")
     parser.add_argument("--warmup", type=int, default=8, help="engine steps before profiling")
     parser.add_argument("--steps", type=int, default=12, help="profiled drafting steps")
     parser.add_argument("--head", default=str(HEAD))
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         from vllm_adaptive_spec.demo_model import ensure_demo_model
 
         drafter, batch = args.one.split(":")
-        row = measure(str(ensure_demo_model()), spec_of(drafter, args.budget, args.head), int(batch), args)
+        row = measure(str(ensure_demo_model()), spec_of(drafter, args.nodes, args.head), int(batch), args)
         (out / f"draft_host_time.{drafter}.{batch}.json").write_text(json.dumps(row) + "\n")
         return
     rows = []
@@ -176,7 +176,7 @@ def child_argv(args) -> list[str]:
     """The flags a measurement's own process needs: every setting of this run
     (not this process's command line, which a caller of ``main(argv)`` need
     not have: the children once got none, and measured in float32)."""
-    argv = ["--dtype", args.dtype, "--max-tokens", str(args.max_tokens), "--budget", str(args.budget),
+    argv = ["--dtype", args.dtype, "--max-tokens", str(args.max_tokens), "--nodes", str(args.nodes),
             "--warmup", str(args.warmup), "--steps", str(args.steps), "--head", str(args.head)]
     return argv + (["--prompts", str(args.prompts)] if args.prompts else [])
 

@@ -1,5 +1,5 @@
 """The load budget's floor, for every configuration a user can write: each
-drafter with each policy it offers, at several node budgets N and depth
+drafter with each policy it offers, at several N (nodes per tree) and depth
 settings, under the default load budget (``load_budget: adaptive``), against
 no speculation in the same run.
 
@@ -7,7 +7,7 @@ Cells: ``retrieval`` with ``retrieval`` and ``chain``; ``eagle3``,
 ``draft_model`` and ``hybrid`` with ``chain``, ``eagle2`` (depth 8, the
 default, and 18), ``talon`` (``max_depth`` 32, its default), ``deagle``
 (``depth`` 18, its default), ``dynatree`` and ``c2t`` (``max_depth`` 10, its
-default); every one at N = ``--budgets``. The depths are each policy's
+default); every one at N = ``--nodes``. The depths are each policy's
 default and the largest the project documents. ``draft_model`` with ``c2t``
 takes the EAGLE-3 head's classifier (``tree.classifier``): the draft LM has
 none of its own, and without one the configuration is refused at startup.
@@ -46,7 +46,7 @@ retrieval cells and 12 a pair with a draft LM, so about 6.5 hours for the
 whole grid, best run as several invocations read back with ``--merge``)::
 
     .venv/bin/vllm-adaptive-spec bench floor-sweep
-    .venv/bin/vllm-adaptive-spec bench floor-sweep --drafters eagle3 --policies talon,eagle2-D18 --budgets 32
+    .venv/bin/vllm-adaptive-spec bench floor-sweep --drafters eagle3 --policies talon,eagle2-D18 --nodes 32
     .venv/bin/vllm-adaptive-spec bench floor-sweep --cells eagle3/talon/N32,hybrid/eagle2/N32,retrieval/retrieval/N16
     .venv/bin/vllm-adaptive-spec bench floor-sweep --engine-layout lockstep --cells eagle3/talon/N32,eagle3/chain/N32
 
@@ -77,7 +77,7 @@ MODEL_POLICIES = engines.MODEL_POLICIES
 RETRIEVAL_POLICIES = {"retrieval": ("retrieval", {}), "chain": ("chain", {})}
 
 
-def cells(drafters: list[str], policies: list[str] | None, budgets: list[int], head: str,
+def cells(drafters: list[str], policies: list[str] | None, nodes: list[int], head: str,
           draft_lm: str | None) -> dict[str, dict]:
     """Cell name (``drafter/policy/N``) -> speculative config."""
     out = {}
@@ -86,8 +86,8 @@ def cells(drafters: list[str], policies: list[str] | None, budgets: list[int], h
         for name, (policy, params) in table.items():
             if policies and name not in policies:
                 continue
-            for budget in budgets:
-                spec = {"method": "adaptive_tree", "num_speculative_tokens": budget,
+            for n in nodes:
+                spec = {"method": "adaptive_tree", "num_speculative_tokens": n,
                         "tree": {"drafter": drafter, "policy": policy, **params}}
                 if drafter in ("eagle3", "hybrid"):
                     spec["model"] = head
@@ -95,7 +95,7 @@ def cells(drafters: list[str], policies: list[str] | None, budgets: list[int], h
                     spec["model"] = draft_lm or engines.draft_lm_path()
                     if policy == "c2t":  # the draft LM has no classifier of its own: the head's
                         spec["tree"]["classifier"] = str(Path(head) / "c2t_classifier.json")
-                out[f"{drafter}/{name}/N{budget}"] = spec
+                out[f"{drafter}/{name}/N{n}"] = spec
     return out
 
 
@@ -233,7 +233,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--drafters", default="retrieval,eagle3,draft_model,hybrid")
     parser.add_argument("--policies", help="comma list of policy cells (default all): "
                                            f"{', '.join(MODEL_POLICIES)} (retrieval: retrieval, chain)")
-    parser.add_argument("--budgets", default="8,32,60")
+    parser.add_argument("--nodes", "--budgets", default="8,32,60")
     parser.add_argument("--cells", help="comma list of cells DRAFTER/POLICY/N (instead of the product of the above)")
     add_batches(parser, "1,8,64", prompts_per_batch="2,16,64")
     add_workload(parser, max_tokens=256)
@@ -274,15 +274,15 @@ def _merged(parser: argparse.ArgumentParser, runs: list[str]) -> dict:
 
 def _grid(parser: argparse.ArgumentParser, args) -> dict[str, dict]:
     """The cells measured, by name: ``--cells``, else the product of
-    ``--drafters``, ``--policies`` and ``--budgets``."""
+    ``--drafters``, ``--policies`` and ``--nodes``."""
     drafters = [d for d in args.drafters.split(",") if d]
     unknown = [d for d in drafters if d not in FLOORS]
     if unknown:
         parser.error(f"unknown drafter(s) {unknown}; choose from {', '.join(FLOORS)}")
     policies = [p for p in args.policies.split(",") if p] if args.policies else None
-    budgets = [int(n) for n in args.budgets.split(",")]
+    nodes = [int(n) for n in args.nodes.split(",")]
     if not args.cells:  # built only now: a draft LM cell distills the draft LM when it is missing
-        grid = cells(drafters, policies, budgets, args.head, args.draft_lm)
+        grid = cells(drafters, policies, nodes, args.head, args.draft_lm)
     else:
         grid = _named_cells(parser, args)
     if not grid:
@@ -296,8 +296,8 @@ def _named_cells(parser: argparse.ArgumentParser, args) -> dict[str, dict]:
     if any(len(p) != 3 or p[0] not in FLOORS or not p[2].startswith("N") or not p[2][1:].isdigit() for p in parts):
         parser.error("--cells takes DRAFTER/POLICY/N, e.g. eagle3/talon/N32")
     grid = {}
-    for drafter, policy, budget in parts:
-        grid.update(cells([drafter], [policy], [int(budget[1:])], args.head, args.draft_lm))
+    for drafter, policy, n in parts:
+        grid.update(cells([drafter], [policy], [int(n[1:])], args.head, args.draft_lm))
     missing = [c for c in wanted if c not in grid]
     if missing:
         parser.error(f"unknown cell(s) {missing}; policies: {', '.join(MODEL_POLICIES)} (retrieval: retrieval, chain)")

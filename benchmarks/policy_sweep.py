@@ -4,7 +4,7 @@ project's EAGLE-3 head), in one run.
 Methods (every tree at ``load_budget: fixed``, so the policy alone decides
 what is verified): the ``chain`` baseline (depth ``--chain-k``); ``eagle2``
 (N=60, K=10, D=8), eagle2 at each depth of the DEAGLE sweep and at the
-budgets of ``--eagle2-budgets`` (to compare with a policy that verifies fewer nodes); ``talon``
+N of ``--eagle2-nodes`` (to compare with a policy that verifies fewer nodes); ``talon``
 (N=60, ``mu`` 0.03 and 0.01); ``deagle`` (N=60, K=10, maximum depth ``D`` from
 ``--depths``); ``dynatree`` (N=60, the spec's defaults); ``c2t`` (N=60, K=10,
 ``d_max`` 10, ``beta`` 0.5, the head's shipped classifier); Talon's comparison:
@@ -46,18 +46,18 @@ from benchmarks.options import add_batches, add_output, add_workload
 from benchmarks.report import fmt, installed_vllm_version, machine, pyplot, write_report
 
 
-TREE_BUDGET = 60
+TREE_NODES = 60
 
 
 RETRIEVAL_BUDGET = 16
 
 
-def _tree(head: str, policy: str, budget: int = TREE_BUDGET, drafter: str = "eagle3", **params) -> dict:
-    return {"method": "adaptive_tree", "num_speculative_tokens": budget, "model": head,
+def _tree(head: str, policy: str, nodes: int = TREE_NODES, drafter: str = "eagle3", **params) -> dict:
+    return {"method": "adaptive_tree", "num_speculative_tokens": nodes, "model": head,
             "tree": {"drafter": drafter, "policy": policy, "load_budget": "fixed", **params}}
 
 
-def sweep_methods(head: str, chain_k: int, depths: list[int], budgets: list[int] = ()) -> dict[str, dict | None]:
+def sweep_methods(head: str, chain_k: int, depths: list[int], extra_nodes: list[int] = ()) -> dict[str, dict | None]:
     methods: dict[str, dict | None] = {
         "none": None,
         "chain": _tree(head, "chain", chain_k),
@@ -71,8 +71,8 @@ def sweep_methods(head: str, chain_k: int, depths: list[int], budgets: list[int]
         "hybrid-eagle2": _tree(head, "eagle2", drafter="hybrid", top_k=10, depth=8),
         "hybrid-dynatree": _tree(head, "dynatree", drafter="hybrid"),
     }
-    for budget in budgets:  # eagle2 trees of the size another policy verifies
-        methods[f"eagle2-N{budget}"] = _tree(head, "eagle2", budget, top_k=10, depth=8)
+    for n in extra_nodes:  # eagle2 trees of the size another policy verifies
+        methods[f"eagle2-N{n}"] = _tree(head, "eagle2", n, top_k=10, depth=8)
     for depth in depths:
         methods[f"deagle-D{depth}"] = _tree(head, "deagle", top_k=10, depth=depth)
         if depth != 8:
@@ -154,7 +154,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", help="comma list (default: all of the sweep)")
     parser.add_argument("--depths", default="6,10,18", help="DEAGLE's (and eagle2's) maximum depths")
-    parser.add_argument("--eagle2-budgets", default="", help="extra eagle2 trees of these N (methods eagle2-N<n>)")
+    parser.add_argument("--eagle2-nodes", "--eagle2-budgets", default="", help="extra eagle2 trees of these N (methods eagle2-N<n>)")
     add_batches(parser, "1,16")
     parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--prompts-at-batch-1", type=int, default=7, help="prompts of the batch-1 pass (round-robin over categories)")
@@ -171,8 +171,8 @@ def _parser() -> argparse.ArgumentParser:
 def _methods(parser: argparse.ArgumentParser, args) -> dict[str, dict | None]:
     """The sweep's methods (``--methods`` of them), no speculation first."""
     depths = [int(d) for d in args.depths.split(",") if d.strip()]
-    budgets = [int(n) for n in args.eagle2_budgets.split(",") if n.strip()]
-    methods = sweep_methods(args.head, args.chain_k, depths, budgets)
+    extra_nodes = [int(n) for n in args.eagle2_nodes.split(",") if n.strip()]
+    methods = sweep_methods(args.head, args.chain_k, depths, extra_nodes)
     if args.methods:
         chosen = [m.strip() for m in args.methods.split(",") if m.strip()]
         unknown = [m for m in chosen if m not in methods]

@@ -163,7 +163,7 @@ def accepted_nodes(tree: DraftTree, answer: list[int], t: int) -> tuple[list[boo
     return ok, max((d for d, good in zip(depths, ok) if good), default=0)
 
 
-def replay(answers: list[dict], drafter_params: dict, policy_params: dict, budget: int, cost: StepCost) -> dict:
+def replay(answers: list[dict], drafter_params: dict, policy_params: dict, nodes: int, cost: StepCost) -> dict:
     """Replay greedy decoding of every answer with retrieval trees. With
     ``policy_params["load_budget"]`` the trees are cut by the engine's default
     :class:`LoadBudget`, its step-cost fit fed each replayed step's costed
@@ -188,7 +188,7 @@ def replay(answers: list[dict], drafter_params: dict, policy_params: dict, budge
             elif load_budget is not None and not load_budget.begin_step().drafts:
                 tree = DraftTree()
             else:
-                trees, _ = grow(drafter, policy, torch.tensor([budget]), drafter.max_depth)
+                trees, _ = grow(drafter, policy, torch.tensor([nodes]), drafter.max_depth)
                 tree = trees[0]
                 if load_budget is not None:
                     load_budget.observe_drafting(1, TRIE_MS / 1e3)
@@ -321,7 +321,7 @@ def replay_chain_setting(name: str, answers: list[dict], cost: StepCost, samplin
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget", type=int, default=16)
+    parser.add_argument("--nodes", "--budget", type=int, default=16)
     add_workload(parser, max_tokens=128, prompts=None)
     add_sampling(parser)
     parser.add_argument("--settings", default=",".join([*SETTINGS, *CHAIN_SETTINGS]),
@@ -362,8 +362,8 @@ def main(argv: list[str] | None = None) -> None:
             report[name], title = result
         else:
             drafter_params, policy_params = SETTINGS[name]
-            report[name] = replay(answers, drafter_params, policy_params, args.budget, cost)
-            title = f"{name}: drafter {drafter_params}, policy {policy_params}, N={args.budget}"
+            report[name] = replay(answers, drafter_params, policy_params, args.nodes, cost)
+            title = f"{name}: drafter {drafter_params}, policy {policy_params}, N={args.nodes}"
         text.append(markdown(title, report[name]))
         print(text[-1] + "\n", flush=True)
     write_report(args.out, "retrieval_calibration", report, "\n\n".join(text))

@@ -89,11 +89,11 @@ def method_config(name: str) -> dict | None:
         return {"method": "eagle3", "num_speculative_tokens": int(name.rsplit("-", 1)[1])}
     if name.startswith("tree-"):
         adaptive = name.startswith("tree-adaptive-")
-        budget = int(name.rsplit("-", 1)[1])
+        nodes = int(name.rsplit("-", 1)[1])
         tree = {"drafter": "retrieval", "policy": "retrieval", "load_budget": "adaptive" if adaptive else "fixed"}
-        if budget == 0:
+        if nodes == 0:
             tree.update(l_max=MAX_LEN, l_min=MAX_LEN)
-        return {"method": "adaptive_tree", "num_speculative_tokens": max(budget, 1), "tree": tree}
+        return {"method": "adaptive_tree", "num_speculative_tokens": max(nodes, 1), "tree": tree}
     for prefix, drafter in (("eagle3-", "eagle3"), ("draft-lm-", "draft_model"), ("hybrid-", "hybrid")):
         if name.startswith(prefix):
             adaptive = name.startswith(prefix + "adaptive-")

@@ -44,10 +44,10 @@ from benchmarks.options import REPO, add_batches, add_output, add_sampling, add_
 from benchmarks.report import checkout_commit, compare, fmt, installed_vllm_version, machine, machine_line, pyplot, save_ratio_plot, write_report
 
 
-def _tree(args, drafter: str, policy: str, budget: int | None = None, model: str | None = None, **params) -> dict:
+def _tree(args, drafter: str, policy: str, nodes: int | None = None, model: str | None = None, **params) -> dict:
     spec = {
         "method": "adaptive_tree",
-        "num_speculative_tokens": budget or args.budget,
+        "num_speculative_tokens": nodes or args.nodes,
         "tree": {"drafter": drafter, "policy": policy, **params},
     }
     if model is not None:
@@ -84,14 +84,14 @@ METHODS = {
     "tree-retrieval-prior2": lambda args: _tree(args, "retrieval", "retrieval", evidence_prior=2.0),
     "eagle3": lambda args: {"method": "eagle3", "model": _head(args), "num_speculative_tokens": args.chain_k},
     "chain-eagle3": lambda args: _tree(args, "eagle3", "chain", args.chain_k, _head(args)),
-    "tree-eagle3": lambda args: _tree(args, "eagle3", "eagle2", args.tree_budget, _head(args)),
-    "c2t-eagle3": lambda args: _tree(args, "eagle3", "c2t", args.tree_budget, _head(args)),
-    "tree-hybrid": lambda args: _tree(args, "hybrid", "eagle2", args.tree_budget, _head(args)),
+    "tree-eagle3": lambda args: _tree(args, "eagle3", "eagle2", args.tree_nodes, _head(args)),
+    "c2t-eagle3": lambda args: _tree(args, "eagle3", "c2t", args.tree_nodes, _head(args)),
+    "tree-hybrid": lambda args: _tree(args, "hybrid", "eagle2", args.tree_nodes, _head(args)),
     # The hybrid on the device's path: the tensor matcher (``draft_loop`` auto: fixed where uniform steps are on).
-    "tree-hybrid-tensors": lambda args: _tree(args, "hybrid", "eagle2", args.tree_budget, _head(args),
+    "tree-hybrid-tensors": lambda args: _tree(args, "hybrid", "eagle2", args.tree_nodes, _head(args),
                                               matcher="tensors"),
     "chain-draft-lm": lambda args: _tree(args, "draft_model", "chain", args.chain_k, _draft_lm(args)),
-    "tree-draft-lm": lambda args: _tree(args, "draft_model", "eagle2", args.tree_budget, _draft_lm(args)),
+    "tree-draft-lm": lambda args: _tree(args, "draft_model", "eagle2", args.tree_nodes, _draft_lm(args)),
     "suffix": lambda args: dict(engines.SUFFIX),
 }
 RUNNERS = {"none-v1-sync": engine_worker.V1_SYNC}  # methods on another runner than vLLM's default
@@ -147,8 +147,8 @@ def markdown(report: dict) -> str:
         "# Throughput",
         "",
         f"prompts per pass: {s['num_prompts']} ({s['prompt_order']}), temperature={s['temperature']}, "
-        f"max_tokens={s['max_tokens']}, dtype={s['dtype']}, retrieval budget={s['budget']}, ngram K={s['ngram_k']}, "
-        f"chain K={s['chain_k']}, eagle2 N={s['tree_budget']}, engine per {s['engine_per']}, "
+        f"max_tokens={s['max_tokens']}, dtype={s['dtype']}, retrieval N={s['nodes']}, ngram K={s['ngram_k']}, "
+        f"chain K={s['chain_k']}, eagle2 N={s['tree_nodes']}, engine per {s['engine_per']}, "
         f"engine layout {s.get('engine_layout', 'processes')}; "
         f"vLLM {report['vllm_version']}, {machine_line(report['machine'])}; {report['timestamp']}",
         "",
@@ -238,10 +238,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="smoke run: batch sizes 1,4; 8 prompts; 32 tokens")
     parser.add_argument("--prompt-order", choices=("interleaved", "file"), default="interleaved",
                         help="take prompts round-robin over categories (default) or in file order")
-    parser.add_argument("--budget", type=int, default=16, help="adaptive_tree node budget (num_speculative_tokens)")
+    parser.add_argument("--nodes", "--budget", type=int, default=16, help="N of adaptive_tree (num_speculative_tokens)")
     parser.add_argument("--ngram-k", type=int, default=4, help="ngram num_speculative_tokens")
     parser.add_argument("--chain-k", type=int, default=4, help="chain depth of eagle3 (vLLM's) and the chain-* methods")
-    parser.add_argument("--tree-budget", type=int, default=60, help="node budget N of the eagle2 trees (K=10, D=8)")
+    parser.add_argument("--tree-nodes", "--tree-budget", type=int, default=60, help="N of the eagle2 trees (K=10, D=8)")
     parser.add_argument("--head", default=str(engines.HEAD), help="EAGLE-3 head directory")
     parser.add_argument("--draft-lm", help="draft LM directory (default: `vllm-adaptive-spec draft-lm`'s, built if missing)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (engine seed 0)")
@@ -384,8 +384,8 @@ def _settings(args, methods: list[str], plan: _Plan, prompts: list, model: str, 
         "prompts": str(args.prompts or ""), "prompt_order": args.prompt_order, "prompt_ids": [p.id for p in prompts],
         "max_tokens": args.max_tokens, "temperature": args.temperature, "by_category": args.by_category,
         "sampling": args.sampling,
-        "chain_k": args.chain_k, "tree_budget": args.tree_budget, "ignore_eos": False, "dtype": args.dtype,
-        "engine_layout": args.engine_layout, "max_model_len": args.max_model_len, "budget": args.budget,
+        "chain_k": args.chain_k, "tree_nodes": args.tree_nodes, "ignore_eos": False, "dtype": args.dtype,
+        "engine_layout": args.engine_layout, "max_model_len": args.max_model_len, "nodes": args.nodes,
         "ngram_k": args.ngram_k, "engine_per": args.engine_per,
         "rounds": args.rounds if args.engine_per == "interleaved" else 1,
         "warmup_prompts": args.warmup_prompts, "model": model, "quick": args.quick,

@@ -88,7 +88,7 @@ def _methods(module_name: str, parser, args) -> None:
 
         for drafter in args.drafters.split(","):
             try:
-                spec_of(drafter, args.budget, args.head)
+                spec_of(drafter, args.nodes, args.head)
             except KeyError:
                 raise ValueError(f"unknown drafter {drafter!r}") from None
 

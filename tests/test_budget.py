@@ -15,10 +15,10 @@ from vllm_adaptive_spec.budget.node_allocation import allocate
 from vllm_adaptive_spec.trees.tree import DraftTree
 
 
-def _rate(p_hat, kept, alpha, beta, plain=0):
+def _rate(p_hat, kept, fixed, per_row, plain=0):
     batch = len(p_hat) + plain
     gain = batch + sum(float(np.sum(v[:k])) for v, k in zip(p_hat, kept))
-    return gain / (alpha + beta * (batch + sum(kept)))
+    return gain / (fixed + per_row * (batch + sum(kept)))
 
 
 def test_allocation_is_the_best_over_every_choice():
@@ -28,45 +28,46 @@ def test_allocation_is_the_best_over_every_choice():
     for _ in range(200):
         batch = int(rng.integers(1, 4))
         p_hat = [np.sort(rng.random(int(rng.integers(0, 5))))[::-1] for _ in range(batch)]
-        alpha, beta, plain = float(rng.random()), float(rng.random() * 0.3), int(rng.integers(0, 5))
-        kept = allocate(p_hat, alpha, beta, plain=plain)
+        fixed, per_row, plain = float(rng.random()), float(rng.random() * 0.3), int(rng.integers(0, 5))
+        kept = allocate(p_hat, fixed, per_row, plain=plain)
         best = max(
-            _rate(p_hat, choice, alpha, beta, plain)
+            _rate(p_hat, choice, fixed, per_row, plain)
             for choice in np.ndindex(*[len(v) + 1 for v in p_hat])
         )
-        assert _rate(p_hat, kept, alpha, beta, plain) == pytest.approx(best)
+        assert _rate(p_hat, kept, fixed, per_row, plain) == pytest.approx(best)
 
 
 def test_confident_requests_get_more_nodes():
     p_hat = [np.array([0.95, 0.9, 0.85, 0.8]), np.array([0.3, 0.1, 0.05, 0.01])]
-    assert allocate(p_hat, alpha=0.2, beta=0.01) == [4, 1]
+    assert allocate(p_hat, fixed=0.2, per_row=0.01) == [4, 1]
 
 
 def test_nodes_shrink_with_load_down_to_none():
     p = np.array([0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05])
-    totals = [sum(allocate([p] * batch, alpha=0.2, beta=0.002)) / batch for batch in (1, 8, 64, 2048)]
+    totals = [sum(allocate([p] * batch, fixed=0.2, per_row=0.002)) / batch for batch in (1, 8, 64, 2048)]
     assert totals == sorted(totals, reverse=True)
     assert totals[0] == 7 and totals[-1] == 0
 
 
 def test_every_node_kept_when_verification_is_free():
     p = [np.array([0.5, 0.2, 0.01])] * 3
-    assert allocate(p, alpha=0.05, beta=0.0, plain=100) == [3, 3, 3]
+    assert allocate(p, fixed=0.05, per_row=0.0, plain=100) == [3, 3, 3]
 
 
-def _feed_steps(budget: LoadBudget, alpha: float, beta: float, steps: int = 40) -> None:
+def _feed_steps(budget: LoadBudget, fixed: float, per_row: float, steps: int = 40) -> None:
     rng = np.random.default_rng(0)
     for _ in range(steps):
         tokens = int(rng.integers(4, 200))
-        budget.fit.observe(tokens, alpha + beta * tokens)
+        budget.fit.observe(tokens, fixed + per_row * tokens)
 
 
 def test_cost_fit_recovers_a_linear_step_time():
-    budget = LoadBudget(max_budget=8)
+    budget = LoadBudget(max_nodes=8)
     assert budget.fit.cost() is None
-    _feed_steps(budget, alpha=0.02, beta=0.001)
-    alpha, beta, gamma = budget.fit.cost()
-    assert alpha == pytest.approx(0.02) and beta == pytest.approx(0.001) and gamma == beta  # no prefill seen
+    _feed_steps(budget, fixed=0.02, per_row=0.001)
+    fixed, per_row, per_prompt_token = budget.fit.cost()
+    assert fixed == pytest.approx(0.02) and per_row == pytest.approx(0.001)
+    assert per_prompt_token == per_row  # no prefill seen
 
 
 def test_cost_fit_is_solved_again_after_each_new_step():
@@ -82,7 +83,7 @@ def test_cost_fit_is_solved_again_after_each_new_step():
 def test_cost_fit_tells_prompt_tokens_from_decode_rows():
     """Prompt chunks are cheaper per token than decode rows; one slope for
     both would understate what a tree node costs."""
-    budget = LoadBudget(max_budget=8)
+    budget = LoadBudget(max_nodes=8)
     rng = np.random.default_rng(1)
     for _ in range(60):
         rows, prefill = int(rng.integers(1, 40)), int(rng.choice([0, 0, 300, 900]))
@@ -91,10 +92,10 @@ def test_cost_fit_tells_prompt_tokens_from_decode_rows():
 
 
 def test_a_trees_fixed_cost_is_fitted_and_only_confident_trees_pay_it():
-    """Verifying a tree costs eta beyond its rows: the fit separates it from
-    the per-row cost, and a tree whose nodes return less than eta is not
+    """Verifying a tree costs per_tree beyond its rows: the fit separates it from
+    the per-row cost, and a tree whose nodes return less than per_tree is not
     verified while a confident one keeps all its nodes."""
-    budget = LoadBudget(max_budget=8, half_life=1e9)
+    budget = LoadBudget(max_nodes=8, half_life=1e9)
     rng = np.random.default_rng(2)
     for _ in range(80):
         trees = int(rng.integers(0, 5))
@@ -105,13 +106,13 @@ def test_a_trees_fixed_cost_is_fitted_and_only_confident_trees_pay_it():
     confident = DraftTree.chain([1, 2, 3])
     confident.q = [0.95, 0.95, 0.95]
     weak = DraftTree.chain([4, 5, 6])
-    weak.q = [0.3, 0.3, 0.3]  # p = .3, .09, .03: less than eta's worth of tokens
+    weak.q = [0.3, 0.3, 0.3]  # p = .3, .09, .03: less than per_tree's worth of tokens
     assert budget.choose([confident, weak]).trees == [confident, DraftTree()]
-    assert LoadBudget(max_budget=8).fit.tree_cost() == 0.0  # unknown before any step
+    assert LoadBudget(max_nodes=8).fit.tree_cost() == 0.0  # unknown before any step
 
 
 def test_calibration_discounts_an_optimistic_drafter():
-    budget = LoadBudget(max_budget=8, half_life=1e9)
+    budget = LoadBudget(max_nodes=8, half_life=1e9)
     chain = DraftTree.chain([1, 2, 3, 4])  # q = 1: predicted 4 accepted nodes per tree
     for _ in range(50):
         budget.observe_tree(chain, [0])  # one accepted
@@ -119,7 +120,7 @@ def test_calibration_discounts_an_optimistic_drafter():
 
 
 def test_cold_start_keeps_only_likely_nodes():
-    budget = LoadBudget(max_budget=8, cold_min_p=0.3)
+    budget = LoadBudget(max_nodes=8, cold_min_p=0.3)
     tree = DraftTree([5, 6, 7], [-1, 0, -1], [0.9, 0.5, 0.2])  # p: .9 .45 .2
     assert budget.choose([tree]).trees == [DraftTree([5, 6], [-1, 0], [0.9, 0.5])]
 
@@ -145,8 +146,8 @@ def _weak_drafting(budget: LoadBudget, q: float, seconds: float, step=lambda: No
 def test_speculation_that_never_pays_settles_on_no_drafting():
     """Every node costs more than it returns: nothing is verified, and after
     steps whose drafting did not pay, drafting pauses for longer and longer."""
-    budget = LoadBudget(max_budget=16, pause_after=4, pause_steps=4, max_pause=64, half_life=1e9)
-    _feed_steps(budget, alpha=0.01, beta=0.01)
+    budget = LoadBudget(max_nodes=16, pause_after=4, pause_steps=4, max_pause=64, half_life=1e9)
+    _feed_steps(budget, fixed=0.01, per_row=0.01)
     drafted = _weak_drafting(budget, q=0.2, seconds=0.004)
     assert sum(drafted[-100:]) <= 2, "drafting should be paused almost always"
     # After the first pause, each look at drafting is a single probe step.
@@ -161,7 +162,7 @@ def test_drafting_that_never_yields_a_node_pauses_before_the_cost_fit_is_known()
     trees hold no node worth verifying: its drafting is pure loss, measured
     against the step time alone, so drafting pauses (and is not probed
     again every step)."""
-    budget = LoadBudget(max_budget=32, pause_after=4, pause_steps=4, max_pause=64, half_life=1e9)
+    budget = LoadBudget(max_nodes=32, pause_after=4, pause_steps=4, max_pause=64, half_life=1e9)
     drafted = _weak_drafting(budget, q=0.1, seconds=0.02, step=lambda: budget.fit.observe(8, 0.03))
     assert budget.fit.solve() is None
     assert sum(drafted[-100:]) <= 3, "drafting should be paused almost always"
@@ -170,7 +171,7 @@ def test_drafting_that_never_yields_a_node_pauses_before_the_cost_fit_is_known()
 def test_a_cold_start_that_keeps_nodes_is_not_judged_before_the_fit_is_known():
     """Nodes kept before the fit is known are a trial (their verification
     makes the fit solvable), so those steps neither pause nor leave a probe open."""
-    budget = LoadBudget(max_budget=8, pause_after=1, half_life=1e9)
+    budget = LoadBudget(max_nodes=8, pause_after=1, half_life=1e9)
     likely = DraftTree.chain([1, 2])
     likely.q = [0.9, 0.9]
     for _ in range(20):
@@ -186,7 +187,7 @@ def test_a_fit_in_which_no_step_costs_anything_is_not_used():
     (all the time put on prompt tokens and trees); rates would divide by zero.
     Such a solution is not used: a fit with fewer columns, or none (the
     cautious cold default)."""
-    budget = LoadBudget(max_budget=16)
+    budget = LoadBudget(max_nodes=16)
     for rows, prefill, trees in [(1, 64, 0), (2, 0, 1), (3, 64, 1), (4, 0, 1), (2, 64, 0), (3, 0, 1), (1, 64, 1),
                                  (4, 64, 0), (1, 0, 1)]:
         seconds = 0.0005 * prefill + 0.03 * trees - 0.002 - 0.001 * rows  # more rows, less time: fits to 0, 0
@@ -208,30 +209,30 @@ def test_a_trees_own_cost_is_told_from_the_fixed_cost_by_control_steps():
     fit what it needs; the true costs are recovered, at a price of a few
     percent of the steps."""
     rng = np.random.default_rng(0)
-    alpha, beta, eta = 0.016, 0.0006, 0.004
+    fixed, per_row, per_tree = 0.016, 0.0006, 0.004
 
     def run(controls: bool) -> tuple[list[float], int]:
-        budget = LoadBudget(max_budget=8, half_life=200)
+        budget = LoadBudget(max_nodes=8, half_life=200)
         skipped = 0
         for _ in range(400):
             drafting = budget.begin_step().drafts if controls else True
             skipped += not drafting
             trees = int(drafting)
             rows = 1 + (int(rng.integers(1, 9)) if drafting else 0)
-            budget.fit.observe(rows, alpha + beta * rows + eta * trees + rng.normal(0, 2e-4), 0, trees, 0)
+            budget.fit.observe(rows, fixed + per_row * rows + per_tree * trees + rng.normal(0, 2e-4), 0, trees, 0)
         return budget.fit.solve(), skipped
 
     blind, _ = run(controls=False)
-    assert blind[0] > alpha + 0.75 * eta  # the tree's cost read as fixed cost
+    assert blind[0] > fixed + 0.75 * per_tree  # the tree's cost read as fixed cost
     fitted, skipped = run(controls=True)
-    assert fitted[0] == pytest.approx(alpha, rel=0.1) and fitted[3] == pytest.approx(eta, rel=0.2), fitted
+    assert fitted[0] == pytest.approx(fixed, rel=0.1) and fitted[3] == pytest.approx(per_tree, rel=0.2), fitted
     assert skipped <= 400 * 0.04, skipped
 
 
 def test_no_control_step_where_the_trees_per_step_vary_on_their_own():
     """Retrieval trees at batch 32: some requests draft, some do not."""
     rng = np.random.default_rng(1)
-    budget = LoadBudget(max_budget=16, half_life=200)
+    budget = LoadBudget(max_nodes=16, half_life=200)
     for _ in range(400):
         assert budget.begin_step().drafts
         trees = int(rng.integers(4, 28))
@@ -242,15 +243,15 @@ def test_no_control_step_where_the_trees_per_step_vary_on_their_own():
 def test_drafting_that_costs_far_more_than_a_step_pauses_at_once():
     """A draft model whose trees cost ten plain steps: the first drafting step
     pauses (not ``pause_after`` of them); a step that loses a little does not."""
-    budget = LoadBudget(max_budget=16, pause_after=16, half_life=1e9)
-    _feed_steps(budget, alpha=0.05, beta=0.001)
+    budget = LoadBudget(max_nodes=16, pause_after=16, half_life=1e9)
+    _feed_steps(budget, fixed=0.05, per_row=0.001)
     weak = DraftTree.chain([1, 2, 3])
     weak.q = [0.2, 0.2, 0.2]
     budget.observe_drafting(16, 16 * 0.03)  # 0.48 s of drafting for a 0.07 s step
     budget.choose([weak] * 16).trees
     assert not budget.begin_step().drafts
-    cheap = LoadBudget(max_budget=16, pause_after=16, half_life=1e9)
-    _feed_steps(cheap, alpha=0.05, beta=0.001)
+    cheap = LoadBudget(max_nodes=16, pause_after=16, half_life=1e9)
+    _feed_steps(cheap, fixed=0.05, per_row=0.001)
     cheap.observe_drafting(16, 16 * 0.0005)
     cheap.choose([weak] * 16).trees
     assert cheap.begin_step().drafts
@@ -259,8 +260,8 @@ def test_drafting_that_costs_far_more_than_a_step_pauses_at_once():
 def _first_pause(seconds: float) -> int:
     """Steps of the first pause of a drafter whose 16 trees of unlikely nodes
     take ``seconds`` to draft, a plain step taking 0.066 s."""
-    budget = LoadBudget(max_budget=16, pause_after=16, pause_steps=16, half_life=1e9)
-    _feed_steps(budget, alpha=0.05, beta=0.001)
+    budget = LoadBudget(max_nodes=16, pause_after=16, pause_steps=16, half_life=1e9)
+    _feed_steps(budget, fixed=0.05, per_row=0.001)
     weak = DraftTree.chain([1, 2, 3])
     weak.q = [0.01, 0.01, 0.01]
     while budget.begin_step().drafts:
@@ -296,8 +297,8 @@ def _alternating(worth_trees: int) -> list[bool]:
     with a node worth verifying (``q`` 0.85, and accepted) and trees worth
     nothing, each step's drafting costing the same; whether each of 64 steps
     drafted."""
-    budget = LoadBudget(max_budget=8, pause_after=8, pause_steps=4, half_life=1e9)
-    _feed_steps(budget, alpha=0.05, beta=0.001)
+    budget = LoadBudget(max_nodes=8, pause_after=8, pause_steps=4, half_life=1e9)
+    _feed_steps(budget, fixed=0.05, per_row=0.001)
     worth, weak = DraftTree.chain([1]), DraftTree.chain([2])
     worth.q, weak.q = [0.85], [0.1]
     drafted = []
@@ -325,12 +326,12 @@ def test_drafting_that_loses_on_balance_pauses_though_it_wins_every_other_step()
 
 def _after_a_lucky_streak(accepted: list[int], realized: bool = True) -> list[bool]:
     """Batch 1: a 3-node chain (``p`` .8 .64 .51) whose calibration still
-    carries a lucky streak (200 trees accepted in full: ``rho`` 1.54), so
+    carries a lucky streak (200 trees accepted in full: ``factor`` 1.54), so
     every step expects 4 tokens for 0.064 s (+150% over 0.041 s a token);
     the step commits ``1 + accepted[step % len(accepted)]``. Whether each of
     24 steps drafted."""
-    budget = LoadBudget(max_budget=8, pause_after=8, pause_steps=64, half_life=1e9, realized=realized)
-    _feed_steps(budget, alpha=0.04, beta=0.001)
+    budget = LoadBudget(max_nodes=8, pause_after=8, pause_steps=64, half_life=1e9, realized=realized)
+    _feed_steps(budget, fixed=0.04, per_row=0.001)
     chain = DraftTree.chain([1, 2, 3])
     chain.q = [0.8, 0.8, 0.8]
     for _ in range(200):
@@ -366,8 +367,8 @@ def test_a_drafter_that_spends_nearly_nothing_is_not_paused_for_the_steps_it_kee
     margin is a share of what drafting adds, so the empty steps cost next to
     nothing and it drafts on (a flat 5% of every step would sum to -18% a
     window and pause it)."""
-    budget = LoadBudget(max_budget=8, pause_after=16, half_life=1e9)
-    _feed_steps(budget, alpha=0.032, beta=0.008)
+    budget = LoadBudget(max_nodes=8, pause_after=16, half_life=1e9)
+    _feed_steps(budget, fixed=0.032, per_row=0.008)
     match, nothing = DraftTree.chain([1]), DraftTree.chain([4])
     match.q, nothing.q = [0.9], [0.05]
     for step in range(64):
@@ -383,8 +384,8 @@ def test_a_drafter_drafts_for_every_request_only_after_a_window_that_paid():
     """Slow start: from the start, and again after a pause, a drafting step
     drafts for at most ``probe_requests`` requests until a whole window has
     paid; drafting that loses its window never drafts for more."""
-    budget = LoadBudget(max_budget=8, pause_after=8, pause_steps=4, half_life=1e9, probe_requests=4)
-    _feed_steps(budget, alpha=0.05, beta=0.001)
+    budget = LoadBudget(max_nodes=8, pause_after=8, pause_steps=4, half_life=1e9, probe_requests=4)
+    _feed_steps(budget, fixed=0.05, per_row=0.001)
     worth = DraftTree.chain([1])
     worth.q = [0.85]
     limits = []
@@ -407,8 +408,8 @@ def test_a_drafter_drafts_for_every_request_only_after_a_window_that_paid():
     decision = budget.begin_step()
     assert decision.drafts and decision.limit == 4
 
-    losing = LoadBudget(max_budget=8, pause_after=8, pause_steps=4, half_life=1e9, probe_requests=4)
-    _feed_steps(losing, alpha=0.05, beta=0.001)
+    losing = LoadBudget(max_nodes=8, pause_after=8, pause_steps=4, half_life=1e9, probe_requests=4)
+    _feed_steps(losing, fixed=0.05, per_row=0.001)
     weak = DraftTree.chain([2])
     weak.q = [0.1]
     for _ in range(64):
@@ -423,8 +424,8 @@ def test_losses_that_add_up_to_a_clear_loss_pause_before_the_window_ends():
     """Drafting whose trees keep nothing and whose time costs 15% of every
     step: the window's losses reach half a step (one clear loss) on its 4th
     step, which pauses, not the 16th."""
-    budget = LoadBudget(max_budget=8, pause_after=16, half_life=1e9)
-    _feed_steps(budget, alpha=0.05, beta=0.001)
+    budget = LoadBudget(max_nodes=8, pause_after=16, half_life=1e9)
+    _feed_steps(budget, fixed=0.05, per_row=0.001)
     weak = DraftTree.chain([2])
     weak.q = [0.1]
     drafted = []
@@ -437,8 +438,8 @@ def test_losses_that_add_up_to_a_clear_loss_pause_before_the_window_ends():
 
 
 def test_speculation_that_always_pays_keeps_the_full_tree():
-    budget = LoadBudget(max_budget=16, half_life=1e9)
-    _feed_steps(budget, alpha=0.05, beta=0.0005)
+    budget = LoadBudget(max_nodes=16, half_life=1e9)
+    _feed_steps(budget, fixed=0.05, per_row=0.0005)
     budget.observe_drafting(1, 0.001)
     strong = DraftTree.chain(list(range(16)))
     strong.q = [0.97] * 16
@@ -450,7 +451,7 @@ def test_speculation_that_always_pays_keeps_the_full_tree():
 
 def _fitted(branch_seconds: float) -> LoadBudget:
     """Steps of 0 to 4 trees, some branching, each branching one costing ``branch_seconds``."""
-    budget = LoadBudget(max_budget=8, half_life=1e9)
+    budget = LoadBudget(max_nodes=8, half_life=1e9)
     rng = np.random.default_rng(3)
     for _ in range(60):
         trees = int(rng.integers(0, 5))
@@ -464,7 +465,7 @@ def test_a_branching_trees_extra_cost_is_fitted_apart_from_its_rows():
     assert _fitted(0.02).fit.branch_cost() == pytest.approx(0.02)
     assert _fitted(0.02).fit.cost() == pytest.approx((0.05, 0.0005, 0.0005))
     assert _fitted(0.0).fit.branch_cost() == pytest.approx(0.0, abs=1e-9)
-    assert LoadBudget(max_budget=8).fit.branch_cost() == 0.0  # unknown before any step
+    assert LoadBudget(max_nodes=8).fit.branch_cost() == 0.0  # unknown before any step
 
 
 def test_branches_kept_only_when_they_pay_for_their_extra_cost():
@@ -476,8 +477,8 @@ def test_branches_kept_only_when_they_pay_for_their_extra_cost():
 
 
 def test_a_request_whose_trees_are_accepted_keeps_more_nodes_than_one_whose_trees_fail():
-    budget = LoadBudget(max_budget=8, half_life=1e9)
-    _feed_steps(budget, alpha=0.05, beta=0.004)
+    budget = LoadBudget(max_nodes=8, half_life=1e9)
+    _feed_steps(budget, fixed=0.05, per_row=0.004)
     tree = DraftTree.chain([1, 2, 3, 4, 5, 6])
     tree.q = [0.6] * 6  # p = .6, .36, .22, .13, .08, .05
     for _ in range(10):
@@ -491,8 +492,8 @@ def test_a_request_whose_trees_are_accepted_keeps_more_nodes_than_one_whose_tree
 
 
 def test_a_requests_record_fades_back_to_the_engines_while_it_is_not_verified():
-    budget = LoadBudget(max_budget=8, half_life=1e9, request_half_life=4.0)
-    _feed_steps(budget, alpha=0.05, beta=0.004)
+    budget = LoadBudget(max_nodes=8, half_life=1e9, request_half_life=4.0)
+    _feed_steps(budget, fixed=0.05, per_row=0.004)
     tree = DraftTree.chain([1, 2])
     for _ in range(10):
         budget.observe_tree(tree, [], "poor")
@@ -510,8 +511,8 @@ def test_a_hybrid_model_that_pays_against_no_drafting_but_not_against_retrieval_
 
     def run(fallback: bool, trie: LoadBudget | None = None) -> int:
         """Steps drafted (of 8) before the budget pauses the model."""
-        budget = LoadBudget(max_budget=16, pause_after=4, half_life=1e9)
-        _feed_steps(budget, alpha=0.04, beta=0.002)
+        budget = LoadBudget(max_nodes=16, pause_after=4, half_life=1e9)
+        _feed_steps(budget, fixed=0.04, per_row=0.002)
         budget.observe_drafting(8, 8 * 0.004)
         tree = DraftTree.chain([1, 2, 3])
         tree.q = [0.9, 0.9, 0.9]  # p: .9 .81 .73, all worth their rows
@@ -526,7 +527,7 @@ def test_a_hybrid_model_that_pays_against_no_drafting_but_not_against_retrieval_
     # 8 trees expect 27.5 tokens and commit 24 in 0.136 s of step: far above 8 plain tokens in 0.056 s
     assert run(fallback=False) == 8
     assert run(fallback=True) <= 4  # the same trees without the 0.032 s of drafting do better still
-    failing_trie = LoadBudget(max_budget=16, half_life=1e9)
+    failing_trie = LoadBudget(max_nodes=16, half_life=1e9)
     for _ in range(50):
         failing_trie.observe_tree(DraftTree.chain([1, 2, 3]), [])  # the trie's trees are never accepted
     assert run(fallback=True, trie=failing_trie) == 8  # so retrieval alone is no better than no drafting
@@ -538,9 +539,9 @@ def test_plain_requests_count_as_requests_without_nodes():
     rng = np.random.default_rng(5)
     for _ in range(100):
         p_hat = [np.sort(rng.random(int(rng.integers(0, 6))))[::-1] for _ in range(int(rng.integers(1, 4)))]
-        alpha, beta, plain = float(rng.random() * 0.1), float(rng.random() * 0.01), int(rng.integers(0, 60))
-        with_empty = allocate(p_hat + [np.zeros(0)] * plain, alpha, beta, 0)
-        assert allocate(p_hat, alpha, beta, 0, plain=plain) == with_empty[: len(p_hat)]
+        fixed, per_row, plain = float(rng.random() * 0.1), float(rng.random() * 0.01), int(rng.integers(0, 60))
+        with_empty = allocate(p_hat + [np.zeros(0)] * plain, fixed, per_row, 0)
+        assert allocate(p_hat, fixed, per_row, 0, plain=plain) == with_empty[: len(p_hat)]
 
 
 @pytest.mark.parametrize("fitted", [True, False], ids=["fitted", "cold"])
@@ -558,18 +559,20 @@ def test_nodes_below_the_floor_are_never_kept(fitted):
     tree_rng = random.Random(5)
     cut = 0
     for step in range(60):
-        budget = LoadBudget(max_budget=16, half_life=1e9)
+        budget = LoadBudget(max_nodes=16, half_life=1e9)
         budget.cold_trials = COLD_TRIALS  # past the cold start's trials (whose floor is 0)
-        alpha, beta, eta, xi = rng.uniform(0.02, 0.3), rng.uniform(0.0005, 0.005), rng.uniform(0, 0.01), rng.uniform(0, 0.01)
+        fixed, per_row = rng.uniform(0.02, 0.3), rng.uniform(0.0005, 0.005)
+        per_tree, per_branching = rng.uniform(0, 0.01), rng.uniform(0, 0.01)
         for _ in range(40 if fitted else 0):
             verified = int(rng.integers(0, 5))
             branching = int(rng.integers(0, verified + 1))
             rows = int(rng.integers(4, 64)) + verified * int(rng.integers(1, 9))
-            budget.fit.observe(rows, alpha + beta * rows + eta * verified + xi * branching, 0, verified, branching)
+            seconds = fixed + per_row * rows + per_tree * verified + per_branching * branching
+            budget.fit.observe(rows, seconds, 0, verified, branching)
         budget.observe_drafting(4, float(rng.uniform(0.0, 0.01)))
         requests, plain = int(rng.integers(1, 40)), int(rng.integers(0, 40))
         ids = [f"r{r}" for r in range(requests)]
-        record = DraftTree([1, 2], [-1, 0], [0.3, 0.3])  # accepted well above its p: rho up to MAX_RHO
+        record = DraftTree([1, 2], [-1, 0], [0.3, 0.3])  # accepted well above its p: factor up to MAX_FACTOR
         for request_id in ids[: requests // 2]:
             budget.observe_tree(record, [0, 1] if rng.random() < 0.7 else [], request_id)
         trees = [random_bfs_tree(tree_rng, int(rng.integers(0, 12))) for _ in ids]
@@ -595,7 +598,7 @@ def test_a_step_verifies_at_most_twice_the_rows_the_fit_has_measured():
     verify every node of 64 trees (2,112 rows for 33-node trees). That step
     keeps the best nodes over the batch up to twice the rows measured so far,
     and the limit grows with each step measured at it."""
-    budget = LoadBudget(max_budget=32, half_life=1e9)
+    budget = LoadBudget(max_nodes=32, half_life=1e9)
     rng = np.random.default_rng(0)
     for _ in range(40):  # batch 8, up to 32 nodes kept a step, rows nearly free
         rows = 8 + int(rng.integers(0, 33))
@@ -633,7 +636,7 @@ def test_a_cold_start_verifies_each_tree_s_best_node_on_its_first_trials():
     (else no tree is ever verified, and neither its calibration nor a batch-1
     fit can be learnt); after them only likely nodes are kept."""
 
-    budget = LoadBudget(max_budget=8, cold_min_p=0.3, half_life=1e9)
+    budget = LoadBudget(max_nodes=8, cold_min_p=0.3, half_life=1e9)
     assert budget.floor(2) == 0.0  # the trials keep the best node however unlikely
     tree = DraftTree([5, 6, 7], [-1, 0, -1], [0.15, 0.5, 0.1])  # p: .15 .075 .1
     kept = [budget.choose([tree, DraftTree()]).trees for _ in range(COLD_TRIALS + 2)]
@@ -645,6 +648,6 @@ def test_a_cold_start_verifies_each_tree_s_best_node_on_its_first_trials():
 def test_a_retrieval_budget_makes_no_cold_trials():
     """A retrieval trie's ``q`` are fitted acceptance chances: its cold start
     keeps only likely nodes from the first step (and its floor is the cold one)."""
-    budget = LoadBudget(max_budget=8, cold_min_p=0.3, realized=False)
+    budget = LoadBudget(max_nodes=8, cold_min_p=0.3, realized=False)
     assert budget.floor(1) > 0.0
     assert budget.choose([DraftTree([5], [-1], [0.15])]).trees == [DraftTree()]

@@ -1,7 +1,7 @@
 """C2T (docs/algorithms.md section 4): the policy grows the tree its definition
 describes (checked against a brute-force re-implementation on a fake model
 drafter), records each node's parent entropy, and its trees are valid and
-within budget; the classifier file is checked when the config is parsed."""
+within ``N``; the classifier file is checked when the config is parsed."""
 
 from __future__ import annotations
 
@@ -66,15 +66,15 @@ def c2t_reference(root, table, n, top_k, max_depth, beta, c: C2TClassifier):
 def test_c2t_matches_its_definition(tmp_path, seed):
     classifier = random_classifier(seed, top_m=5, bias=1.0)
     roots, table = table_model(seed, batch=3, sharpness=1.0 + seed)
-    for budget in (4, 30):
+    for max_nodes in (4, 30):
         policy = policy_with(tmp_path, classifier, top_k=3, max_depth=4, beta=0.5)
         backend = TableBackend(roots, table)
-        trees = grow_with(backend, policy, budget, batch=3)
+        trees = grow_with(backend, policy, max_nodes, batch=3)
         for b, tree in enumerate(trees):
             tree.validate()
-            want = c2t_reference(roots[b], table, budget, 3, 4, 0.5, classifier)
+            want = c2t_reference(roots[b], table, max_nodes, 3, 4, 0.5, classifier)
             assert set(paths(tree)) == want
-            assert len(tree) <= budget
+            assert len(tree) <= max_nodes
         assert sum(len(t) for t in trees) > 0
 
 

@@ -14,8 +14,8 @@ TREE_KEYS = ("'drafter', 'evidence_prior', 'grammar_forcing', 'l_max', 'l_min', 
              "'policy'")
 
 
-def spec(budget=4, **tree):
-    return {"method": "adaptive_tree", "num_speculative_tokens": budget, "tree": {"drafter": "retrieval", **tree}}
+def spec(max_nodes=4, **tree):
+    return {"method": "adaptive_tree", "num_speculative_tokens": max_nodes, "tree": {"drafter": "retrieval", **tree}}
 
 
 def test_defaults_and_round_trip():
@@ -29,7 +29,7 @@ def test_defaults_and_round_trip():
     custom = parse_tree_config(
         spec(128, policy="chain", l_max=4, l_min=2, max_matches=3, max_depth=5, datastore="shared", datastore_tokens=50)
     )
-    assert custom.policy == "chain" and custom.budget == 128
+    assert custom.policy == "chain" and custom.max_nodes == 128
     assert custom.drafter_params == {"l_max": 4, "l_min": 2, "max_matches": 3, "max_depth": 5, "evidence_prior": 4.0,
                                      "datastore": "shared", "datastore_tokens": 50, "corpus": "",
                                      "matcher": "auto"}
@@ -41,16 +41,16 @@ def test_defaults_and_round_trip():
     assert isinstance(config.make_policy(), RetrievalPolicy)
 
 
-@pytest.mark.parametrize("budget", [None, 0, 129, -1, True, "4", 4.0])
-def test_bad_budget(budget):
-    bad = spec(budget)
-    if budget is None:
+@pytest.mark.parametrize("max_nodes", [None, 0, 129, -1, True, "4", 4.0])
+def test_bad_max_nodes(max_nodes):
+    bad = spec(max_nodes)
+    if max_nodes is None:
         del bad["num_speculative_tokens"]
     with pytest.raises(TreeConfigError) as error:
         parse_tree_config(bad)
     message = str(error.value)
     assert "speculative_config['num_speculative_tokens']" in message
-    assert "from 1 to 128" in message and repr(budget) in message
+    assert "from 1 to 128" in message and repr(max_nodes) in message
 
 
 @pytest.mark.parametrize("tree", [None, "retrieval", ["retrieval"]])

@@ -16,10 +16,10 @@ from vllm_adaptive_spec.trees.tree import DraftTree
 WIDTHS = (2, 4, 8, 16)
 
 
-def shape_budget(max_budget: int, widths: tuple[int, ...], table: StepCostTable, half_life: float = 200.0,
+def shape_budget(max_nodes: int, widths: tuple[int, ...], table: StepCostTable, half_life: float = 200.0,
                  **kwargs) -> LoadBudget:
     """The load budget of uniform steps: over the measured shapes, the line until they are known."""
-    return LoadBudget(max_budget, ShapeCost(widths, table, LinearCost(StepCostFit(half_life))), half_life=half_life,
+    return LoadBudget(max_nodes, ShapeCost(widths, table, LinearCost(StepCostFit(half_life))), half_life=half_life,
                       **kwargs)
 
 

@@ -31,9 +31,9 @@ from vllm_adaptive_spec.trees.tree_buffers import TreeBuffers
 from vllm_adaptive_spec.trees.uniform_widths import plugin_batch_sizes, step_widths
 
 
-def uniform_tree_rows(budget: int, spec_tokens: int) -> frozenset[int]:
+def uniform_tree_rows(max_nodes: int, spec_tokens: int) -> frozenset[int]:
     """The rows a request of a uniform step can have, as the step mode gives them."""
-    return UniformSteps(TreeConfig("retrieval", "retrieval", budget), spec_tokens, (), True).tree_rows
+    return UniformSteps(TreeConfig("retrieval", "retrieval", max_nodes), spec_tokens, (), True).tree_rows
 
 SPEC_TOKENS = 16  # vLLM's uniform decode batches: 17 rows a request
 SIZES = [17, 34, 51, 68]  # vLLM rounds capture sizes to multiples of 17 under speculation
@@ -166,7 +166,7 @@ def test_the_runner_picks_and_captures_one_row_graphs_with_one_row_a_request():
     assert runner.uniform_decode_query_len == runner.cudagraph_dispatcher.uniform_decode_query_len == 17
 
 
-def tree_dispatcher(max_seqs: int, budget: int, spec_tokens: int, max_tokens: int = 8192) -> TreeCudagraphDispatcher:
+def tree_dispatcher(max_seqs: int, max_nodes: int, spec_tokens: int, max_tokens: int = 8192) -> TreeCudagraphDispatcher:
     """The dispatcher as the runner sets it up with uniform tree steps on."""
     sizes = vllm_capture_sizes(max_seqs, spec_tokens)
     compilation = SimpleNamespace(
@@ -177,21 +177,21 @@ def tree_dispatcher(max_seqs: int, budget: int, spec_tokens: int, max_tokens: in
     config = SimpleNamespace(compilation_config=compilation, num_speculative_tokens=spec_tokens, lora_config=None,
                              scheduler_config=SimpleNamespace(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens))
     result = TreeCudagraphDispatcher(config)
-    result.tree_rows = uniform_tree_rows(budget, spec_tokens)
+    result.tree_rows = uniform_tree_rows(max_nodes, spec_tokens)
     result.initialize_cudagraph_keys(Mode.FULL_AND_PIECEWISE, 1 + spec_tokens)
     return result
 
 
 @pytest.mark.parametrize("max_seqs", [1, 8, 64, 256])
-@pytest.mark.parametrize("config, budget, spec_tokens", [("retrieval N=16", 16, 16), ("eagle2 top-k 10 depth 8", 60, 70),
+@pytest.mark.parametrize("config, max_nodes, spec_tokens", [("retrieval N=16", 16, 16), ("eagle2 top-k 10 depth 8", 60, 70),
                                                          ("talon N=32", 32, 32)])
-def test_every_uniform_tree_step_replays_a_full_graph(max_seqs, config, budget, spec_tokens):
+def test_every_uniform_tree_step_replays_a_full_graph(max_seqs, config, max_nodes, spec_tokens):
     """Every pure-decode step the plugin can produce with uniform
     steps on (one row a request, or ``1 + W`` for each width ``W`` of the
-    budget while the step fits the scheduler's token budget) finds a FULL
+    ``max_nodes`` while the step fits the scheduler's token budget) finds a FULL
     key, padded to the plugin's batch sizes."""
-    d = tree_dispatcher(max_seqs, budget, spec_tokens)
-    for width in (0, *step_widths(budget)):
+    d = tree_dispatcher(max_seqs, max_nodes, spec_tokens)
+    for width in (0, *step_widths(max_nodes)):
         rows = 1 + width
         d.uniform_decode_query_len = rows  # as the runner sets it for the step
         for batch in range(1, max_seqs + 1):

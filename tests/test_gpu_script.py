@@ -121,11 +121,11 @@ def test_draft_host_time_passes_every_setting_to_its_measurements():
         sys.path.remove(str(REPO / "scripts"))
     from benchmarks.draft_host_time import child_argv
 
-    flags = ["--dtype", "bfloat16", "--max-tokens", "5", "--budget", "7", "--warmup", "2", "--steps", "3",
+    flags = ["--dtype", "bfloat16", "--max-tokens", "5", "--nodes", "7", "--warmup", "2", "--steps", "3",
              "--prompts", "scripts/data/dry_run_prompts.jsonl", "--head", "h", "--drafters", "eagle3"]
     _, args = parse("benchmarks.draft_host_time", flags)
     _, child = parse("benchmarks.draft_host_time", child_argv(args))
-    for key in ("dtype", "max_tokens", "budget", "warmup", "steps", "prompts", "head"):
+    for key in ("dtype", "max_tokens", "nodes", "warmup", "steps", "prompts", "head"):
         assert getattr(child, key) == getattr(args, key), key
 
 

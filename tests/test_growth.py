@@ -71,12 +71,12 @@ def naive_bfs(drafter: FakeDrafter, b: int) -> tuple[list[int], list[int], list[
     return order, [depth[i] for i in order], [p[i] for i in order]
 
 
-def naive_retrieval(drafter: FakeDrafter, b: int, budget: int, max_depth: int, min_p: float = 0.0) -> DraftTree:
+def naive_retrieval(drafter: FakeDrafter, b: int, max_nodes: int, max_depth: int, min_p: float = 0.0) -> DraftTree:
     """Whole trie down to ``max_depth``, nodes with p >= min_p; keep the top
-    ``budget`` by p (earlier wins ties)."""
+    ``max_nodes`` by p (earlier wins ties)."""
     order, depth, p = naive_bfs(drafter, b)
     slots = [k for k in range(len(order)) if depth[k] <= max_depth and p[k] >= min_p]
-    kept = sorted(sorted(slots, key=lambda k: (-p[k], k))[:budget])
+    kept = sorted(sorted(slots, key=lambda k: (-p[k], k))[:max_nodes])
     index = {order[k]: new for new, k in enumerate(kept)}
     trie = drafter.tries[b]
     nodes = [trie[order[k]] for k in kept]
@@ -87,9 +87,9 @@ def naive_retrieval(drafter: FakeDrafter, b: int, budget: int, max_depth: int, m
     )
 
 
-def naive_chain(drafter: FakeDrafter, b: int, budget: int, max_depth: int) -> DraftTree:
+def naive_chain(drafter: FakeDrafter, b: int, max_nodes: int, max_depth: int) -> DraftTree:
     node, path = ROOT, []
-    while drafter.kids[b][node] and len(path) < min(budget, max_depth):
+    while drafter.kids[b][node] and len(path) < min(max_nodes, max_depth):
         node = drafter.kids[b][node][0]
         path.append(node)
     trie = drafter.tries[b]
@@ -132,7 +132,7 @@ def test_chain_stops_drafting_at_the_budget():
 def test_grow_matches_naive(seed):
     rng = random.Random(seed)
     drafter = FakeDrafter([random_trie(rng, rng.randint(0, 25)) for _ in range(5)])
-    budgets = [rng.randint(0, 30) for _ in range(5)]
+    max_nodes = [rng.randint(0, 30) for _ in range(5)]
     max_depth = rng.choice([2, 32])
     cases = (
         (RetrievalPolicy(min_p=0.0), naive_retrieval),
@@ -140,10 +140,10 @@ def test_grow_matches_naive(seed):
         (ChainPolicy(), naive_chain),
     )
     for policy, naive in cases:
-        trees, _ = grow(drafter, policy, torch.tensor(budgets), max_depth)
+        trees, _ = grow(drafter, policy, torch.tensor(max_nodes), max_depth)
         for b, tree in enumerate(trees):
             tree.validate()
-            assert tree == naive(drafter, b, budgets[b], max_depth), (policy.name, b)
+            assert tree == naive(drafter, b, max_nodes[b], max_depth), (policy.name, b)
 
 
 def test_top_by_path_probability_ties_and_padding():
@@ -162,10 +162,10 @@ def test_top_by_path_probability_random_trees():
         p, valid = torch.zeros(6, width), torch.zeros(6, width, dtype=torch.bool)
         for b, (order, _, probs) in enumerate(bfs):
             p[b, : len(order)], valid[b, : len(order)] = torch.tensor(np.array(probs, dtype=np.float32)), True
-        budgets = [rng.randint(0, width) for _ in range(6)]
-        keep = top_by_path_probability(p, valid, torch.tensor(budgets))
+        max_nodes = [rng.randint(0, width) for _ in range(6)]
+        keep = top_by_path_probability(p, valid, torch.tensor(max_nodes))
         for b, (order, _, probs) in enumerate(bfs):
-            expected = set(sorted(range(len(order)), key=lambda k: (-probs[k], k))[: budgets[b]])
+            expected = set(sorted(range(len(order)), key=lambda k: (-probs[k], k))[: max_nodes[b]])
             assert {k for k in range(width) if keep[b, k]} == expected
             position = {node: k for k, node in enumerate(order)}
             for k in expected:  # closed under ancestors

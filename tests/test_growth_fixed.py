@@ -2,7 +2,7 @@
 ragged layer loop for every model-drafter policy whenever the width holds
 each layer, trees cut to the capacity otherwise (still trees), traced whole
 by ``torch.compile(fullgraph=True)``, the same operations at every batch
-size and budget."""
+size and node limit."""
 
 from __future__ import annotations
 
@@ -39,37 +39,37 @@ def tables(seed: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return roots, table
 
 
-def grown(policy, roots, table, budget: torch.Tensor, width: int | None):
+def grown(policy, roots, table, max_nodes: torch.Tensor, width: int | None):
     """The trees of the ragged loop (``width`` None) or of the fixed one."""
-    batch = budget.shape[0]
+    batch = max_nodes.shape[0]
     drafter = Eagle3Drafter()
     drafter.bind(TableBackend(roots, table), policy.fanout, policy.entropy_top_m)
     ids = [f"r{b}" for b in range(batch)]
     drafter.prepare(ids, [None] * batch, list(range(batch)))
     policy.begin(ids)
     if width is None:
-        return grow(drafter, policy, budget, drafter.max_depth)[0]
-    depth = min(drafter.max_depth, policy.depth_limit(int(budget.max())))
-    return grow_fixed(drafter, policy, budget, depth, width).to_trees()
+        return grow(drafter, policy, max_nodes, drafter.max_depth)[0]
+    depth = min(drafter.max_depth, policy.depth_limit(int(max_nodes.max())))
+    return grow_fixed(drafter, policy, max_nodes, depth, width).to_trees()
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_the_same_trees_as_the_ragged_loop(name):
-    budget = torch.tensor([16, 5, 0, 24])
+    max_nodes = torch.tensor([16, 5, 0, 24])
     for seed in range(4):
         roots, table = tables(seed, 4)
         policy = POLICIES[name]()
-        width = policy.layer_width(int(budget.max()))
-        ragged = grown(policy, roots, table, budget, None)
-        assert grown(POLICIES[name](), roots, table, budget, width) == ragged
+        width = policy.layer_width(int(max_nodes.max()))
+        ragged = grown(policy, roots, table, max_nodes, None)
+        assert grown(POLICIES[name](), roots, table, max_nodes, width) == ragged
         assert sum(len(t) for t in ragged) > 8
 
 
 def test_a_width_too_narrow_cuts_the_trees_to_their_capacity():
     roots, table = tables(5, 3)
-    budget = torch.tensor([24, 24, 24])
-    full = grown(TalonPolicy(top_k=4, k_c=4), roots, table, budget, 24)
-    cut = grown(TalonPolicy(top_k=4, k_c=4), roots, table, budget, 2)
+    max_nodes = torch.tensor([24, 24, 24])
+    full = grown(TalonPolicy(top_k=4, k_c=4), roots, table, max_nodes, 24)
+    cut = grown(TalonPolicy(top_k=4, k_c=4), roots, table, max_nodes, 2)
     for small, large in zip(cut, full):
         small.validate()
         widest = max(Counter(small.depths()).values())
@@ -92,17 +92,17 @@ class TableDrafter:
         return Candidates(tokens=tokens, q=q, handles=tokens.clone())
 
 
-def fixed_trees(roots, table, budget):
+def fixed_trees(roots, table, max_nodes):
     policy = TalonPolicy(top_k=4, k_c=4, max_depth=6)
-    return grow_fixed(TableDrafter(roots, table, policy.fanout), policy, budget, 6, 8)
+    return grow_fixed(TableDrafter(roots, table, policy.fanout), policy, max_nodes, 6, 8)
 
 
 def test_the_fixed_loop_compiles_whole_and_equals_eager():
     torch._dynamo.reset()
     roots, table = tables(1, 4)
-    budget = torch.tensor([8, 3, 0, 8])
+    max_nodes = torch.tensor([8, 3, 0, 8])
     compiled = torch.compile(fixed_trees, fullgraph=True, dynamic=False, backend="aot_eager")
-    eager, traced = fixed_trees(roots, table, budget), compiled(roots, table, budget)
+    eager, traced = fixed_trees(roots, table, max_nodes), compiled(roots, table, max_nodes)
     for got, want in zip(traced, eager):
         assert (got is None and want is None) or torch.equal(got, want)
     assert eager.num_nodes.tolist()[2] == 0 and eager.num_nodes.sum() > 8
@@ -110,9 +110,9 @@ def test_the_fixed_loop_compiles_whole_and_equals_eager():
 
 def test_the_same_operations_at_every_batch_and_budget():
     counts = []
-    for batch, budget in ((8, 4), (64, 4), (8, 8), (64, 8)):
+    for batch, max_nodes in ((8, 4), (64, 4), (8, 8), (64, 8)):
         roots, table = tables(batch, batch)
-        counts.append(dispatched(fixed_trees, roots, table, torch.full((batch,), budget)))
+        counts.append(dispatched(fixed_trees, roots, table, torch.full((batch,), max_nodes)))
     assert all(count == counts[0] for count in counts)
     assert not reads(counts[0])
 

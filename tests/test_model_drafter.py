@@ -54,11 +54,11 @@ def make(seed: int = 0, batch: int = 2):
     return roots, table
 
 
-def grow_with(backend, policy, budget, batch=2):
+def grow_with(backend, policy, max_nodes, batch=2):
     drafter = Eagle3Drafter()
     drafter.bind(backend, policy.fanout, policy.entropy_top_m)
     drafter.prepare([f"r{b}" for b in range(batch)], [None] * batch, list(range(batch)))
-    return grow(drafter, policy, torch.full((batch,), budget), drafter.max_depth)[0]
+    return grow(drafter, policy, torch.full((batch,), max_nodes), drafter.max_depth)[0]
 
 
 def paths(tree):
@@ -74,7 +74,7 @@ def paths(tree):
 
 def test_chain_is_the_greedy_path():
     roots, table = make()
-    trees = grow_with(TableBackend(roots, table), ChainPolicy(), budget=4)
+    trees = grow_with(TableBackend(roots, table), ChainPolicy(), max_nodes=4)
     for b, tree in enumerate(trees):
         token = int(roots[b].argmax())
         expected = [token]
@@ -86,8 +86,8 @@ def test_chain_is_the_greedy_path():
 
 def test_eagle2_tree_matches_its_definition():
     roots, table = make(seed=1)
-    k, depth, budget = 2, 3, 5
-    trees = grow_with(TableBackend(roots, table), Eagle2Policy(top_k=k, depth=depth), budget)
+    k, depth, max_nodes = 2, 3, 5
+    trees = grow_with(TableBackend(roots, table), Eagle2Policy(top_k=k, depth=depth), max_nodes)
     for b, tree in enumerate(trees):
         # Brute force: layer by layer, the K best children by path probability.
         frontier = [((t,), float(roots[b, t])) for t in roots[b].topk(k).indices.tolist()]
@@ -100,7 +100,7 @@ def test_eagle2_tree_matches_its_definition():
             ]
             frontier = sorted(children, key=lambda c: -c[1])[:k]
             grown += frontier
-        kept = sorted(grown, key=lambda c: -c[1])[:budget]
+        kept = sorted(grown, key=lambda c: -c[1])[:max_nodes]
         assert sorted(paths(tree)) == sorted(path for path, _ in kept)
         assert all(tree.parents[i] < i for i in range(len(tree)))
 
@@ -108,11 +108,11 @@ def test_eagle2_tree_matches_its_definition():
 def test_nodes_beyond_the_scratch_get_no_children():
     roots, table = make(seed=2)
     backend = TableBackend(roots, table, capacity=3)
-    trees = grow_with(backend, Eagle2Policy(top_k=2, depth=4), budget=30)
+    trees = grow_with(backend, Eagle2Policy(top_k=2, depth=4), max_nodes=30)
     for tree in trees:
         expanded = {tree.parents[i] for i in range(len(tree)) if tree.parents[i] >= 0}
         assert len(expanded) <= 3
     # Depth stops at the policy's D: at most K * (D - 1) nodes are ever fed.
     unlimited = TableBackend(roots, table)
-    grow_with(unlimited, Eagle2Policy(top_k=2, depth=4), budget=30)
+    grow_with(unlimited, Eagle2Policy(top_k=2, depth=4), max_nodes=30)
     assert sum(len(t) for t in unlimited.fed_tokens) == 2 * 2 * 3

@@ -29,18 +29,18 @@ def _pause_state(budget: LoadBudget) -> tuple:
 
 
 def test_a_probe_keeps_what_the_budget_would_and_at_least_the_best_node():
-    budget = LoadBudget(max_budget=8, half_life=1e9)
+    budget = LoadBudget(max_nodes=8, half_life=1e9)
     weak, sure = _chain(0.05), _chain(0.99)
     assert [len(t) for t in budget.probe([weak, sure], ["a", "b"])] == [1, 1]  # no cost fit yet: the best node
-    _feed_steps(budget, alpha=0.05, beta=0.0005)
+    _feed_steps(budget, fixed=0.05, per_row=0.0005)
     budget.observe_drafting(1, 0.0001)
     assert [len(t) for t in budget.choose([weak, sure], ["a", "b"]).trees] == [0, 6]
     assert [len(t) for t in budget.probe([weak, sure], ["a", "b"])] == [1, 6]
 
 
 def test_a_probe_leaves_the_pause_control_as_it_was():
-    budget = LoadBudget(max_budget=8, half_life=1e9)
-    _feed_steps(budget, alpha=0.05, beta=0.0005)
+    budget = LoadBudget(max_nodes=8, half_life=1e9)
+    _feed_steps(budget, fixed=0.05, per_row=0.0005)
     budget.pauses._pause()
     while budget.pauses._paused > 1:
         assert not budget.begin_step().drafts
@@ -105,7 +105,7 @@ def test_a_finished_or_preempted_request_leaves_nothing_behind():
     proposer.observe(["a"], [proposer.trees["a"]], [[0]])
     assert proposer.requests_held()["trees"] == 1
     proposer.forget(["a"], finished=["a"])
-    assert proposer.requests_held() == {"trees": 0, "drafter": 0, "policy": 0, "budget": 0}
+    assert proposer.requests_held() == {"trees": 0, "drafter": 0, "policy": 0, "load_budget": 0}
 
 
 def test_with_every_node_verified_there_is_no_pause_and_no_probe():

@@ -282,7 +282,7 @@ def proposer_for(config):
     return TreeProposer(SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: config.to_dict()},
                                         model_config=SimpleNamespace(max_model_len=256),
                                         device_config=SimpleNamespace(device_type="cpu"),
-                                        speculative_config=SimpleNamespace(num_speculative_tokens=config.budget),
+                                        speculative_config=SimpleNamespace(num_speculative_tokens=config.max_nodes),
                                         scheduler_config=SimpleNamespace(max_num_batched_tokens=2048)))
 
 

@@ -18,10 +18,10 @@ from vllm_adaptive_spec.trees.tree import DraftTree
 CONTEXT = [1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 3]
 
 
-def draft(drafter, contexts, budget=100, policy=None, ids=None):
+def draft(drafter, contexts, max_nodes=100, policy=None, ids=None):
     ids = ids or [f"r{i}" for i in range(len(contexts))]
     drafter.prepare(ids, Contexts.of(contexts))
-    trees, _ = grow(drafter, policy or RetrievalPolicy(), torch.full((len(contexts),), budget), drafter.max_depth)
+    trees, _ = grow(drafter, policy or RetrievalPolicy(), torch.full((len(contexts),), max_nodes), drafter.max_depth)
     return trees
 
 
@@ -63,7 +63,7 @@ def test_example_two_continuations():
     assert tree.tokens[:2] == [5, 4] and tree.q[:2] == [0.5, 0.5]
     assert paths(tree) == pytest.approx(naive_paths(CONTEXT, 3, 1, 32, 16))
     assert max(tree.depths()) == 10
-    chain = draft(RetrievalDrafter(l_max=3), [CONTEXT], budget=3, policy=ChainPolicy())[0]
+    chain = draft(RetrievalDrafter(l_max=3), [CONTEXT], max_nodes=3, policy=ChainPolicy())[0]
     assert (chain.tokens, chain.parents) == ([5, 9, 1], [-1, 0, 1])
 
 
@@ -119,9 +119,9 @@ def test_incremental_equals_fresh_and_naive(evidence_prior):
     while length < 80:
         length += rng.randint(1, 3)
         contexts = [s[:length] for s in streams]
-        for budget, policy in ((100, RetrievalPolicy()), (6, RetrievalPolicy()), (4, ChainPolicy())):
-            got = draft(incremental, contexts, budget, policy, ["a", "b"])
-            assert got == draft(RetrievalDrafter(**params), contexts, budget, policy, ["a", "b"])
+        for max_nodes, policy in ((100, RetrievalPolicy()), (6, RetrievalPolicy()), (4, ChainPolicy())):
+            got = draft(incremental, contexts, max_nodes, policy, ["a", "b"])
+            assert got == draft(RetrievalDrafter(**params), contexts, max_nodes, policy, ["a", "b"])
         full = draft(incremental, contexts, ids=["a", "b"])
         for tree, context in zip(full, contexts):
             assert paths(tree) == pytest.approx(naive_paths(context, **params))
@@ -151,9 +151,9 @@ def test_choice_from_whole_tree_equals_the_layer_loop(policy):
     drafter = RetrievalDrafter(l_max=3, max_matches=8, max_depth=6, evidence_prior=2.0)
     compared = 0
     for _ in prepared_steps(drafter, seed=1, requests=4, length=120, vocab=5, lengths=range(10, 120, 7)):
-        budget = torch.tensor([0, 1, 5, 40])
-        whole, _ = grow(drafter, policy, budget, drafter.max_depth)
-        layered, _ = grow(LayerByLayer(drafter), policy, budget, drafter.max_depth)
+        max_nodes = torch.tensor([0, 1, 5, 40])
+        whole, _ = grow(drafter, policy, max_nodes, drafter.max_depth)
+        layered, _ = grow(LayerByLayer(drafter), policy, max_nodes, drafter.max_depth)
         assert [len(t) for t in whole] == [len(t) for t in layered]
         for a, b in zip(whole, layered):
             assert (a.tokens, a.parents) == (b.tokens, b.parents) and a.q == pytest.approx(b.q)

@@ -74,7 +74,7 @@ def test_the_policys_choice_on_the_device_is_its_choice_per_tree():
     """``grow`` hands the tensor matcher's whole trees to the retrieval
     policy's ``choose_tensors`` (the best nodes of each, on the device): the
     trees its ``choose`` picks one by one from the trie's, ties included,
-    budgets of 0 and budgets that cut included."""
+    node limits of 0 and limits that cut included."""
     cut = 0
     for seed in range(16):
         rng = random.Random(seed)
@@ -82,11 +82,11 @@ def test_the_policys_choice_on_the_device_is_its_choice_per_tree():
                   "evidence_prior": rng.choice([0.0, 4.0])}
         trie, tensors = both(params, random_contexts(rng, 8, rng.choice([2, 4, 9])))
         policy, floor = RetrievalPolicy(min_p=rng.choice([0.0, 0.05, 0.3])), rng.choice([0.0, 0.1])
-        budget = torch.tensor([0] + [rng.randint(1, 6) for _ in range(7)])
+        max_nodes = torch.tensor([0] + [rng.randint(1, 6) for _ in range(7)])
         whole = trie.candidate_trees(max(policy.min_p, floor))
-        want = [policy.choose(tree, n) if n > 0 else DraftTree() for tree, n in zip(whole, budget.tolist())]
-        assert grow(tensors, policy, budget, 16, floor)[0] == want
-        cut += sum(len(tree) > n > 0 for tree, n in zip(whole, budget.tolist()))
+        want = [policy.choose(tree, n) if n > 0 else DraftTree() for tree, n in zip(whole, max_nodes.tolist())]
+        assert grow(tensors, policy, max_nodes, 16, floor)[0] == want
+        cut += sum(len(tree) > n > 0 for tree, n in zip(whole, max_nodes.tolist()))
     assert cut > 16
 
 
@@ -102,8 +102,8 @@ def test_the_same_chosen_trees_on_cuda():
         trie, tensors = RetrievalDrafter(), TensorRetrievalDrafter("cuda")
         for drafter in (trie, tensors):
             drafter.prepare(ids, Contexts.of(contexts))
-        budget = torch.full((16,), 16)
-        assert grow(tensors, RetrievalPolicy(), budget, 16)[0] == grow(trie, RetrievalPolicy(), budget, 16)[0]
+        max_nodes = torch.full((16,), 16)
+        assert grow(tensors, RetrievalPolicy(), max_nodes, 16)[0] == grow(trie, RetrievalPolicy(), max_nodes, 16)[0]
 
 
 def test_the_layer_loop_grows_the_same_trees():
@@ -113,8 +113,8 @@ def test_the_layer_loop_grows_the_same_trees():
     widest node; a node beyond the trees has no children."""
     rng = random.Random(7)
     trie, tensors = both({"max_depth": 6, "max_matches": 5}, random_contexts(rng, 8, 3))
-    budget = torch.full((8,), 6)
-    assert grow(tensors, ChainPolicy(), budget, 6)[0] == grow(trie, ChainPolicy(), budget, 6)[0]
+    max_nodes = torch.full((8,), 6)
+    assert grow(tensors, ChainPolicy(), max_nodes, 6)[0] == grow(trie, ChainPolicy(), max_nodes, 6)[0]
     roots = torch.full((8, 2), -1)
     live = torch.tensor([[True, False]] * 8)
     got, want = tensors.expand(roots, live), trie.expand(roots, live)

@@ -25,7 +25,7 @@ def test_every_decoding_request_gets_the_steps_width():
 
 
 def test_a_uniform_step_stays_within_the_token_budget():
-    """Three decoding requests and a budget of 20 tokens a step: width 4
+    """Three decoding requests and a token budget of 20 tokens a step: width 4
     (3 x 5 rows) fits, 8 does not, so the tree of 6 is cut to its first 4
     nodes; with 5 tokens not even width 2 fits and nothing changes."""
     drafts = [[5, 6, 7, 8, 9, 10], [], [1]]

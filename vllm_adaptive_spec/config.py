@@ -6,7 +6,7 @@ User contract::
      "model": "<draft model dir, when the drafter needs one>",
      "tree": {"drafter": "...", "policy": "...", "<parameter>": value, ...}}
 
-``num_speculative_tokens`` is the node budget per request per step. Every
+``num_speculative_tokens`` is ``N``, the most draft nodes per request per step. Every
 error names the offending key and the valid choices.
 """
 
@@ -24,7 +24,7 @@ from vllm_adaptive_spec.drafters.retrieval_trie import matcher_of
 from vllm_adaptive_spec.policies import POLICIES
 
 METHOD = "adaptive_tree"
-MAX_BUDGET = 128  # vLLM's rejection-sampler layout caps drafts per request at 128.
+MAX_NODES = 128  # vLLM's rejection-sampler layout caps drafts per request at 128.
 MAX_DRAFT_SLOTS = 512  # KV scratch a model drafter may use per request while growing
 # Settings of the tree engine itself, beside the drafter's and the policy's.
 ENGINE_PARAMS = {
@@ -58,7 +58,7 @@ class TreeConfigError(ValueError):
 class TreeConfig:
     drafter: str
     policy: str
-    budget: int
+    max_nodes: int
     drafter_params: dict[str, Any] = field(default_factory=dict)
     policy_params: dict[str, Any] = field(default_factory=dict)
     load_budget: str = "adaptive"
@@ -71,7 +71,7 @@ class TreeConfig:
         return {
             "drafter": self.drafter,
             "policy": self.policy,
-            "budget": self.budget,
+            "max_nodes": self.max_nodes,
             "drafter_params": dict(self.drafter_params),
             "policy_params": dict(self.policy_params),
             "load_budget": self.load_budget,
@@ -111,9 +111,9 @@ class TreeConfig:
         return POLICIES[self.policy](**self.policy_params)
 
     def draft_slots(self) -> int:
-        """Draft tokens vLLM must reserve KV for per request: the budget, or
+        """Draft tokens vLLM must reserve KV for per request: ``max_nodes``, or
         the scratch of a model drafter's growth when that is larger."""
-        return max(self.budget, self.make_policy().max_fed_nodes(self.budget))
+        return max(self.max_nodes, self.make_policy().max_fed_nodes(self.max_nodes))
 
 
 def _choices(values) -> str:
@@ -122,7 +122,7 @@ def _choices(values) -> str:
 
 def parse_tree_config(spec: dict[str, Any]) -> TreeConfig:
     """Validate a user's speculative config with ``method == "adaptive_tree"``."""
-    budget = _budget(spec)
+    max_nodes = _max_nodes(spec)
     tree = spec.get("tree")
     if not isinstance(tree, dict):
         raise TreeConfigError(
@@ -133,20 +133,20 @@ def parse_tree_config(spec: dict[str, Any]) -> TreeConfig:
     drafter_params, policy_params, engine = _params(tree, drafter, policy)
     if policy == "c2t" and not policy_params["classifier"]:
         policy_params["classifier"] = _default_classifier(spec["model"])
-    config = TreeConfig(drafter, policy, budget, drafter_params, policy_params, engine["load_budget"],
+    config = TreeConfig(drafter, policy, max_nodes, drafter_params, policy_params, engine["load_budget"],
                         engine["uniform_steps"], engine["draft_loop"], engine["grammar_forcing"])
     _check_buildable(config)
     return config
 
 
-def _budget(spec: dict[str, Any]) -> int:
-    budget = spec.get("num_speculative_tokens")
-    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET:
+def _max_nodes(spec: dict[str, Any]) -> int:
+    max_nodes = spec.get("num_speculative_tokens")
+    if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or not 1 <= max_nodes <= MAX_NODES:
         raise TreeConfigError(
-            f"speculative_config['num_speculative_tokens'] must be an integer from 1 to {MAX_BUDGET} "
-            f"(the node budget per request per step), got {budget!r}"
+            f"speculative_config['num_speculative_tokens'] must be an integer from 1 to {MAX_NODES} "
+            f"(the most draft nodes per request per step), got {max_nodes!r}"
         )
-    return budget
+    return max_nodes
 
 
 def _drafter_and_policy(spec: dict[str, Any], tree: dict[str, Any]) -> tuple[str, str]:

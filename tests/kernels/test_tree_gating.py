@@ -1,7 +1,7 @@
 """The fused layer-gating kernel (interpreted off GPU) against its torch
-references: TALON's root top-K, gate and budget cut, and DynaTree's
+references: TALON's root top-K, gate and cut to each tree's node limit, and DynaTree's
 confidence branching and depth gates, with per-request settings, ties,
-missing candidates and budgets of 0 and beyond the layer."""
+missing candidates and node limits of 0 and beyond the layer."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ def layer(seed: int, batch: int = 5, width_f: int = 5, width_c: int = 6):
     not a power of two, so the kernel's padded lanes are exercised, yet one
     32-lane sort; the interpreter sorts element by element, so layers are kept
     small). Request 0 is all ties (quarter steps under one parent probability,
-    within and across frontier nodes) under a budget that cuts through them;
-    request 1 has empty frontier slots; request 2 a budget of 0; request 3 a
-    budget beyond the layer (and the padded block); request 4 a budget that
+    within and across frontier nodes) under a node limit that cuts through them;
+    request 1 has empty frontier slots; request 2 a limit of 0; request 3 a
+    limit beyond the layer (and the padded block); request 4 a limit that
     cuts. About one candidate in ten is missing while its ``p`` is positive,
     so the ``exists`` mask is what drops it."""
     gen = torch.Generator().manual_seed(seed)

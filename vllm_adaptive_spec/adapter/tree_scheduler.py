@@ -201,7 +201,7 @@ class TreeScheduler(Scheduler):
         super().__init__(vllm_config, *args, **kwargs)
         config = tree_config_of(vllm_config)
         self._pad_removed = config is not None and ragged_or_uniform.resolve(config, vllm_config).uniform
-        self._forcing_limit = config.budget if config is not None and config.grammar_forcing else 0
+        self._forcing_limit = config.max_nodes if config is not None and config.grammar_forcing else 0
         self._scratch_mask: torch.Tensor | None = None  # one bitmask row for ``forced_tokens``
         self._failures = Failures()
 

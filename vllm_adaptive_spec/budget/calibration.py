@@ -1,10 +1,10 @@
 """How far a drafter's path probabilities can be trusted: the load budget's
-calibration ``rho`` (docs/algorithms.md section 8).
+calibration ``factor`` (docs/algorithms.md section 8).
 
-``rho`` is the ratio of accepted nodes to the summed path probability ``p``
+``factor`` is the ratio of accepted nodes to the summed path probability ``p``
 of verified nodes, decayed per tree (half-life ``half_life``), so an
 optimistic drafter is discounted. Request ``r``'s own ratio is shrunk toward
-it, ``(a_r + k * rho) / (P_r + k)`` with ``a_r``, ``P_r`` its accepted and
+it, ``(a_r + k * factor) / (P_r + k)`` with ``a_r``, ``P_r`` its accepted and
 predicted nodes (faded a step at a time, half-life ``request_half_life``)
 and ``k = request_prior``: a request whose trees are accepted deeply keeps
 more nodes than one whose trees fail on the same evidence.
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_adaptive_spec.budget.node_allocation import MAX_RHO
+from vllm_adaptive_spec.budget.node_allocation import MAX_FACTOR
 from vllm_adaptive_spec.trees.tree import DraftTree
 
-MIN_RHO = 0.05  # the calibration's smallest value
+MIN_FACTOR = 0.05  # the calibration's smallest value
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Calibration:
         self.decay = 0.5 ** (1.0 / half_life)
         self.request_decay = 0.5 ** (1.0 / request_half_life)
         self.request_prior = request_prior
-        self.predicted = 1.0  # decayed sums for rho = accepted / predicted
+        self.predicted = 1.0  # decayed sums for factor = accepted / predicted
         self.accepted = 1.0
         self._requests: dict[str, Record] = {}
 
@@ -55,13 +55,13 @@ class Calibration:
                 record.predicted *= self.request_decay
                 record.accepted *= self.request_decay
 
-    def rho(self, request_id: str | None = None) -> float:
-        """The engine's ``rho``, or request ``request_id``'s own shrunk toward it."""
-        rho = _clipped(self.accepted / max(self.predicted, 1e-9))
+    def factor(self, request_id: str | None = None) -> float:
+        """The engine's ``factor``, or request ``request_id``'s own shrunk toward it."""
+        factor = _clipped(self.accepted / max(self.predicted, 1e-9))
         record = self._requests.get(request_id)
         if record is None:
-            return rho
-        return _clipped((record.accepted + self.request_prior * rho) / (record.predicted + self.request_prior))
+            return factor
+        return _clipped((record.accepted + self.request_prior * factor) / (record.predicted + self.request_prior))
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -70,7 +70,7 @@ class Calibration:
         return len(self._requests)
 
 
-def _clipped(rho: float) -> float:
-    """``rho`` within [MIN_RHO, MAX_RHO] (a Python float: read for every
+def _clipped(factor: float) -> float:
+    """``factor`` within [MIN_FACTOR, MAX_FACTOR] (a Python float: read for every
     request every step, where numpy's clip of a scalar costs ten times more)."""
-    return float(min(max(rho, MIN_RHO), MAX_RHO))
+    return float(min(max(factor, MIN_FACTOR), MAX_FACTOR))

@@ -1,12 +1,13 @@
 """What an engine step costs, fitted online (docs/algorithms.md section 8).
 
-Step time = ``alpha + beta * decode rows + gamma * prompt tokens + eta *
-trees + xi * branching trees``: exponentially weighted least squares over
-measured steps. ``alpha`` is the step's fixed cost, ``beta`` a decode row's
-(a request's row or a tree node's), ``gamma`` a prompt-chunk token's (cheaper
-than a decode row, so one slope for both would understate a node's cost),
-``eta`` what verifying a tree costs beyond its rows (layout, verification, KV
-compaction), ``xi`` what a branching tree costs beyond a chain of its rows (on
+Step time = ``fixed + per_row * decode rows + per_prompt_token * prompt
+tokens + per_tree * trees + per_branching * branching trees`` (seconds):
+exponentially weighted least squares over measured steps. ``fixed`` is the
+step's fixed cost, ``per_row`` a decode row's (a request's row or a tree
+node's), ``per_prompt_token`` a prompt-chunk token's (cheaper than a decode
+row, so one slope for both would understate a node's cost), ``per_tree`` what
+verifying a tree costs beyond its rows (layout, verification, KV compaction),
+``per_branching`` what a branching tree costs beyond a chain of its rows (on
 vLLM's CPU platform a chain runs in vLLM's own attention kernel, a branching
 tree in the plugin's tree path).
 
@@ -17,7 +18,7 @@ steps, so one regression, solved once per step, serves them all.
 The trees column is told from the fixed cost only by decode steps with a
 different number of trees; when every recent step verified a tree for every
 request (a model drafter at batch 1), a tree's own cost would be read as
-part of ``alpha``, so a step without drafting would look that much dearer
+part of ``fixed``, so a step without drafting would look that much dearer
 and drafting that much better than it is (at batch 1 on the CPU, 20%).
 :meth:`tree_spread` tells the load budget when it must run a control step
 without trees.
@@ -36,11 +37,11 @@ class Fit(NamedTuple):
     """The fitted step cost, seconds: fixed, per decode row, per prompt-chunk
     token, per verified tree beyond its rows, per branching tree beyond a chain."""
 
-    alpha: float
-    beta: float
-    gamma: float
-    eta: float
-    xi: float
+    fixed: float
+    per_row: float
+    per_prompt_token: float
+    per_tree: float
+    per_branching: float
 
 
 class StepCostFit:
@@ -79,10 +80,11 @@ class StepCostFit:
         return max(self.gram[3, 3] / weight - mean * mean, 0.0) / (mean * mean)
 
     def solve(self) -> Fit | None:
-        """The :class:`Fit` (each term >= 0, ``alpha + beta > 0``),
+        """The :class:`Fit` (each term >= 0, ``fixed + per_row > 0``),
         or None before ``MIN_STEPS`` steps or when degenerate; a column never seen is left
-        out (gamma then equals beta, eta and xi are 0), as are the trees and
-        branching columns when they cannot be told apart from the others."""
+        out (``per_prompt_token`` then equals ``per_row``, ``per_tree`` and
+        ``per_branching`` are 0), as are the trees and branching columns when
+        they cannot be told apart from the others."""
         if self._solved_at != self.steps_seen:
             self._solution = self._solve()
             self._solved_at = self.steps_seen
@@ -100,9 +102,10 @@ class StepCostFit:
             if np.linalg.cond(gram) > 1e12:
                 continue
             values = dict(zip(used, np.linalg.solve(gram, self.moment[used])))
-            alpha, beta = max(values[0], 0.0), max(values[1], 0.0)
-            if alpha + beta > 0.0:  # else no step would cost anything: not a usable fit
-                return Fit(alpha, beta, max(values.get(2, beta), 0.0), *(max(values.get(c, 0.0), 0.0) for c in (3, 4)))
+            fixed, per_row = max(values[0], 0.0), max(values[1], 0.0)
+            if fixed + per_row > 0.0:  # else no step would cost anything: not a usable fit
+                tree_terms = (max(values.get(c, 0.0), 0.0) for c in (3, 4))
+                return Fit(fixed, per_row, max(values.get(2, per_row), 0.0), *tree_terms)
         return None
 
     def mean_step(self) -> float | None:
@@ -112,16 +115,16 @@ class StepCostFit:
         return self.moment[0] / self.gram[0, 0] if self.steps_seen else None
 
     def cost(self) -> tuple[float, float, float] | None:
-        """``(alpha, beta, gamma)``, or None while unknown."""
+        """``(fixed, per_row, per_prompt_token)``, or None while unknown."""
         solution = self.solve()
-        return None if solution is None else (solution.alpha, solution.beta, solution.gamma)
+        return None if solution is None else (solution.fixed, solution.per_row, solution.per_prompt_token)
 
     def tree_cost(self) -> float:
-        """``eta``: seconds a verified tree costs beyond its rows (0 until known)."""
+        """``per_tree``: seconds a verified tree costs beyond its rows (0 until known)."""
         solution = self.solve()
-        return 0.0 if solution is None else solution.eta
+        return 0.0 if solution is None else solution.per_tree
 
     def branch_cost(self) -> float:
-        """``xi``: seconds a branching tree costs beyond a chain of its rows (0 until known)."""
+        """``per_branching``: seconds a branching tree costs beyond a chain of its rows (0 until known)."""
         solution = self.solve()
-        return 0.0 if solution is None else solution.xi
+        return 0.0 if solution is None else solution.per_branching

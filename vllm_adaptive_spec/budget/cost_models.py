@@ -3,8 +3,8 @@ with the step mode (``adapter/ragged_or_uniform``), under one
 :class:`~vllm_adaptive_spec.budget.load_budget.LoadBudget`.
 
 * :class:`LinearCost` (ragged steps): the fitted line of ``cost_fit``, a
-  tree's row costing its share of the step (``beta``), a tree and a
-  branching tree their own (``eta``, ``xi``); the budget keeps the nodes
+  tree's row costing its share of the step (``per_row``), a tree and a
+  branching tree their own (``per_tree``, ``per_branching``); the budget keeps the nodes
   worth their row (``node_allocation.plan_nodes``), a tree's nodes off its
   main path only where branching pays (``node_allocation.shaped``).
 * :class:`ShapeCost` (uniform steps, ``trees.uniform_widths``): every decoding
@@ -68,20 +68,20 @@ class LinearCost:
 
     def plain_seconds(self, batch: int) -> float:
         fit = self.fit.solve()
-        return fit.alpha + fit.beta * batch
+        return fit.fixed + fit.per_row * batch
 
-    def plan(self, trees: list[DraftTree], p_hat, rhos: list[float], plain: int, delta: float, room: int,
+    def plan(self, trees: list[DraftTree], p_hat, factors: list[float], plain: int, per_draft: float, room: int,
              at_least: int = 0) -> Planned:
         """Each tree's planned nodes (at least ``at_least``, a probe's)
         within ``room``, cut to its main path where branching does not pay;
-        ``delta``: drafting seconds per drafting request."""
+        ``per_draft``: drafting seconds per drafting request."""
         fit = self.fit.solve()
-        plan = plan_nodes(p_hat, fit, delta, plain, room)
-        kept = [shaped(tree.keep_best(max(count, at_least)), rho, fit, plan.rate)
-                for tree, count, rho in zip(trees, plan.kept, rhos)]
+        plan = plan_nodes(p_hat, fit, per_draft, plain, room)
+        kept = [shaped(tree.keep_best(max(count, at_least)), factor, fit, plan.rate)
+                for tree, count, factor in zip(trees, plan.kept, factors)]
         plain_seconds = self.plain_seconds(len(trees) + plain)
-        return Planned(kept, plan.expected_rate, modelled_seconds(fit, plain_seconds, delta, kept), plain_seconds,
-                       plan.trust_cut)
+        seconds = modelled_seconds(fit, plain_seconds, per_draft, kept)
+        return Planned(kept, plan.expected_rate, seconds, plain_seconds, plan.trust_cut)
 
     def tree_seconds(self, batch: int, trees: int, nodes: float, depth: int) -> float:
         """A modelled step of ``batch`` decoding requests, ``trees`` of them
@@ -90,8 +90,8 @@ class LinearCost:
         if nodes <= 0.0:
             return self.plain_seconds(batch)
         fit = self.fit.solve()
-        branching = fit.xi if nodes > depth + 1e-9 else 0.0
-        return self.plain_seconds(batch) + fit.beta * trees * nodes + (fit.eta + branching) * trees
+        branching = fit.per_branching if nodes > depth + 1e-9 else 0.0
+        return self.plain_seconds(batch) + fit.per_row * trees * nodes + (fit.per_tree + branching) * trees
 
     def best_rate(self, p_hat, plain: int, room: int) -> float:
         """The best expected rate of trees drafted for free (``p_hat``: the
@@ -143,7 +143,7 @@ class ShapeCost:
     def plain_seconds(self, batch: int) -> float:
         return self.table.cost(batch, 1) if self._measured(batch) else self.linear.plain_seconds(batch)
 
-    def plan(self, trees: list[DraftTree], p_hat, rhos: list[float], plain: int, delta: float, room: int,
+    def plan(self, trees: list[DraftTree], p_hat, factors: list[float], plain: int, per_draft: float, room: int,
              at_least: int = 0) -> Planned:
         """Each tree's best :func:`best_width` nodes. ``at_least`` does not
         apply: a uniform step's width is every decoding request's, so one
@@ -151,11 +151,11 @@ class ShapeCost:
         only where a width pays."""
         batch = len(trees) + plain
         if not self._measured(batch):
-            return self.linear.plan(trees, p_hat, rhos, plain, delta, room, at_least)
+            return self.linear.plan(trees, p_hat, factors, plain, per_draft, room, at_least)
         self.width_choices += 1
         width, _ = best_width(p_hat, plain, self.widths, lambda rows: self.table.cost(batch, rows))
         plain_seconds = self.table.cost(batch, 1)
-        seconds = (self.table.cost(batch, 1 + width) if width else plain_seconds) + delta * len(trees)
+        seconds = (self.table.cost(batch, 1 + width) if width else plain_seconds) + per_draft * len(trees)
         gain = batch + sum(float(v[:width].sum()) for v in p_hat)
         return Planned([tree.keep_best(width) for tree in trees], gain / seconds, seconds, plain_seconds, False)
 

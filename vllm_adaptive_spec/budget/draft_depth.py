@@ -149,15 +149,15 @@ class DraftDepth:
         return min(best + 1, limit) if record.steps % EXPLORE == 0 else best
 
 
-def kept_by_depth(trees, rhos: list[float], depth: int) -> tuple[np.ndarray, np.ndarray]:
+def kept_by_depth(trees, factors: list[float], depth: int) -> tuple[np.ndarray, np.ndarray]:
     """The summed ``p_hat`` and the count of the kept nodes of ``trees``
-    (each with its ``rho``) at each depth ``1..depth``."""
+    (each with its ``factor``) at each depth ``1..depth``."""
     gains, nodes = np.zeros(depth), np.zeros(depth)
-    for tree, rho in zip(trees, rhos):
+    for tree, factor in zip(trees, factors):
         if not len(tree):
             continue
         levels = np.asarray(tree.depths(), dtype=np.int64) - 1
         inside = levels < depth
-        np.add.at(gains, levels[inside], rho * np.asarray(tree.path_probabilities())[inside])
+        np.add.at(gains, levels[inside], factor * np.asarray(tree.path_probabilities())[inside])
         np.add.at(nodes, levels[inside], 1.0)
     return gains, nodes

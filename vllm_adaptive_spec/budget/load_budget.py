@@ -13,13 +13,13 @@ and that floor (which nodes to verify; ``node_allocation``), then
   second, ``p_hat = rho_r * p`` each, against the step mode's cost model
   (``cost_models``: the step-cost fit of ragged steps, or the measured step
   shapes of uniform ones, where the choice is the width) and the drafter's
-  measured time per request ``delta``. A step's prompt chunks are left out
+  measured time per request ``per_draft``. A step's prompt chunks are left out
   of the cost: they are paid whatever is drafted, so they make no node cheaper.
 * Shape (ragged steps): a branching tree keeps its nodes off the main path
-  only when they pay ``xi``, what a branching tree costs beyond a chain of its rows.
+  only when they pay ``per_branching``, what a branching tree costs beyond a chain of its rows.
 * Trust region: a step keeps at most as many nodes as bring its decode rows
   to ``ROW_GROWTH`` times the most any measured step had, and at least one
-  whole tree (``max_budget`` nodes), since the fit is linear and known only
+  whole tree (``max_nodes`` nodes), since the fit is linear and known only
   over the steps it measured; each step at the limit is measured, so the
   limit doubles per step while the nodes pay.
 * Cold start: before the fit is known, nodes with ``p_hat >= cold_min_p``
@@ -72,7 +72,7 @@ class Choice(NamedTuple):
 
 
 class LoadBudget:
-    """``max_budget``: the drafter's ``N``; ``cost``: the engine's shared
+    """``max_nodes``: the drafter's ``N``; ``cost``: the engine's shared
     cost model (``cost_models``: the step mode's; a fresh
     :class:`~vllm_adaptive_spec.budget.cost_models.LinearCost` when None),
     whose step-cost fit ``fit`` the floor and the trust region read;
@@ -82,10 +82,10 @@ class LoadBudget:
     calibration (``Calibration``); ``settings``:
     :class:`~vllm_adaptive_spec.budget.pause_control.PauseSettings`."""
 
-    def __init__(self, max_budget: int, cost: LinearCost | ShapeCost | None = None, half_life: float = 200.0,
+    def __init__(self, max_nodes: int, cost: LinearCost | ShapeCost | None = None, half_life: float = 200.0,
                  cold_min_p: float = 0.3, realized: bool = True, request_half_life: float = 32.0,
                  request_prior: float = 4.0, **settings) -> None:
-        self.max_budget = max_budget
+        self.max_nodes = max_nodes
         self.cold_min_p = cold_min_p
         self.cost = cost if cost is not None else LinearCost(StepCostFit(half_life))
         self.fit = self.cost.fit
@@ -123,8 +123,8 @@ class LoadBudget:
         return self.calibrated.requests_held()
 
     def calibration(self, request_id: str | None = None) -> float:
-        """``rho``: the engine's, or request ``request_id``'s own shrunk toward it."""
-        return self.calibrated.rho(request_id)
+        """``factor``: the engine's, or request ``request_id``'s own shrunk toward it."""
+        return self.calibrated.factor(request_id)
 
     def draft_cost(self, requests: int = 0, depth: int = 0) -> float:
         """Seconds of drafting per drafting request: for a step of
@@ -171,7 +171,7 @@ class LoadBudget:
         unbounded before the first measured step."""
         if self.fit.max_rows <= 0:
             return sys.maxsize
-        return max(ROW_GROWTH * self.fit.max_rows - requests - plain, self.max_budget)
+        return max(ROW_GROWTH * self.fit.max_rows - requests - plain, self.max_nodes)
 
     def choose(
         self, trees: list[DraftTree], request_ids: list[str] | None = None,
@@ -191,23 +191,23 @@ class LoadBudget:
         (:meth:`draft_depth`), whose kept nodes' gain by depth it learns (a
         depth the floor stopped growth short of kept nothing);
         ``passes``: the draft passes they took, whose cost the step is judged at."""
-        trees, ids, rhos = self._calibrated(trees, request_ids, floor)
-        p_hat = self.expected(trees, rhos)
+        trees, ids, factors = self._calibrated(trees, request_ids, floor)
+        p_hat = self.expected(trees, factors)
         batch = len(trees) + plain
         if not self.cost.known(batch):
             return self._cold_choice(trees, p_hat, plain)
-        room, delta = self.room(len(trees), plain), self.draft_cost(len(trees), passes)
-        planned = self.cost.plan(trees, p_hat, rhos, plain, delta, room)
+        room, per_draft = self.room(len(trees), plain), self.draft_cost(len(trees), passes)
+        planned = self.cost.plan(trees, p_hat, factors, plain, per_draft, room)
         without = batch / planned.plain_seconds
         if fallback is not None:
             scorer = fallback_budget or self
             fallback_p_hat = self.expected(fallback, [scorer.calibration(r) for r in ids])
             without = max(without, self.cost.best_rate(fallback_p_hat, plain, room))
-        measurable = bool(trees) and delta > 0.0
+        measurable = bool(trees) and per_draft > 0.0
         self.pauses.judge(planned.rate if measurable else None, without, batch, planned.seconds,
                           planned.plain_seconds)
         if grown_depth:
-            self.depth.observe_kept(len(trees), *kept_by_depth(planned.trees, rhos, grown_depth))
+            self.depth.observe_kept(len(trees), *kept_by_depth(planned.trees, factors, grown_depth))
         return Choice(planned.trees, planned.trust_cut)
 
     def probe(self, trees: list[DraftTree], request_ids: list[str], plain: int = 0) -> list[DraftTree]:
@@ -216,10 +216,10 @@ class LoadBudget:
         best node where the cost model allows one (``cost_models``). Not
         judged by the pause control: a paused step is the rate without
         drafting that the next probe is compared with."""
-        trees, _, rhos = self._calibrated(trees, request_ids, 0.0)
+        trees, _, factors = self._calibrated(trees, request_ids, 0.0)
         if not self.cost.known(len(trees) + plain):
             return [tree.keep_best(1) for tree in trees]
-        return self.cost.plan(trees, self.expected(trees, rhos), rhos, plain, self.draft_cost(),
+        return self.cost.plan(trees, self.expected(trees, factors), factors, plain, self.draft_cost(),
                               self.room(len(trees), plain), at_least=1).trees
 
     def _cold_choice(self, trees: list[DraftTree], p_hat, plain: int) -> Choice:
@@ -231,9 +231,9 @@ class LoadBudget:
         wanted = [max(int((v >= self.cold_min_p).sum()), int(trial and len(v) > 0)) for v in p_hat]
         confident = within(p_hat, wanted, self.room(len(trees), plain))
         chosen = [t.keep_best(count) for t, count in zip(trees, confident)]
-        step, delta = self.fit.mean_step(), self.draft_cost()
-        if trees and not any(len(t) for t in chosen) and step and delta > 0.0:
-            rows, drafting_step = len(trees) + plain, step + delta * len(trees)
+        step, per_draft = self.fit.mean_step(), self.draft_cost()
+        if trees and not any(len(t) for t in chosen) and step and per_draft > 0.0:
+            rows, drafting_step = len(trees) + plain, step + per_draft * len(trees)
             self.pauses.judge(rows / drafting_step, rows / step, rows, drafting_step, step)
         else:
             self.pauses.judge(None, 0.0)
@@ -244,7 +244,7 @@ class LoadBudget:
     ) -> tuple[list[DraftTree], list[str | None], list[float]]:
         """What every :meth:`choose` starts from: the last measured step
         judged, ``trees`` without their nodes below ``floor``, each
-        request's record faded by a step, and each tree's ``rho``."""
+        request's record faded by a step, and each tree's ``factor``."""
         self.pauses.settle()
         if floor > 0.0:
             trees = [at_least(tree, floor) for tree in trees]
@@ -252,6 +252,6 @@ class LoadBudget:
         self.calibrated.fade(ids)
         return trees, ids, [self.calibration(request_id) for request_id in ids]
 
-    def expected(self, trees: list[DraftTree], rhos: list[float]):
+    def expected(self, trees: list[DraftTree], factors: list[float]):
         """Each tree's ``p_hat`` in keep order, descending (``node_allocation.expected``)."""
-        return node_allocation.expected(trees, rhos, self.max_budget)
+        return node_allocation.expected(trees, factors, self.max_nodes)

@@ -1,6 +1,6 @@
 """The hybrid drafter (docs/algorithms.md section 7, Talon, seed 001): a model
 drafter's tree and the retrieval trie merged from the root by shared
-prefixes, under one node budget.
+prefixes, under one node limit ``N``.
 
 Every frontier node carries two positions: its node in the draft model's
 tree (the model is fed every chosen node, retrieval-only ones included, so
@@ -15,7 +15,7 @@ target accepts the token given its parent: the model's draft probability,
 and the retrieval drafter's calibrated acceptance chance (its ``q`` is fitted
 to replayed acceptances, see ``drafters.retrieval_trie``). A token offered by both
 takes the larger. Decision (budget split): none is fixed; the policy ranks
-all candidates by path probability under the one budget, so retrieval nodes
+all candidates by path probability under the one limit ``N``, so retrieval nodes
 take the budget where the evidence behind them beats the model and none
 where it does not. Candidates stay deterministic, so verification (greedy or
 sampled) is unchanged and lossless.

@@ -77,15 +77,15 @@ class CandidateTrees(NamedTuple):
         q, counts = packed[:, 2 * width: 3 * width].view(torch.float64).tolist(), packed[:, -1].tolist()
         return [DraftTree(t[:n], r[:n], w[:n]) for t, r, w, n in zip(tokens, parents, q, counts)]
 
-    def best(self, budget: torch.Tensor, width: int) -> "CandidateTrees":
-        """Each tree's ``budget`` [B] nodes of highest ``p`` (ties: the
+    def best(self, max_nodes: torch.Tensor, width: int) -> "CandidateTrees":
+        """Each tree's ``max_nodes`` [B] nodes of highest ``p`` (ties: the
         earlier node), as :meth:`DraftTree.keep_best` keeps them (closed under
         ancestors), breadth-first in ``width`` slots (at least the largest
-        budget): the retrieval policy's choice for a whole batch, on the
+        ``max_nodes``): the retrieval policy's choice for a whole batch, on the
         trees' device, so that only the chosen nodes are read back."""
         slots = self.tokens.shape[1]
         real = torch.arange(slots, device=self.tokens.device) < self.num_nodes.unsqueeze(1)
-        keep = keep_best(self.p, real, budget)
+        keep = keep_best(self.p, real, max_nodes)
         place = keep.long().cumsum(1) - 1
         parents = torch.where(self.parents >= 0, place.gather(1, self.parents.clamp(min=0)), ROOT)
         slot = torch.where(keep, place, width)

@@ -26,7 +26,7 @@ So the drafter's ``q`` is that chance, not the share::
 with ``n`` the siblings' total count; ``evidence_prior = 0`` gives the
 spec's plain share. The exponent was fitted on those replays; path
 probabilities ``p`` are then expected acceptances (up to a scale the load
-budget measures, ``rho``), which the policy's ``min_p`` and the budget
+budget measures, its calibration ``factor``), which the policy's ``min_p`` and the budget
 compare with a node's cost.
 
 Decision (``evidence_prior`` 4.0): 2.0 fits acceptance best over all trie

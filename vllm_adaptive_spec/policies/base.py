@@ -21,14 +21,14 @@ from vllm_adaptive_spec.trees.candidates import Layer
 from vllm_adaptive_spec.trees.tree import DraftTree
 
 
-def top_by_path_probability(p: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
-    """Keep each request's ``budget`` nodes of highest path probability.
+def top_by_path_probability(p: torch.Tensor, valid: torch.Tensor, max_nodes: torch.Tensor) -> torch.Tensor:
+    """Keep each request's ``max_nodes`` nodes of highest path probability.
 
     Ties go to the earlier node. The kept set is closed under ancestors: a
     child's ``p`` never exceeds its parent's (``q <= 1``) and a parent comes
     first, so it always ranks before its children.
     """
-    return keep_best(p, valid, budget)
+    return keep_best(p, valid, max_nodes)
 
 
 def best_of_layer(layer: Layer, chosen: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -38,18 +38,18 @@ def best_of_layer(layer: Layer, chosen: torch.Tensor, count: torch.Tensor) -> to
     return top_by_path_probability(p.flatten(1), chosen.flatten(1), count).view_as(p)
 
 
-def remaining(layer: Layer) -> torch.Tensor:
-    """[B] nodes each request may still add before its budget is spent."""
-    return (layer.budget - layer.size).clamp(min=0)
+def nodes_left(layer: Layer) -> torch.Tensor:
+    """[B] nodes each request may still add before its tree holds ``max_nodes``."""
+    return (layer.max_nodes - layer.size).clamp(min=0)
 
 
 class TreePolicy:
     """Defaults for the optional parts of the interface."""
 
     PARAMS: dict[str, Param] = {}
-    # Whether growth continues once a tree holds ``budget`` nodes (``finish``
+    # Whether growth continues once a tree holds ``max_nodes`` nodes (``finish``
     # then trims it back, as after a rerank).
-    grows_past_budget = False
+    grows_past_max_nodes = False
     # Candidates per frontier node a model drafter returns (0: the drafter decides).
     fanout = 1
     # The top-M entropy a model drafter computes per node (0: none; C2T's feature).
@@ -63,21 +63,21 @@ class TreePolicy:
     chooses_trees = False
     chooses_tensors = False
 
-    def depth_limit(self, budget: int) -> int:
-        """The deepest layer grown for a largest budget of ``budget``."""
-        return budget
+    def depth_limit(self, max_nodes: int) -> int:
+        """The deepest layer grown when the largest tree may hold ``max_nodes``."""
+        return max_nodes
 
-    def layer_width(self, budget: int) -> int:
+    def layer_width(self, max_nodes: int) -> int:
         """The most candidates one layer chooses per request (fixed-capacity
-        growth, ``growth.grow_fixed``): a policy that never grows past the budget
+        growth, ``growth.grow_fixed``): a policy that never grows past ``max_nodes``
         chooses at most what is left of it."""
-        return budget
+        return max_nodes
 
-    def max_fed_nodes(self, budget: int) -> int:
+    def max_fed_nodes(self, max_nodes: int) -> int:
         """Nodes a model drafter runs on while growing one tree (its KV scratch):
-        a policy that never grows past the budget feeds at most ``budget - 1``
+        a policy that never grows past ``max_nodes`` feeds at most ``max_nodes - 1``
         (a frontier is fed only while its tree has room)."""
-        return budget - 1
+        return max_nodes - 1
 
     def select(self, layer: Layer) -> torch.Tensor:
         """[B, F, C] bool: the candidates that form the next layer (none: stop);
@@ -85,15 +85,15 @@ class TreePolicy:
         grow no deeper."""
         raise NotImplementedError
 
-    def finish(self, p: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+    def finish(self, p: torch.Tensor, valid: torch.Tensor, max_nodes: torch.Tensor) -> torch.Tensor:
         """[B, M] bool: which grown nodes (path probabilities ``p``) to keep."""
         return valid
 
-    def choose(self, tree: DraftTree, budget: int) -> DraftTree:
+    def choose(self, tree: DraftTree, max_nodes: int) -> DraftTree:
         """The tree the layer loop would grow from a whole candidate ``tree`` (``chooses_trees``)."""
         raise NotImplementedError
 
-    def choose_tensors(self, trees, budget: torch.Tensor, width: int):
+    def choose_tensors(self, trees, max_nodes: torch.Tensor, width: int):
         """:meth:`choose` over a batch of candidate trees on the device (``chooses_tensors``)."""
         raise NotImplementedError
 

@@ -38,7 +38,7 @@ class C2TPolicy(TreePolicy):
             lambda v: True,
         ),
     }
-    grows_past_budget = True
+    grows_past_max_nodes = True
 
     def __init__(self, top_k: int = 10, max_depth: int = 10, beta: float = 0.5, classifier: str = "") -> None:
         if not classifier:
@@ -52,10 +52,10 @@ class C2TPolicy(TreePolicy):
         self.entropy_top_m = self.classifier.top_m
         self._weights: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
-    def depth_limit(self, budget: int) -> int:
+    def depth_limit(self, max_nodes: int) -> int:
         return self.max_depth
 
-    def max_fed_nodes(self, budget: int) -> int:
+    def max_fed_nodes(self, max_nodes: int) -> int:
         return self.top_k * (self.max_depth - 1)
 
     def weights(self, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -64,7 +64,7 @@ class C2TPolicy(TreePolicy):
             self._weights[device] = (c.w1, c.b1, c.w2, c.b2)
         return self._weights[device]
 
-    def layer_width(self, budget: int) -> int:
+    def layer_width(self, max_nodes: int) -> int:
         return self.top_k
 
     def select(self, layer: Layer) -> torch.Tensor:
@@ -78,5 +78,5 @@ class C2TPolicy(TreePolicy):
         layer.score = torch.minimum(confidence, layer.parent_score.unsqueeze(-1))
         return chosen
 
-    def finish(self, score: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
-        return top_by_path_probability(score, valid, budget)
+    def finish(self, score: torch.Tensor, valid: torch.Tensor, max_nodes: torch.Tensor) -> torch.Tensor:
+        return top_by_path_probability(score, valid, max_nodes)

@@ -15,20 +15,20 @@ class ChainPolicy(TreePolicy):
     name = "chain"
     chooses_trees = True
 
-    def layer_width(self, budget: int) -> int:
+    def layer_width(self, max_nodes: int) -> int:
         return 1
 
     def select(self, layer: Layer) -> torch.Tensor:
         chosen = torch.zeros_like(layer.candidates.q, dtype=torch.bool)
-        chosen[:, 0, 0] = layer.size < layer.budget
+        chosen[:, 0, 0] = layer.size < layer.max_nodes
         return chosen
 
-    def choose(self, tree: DraftTree, budget: int) -> DraftTree:
+    def choose(self, tree: DraftTree, max_nodes: int) -> DraftTree:
         """From a whole candidate tree: the first child at every depth
         (breadth-first, a node's first child is the earliest node under it)."""
         path, parent = [], ROOT
         for i, up in enumerate(tree.parents):
-            if len(path) == budget:
+            if len(path) == max_nodes:
                 break
             if up == parent:
                 path.append(i)

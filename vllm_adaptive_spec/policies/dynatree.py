@@ -9,7 +9,7 @@ import torch
 
 from kernels.tree_gating import dynatree_gate
 from vllm_adaptive_spec.config_schema import Param, fraction, integer
-from vllm_adaptive_spec.policies.base import TreePolicy, remaining
+from vllm_adaptive_spec.policies.base import TreePolicy, nodes_left
 from vllm_adaptive_spec.trees.candidates import Layer
 from vllm_adaptive_spec.trees.tree import DraftTree
 
@@ -40,7 +40,7 @@ class DynaTreePolicy(TreePolicy):
     and ``tau_h += 0.05`` (at most 0.99). Decision: the window is cleared
     after each adjustment, so one run of good or bad steps moves the
     settings one notch per ``W`` steps rather than at every step. The gates
-    and the budget cut are one fused operation for the batch
+    and the cut to ``N`` are one fused operation for the batch
     (``kernels.tree_gating``), reading each request's ``D_0`` and ``tau_h``
     from device tensors."""
 
@@ -93,7 +93,7 @@ class DynaTreePolicy(TreePolicy):
         self._row_d0: torch.Tensor | None = None
         self._row_tau_h: torch.Tensor | None = None
 
-    def depth_limit(self, budget: int) -> int:
+    def depth_limit(self, max_nodes: int) -> int:
         return self.d_max
 
     def begin(self, request_ids: list[str]) -> None:
@@ -111,10 +111,10 @@ class DynaTreePolicy(TreePolicy):
         return torch.full((batch,), self.d0, device=device), torch.full((batch,), self.tau_h, device=device)
 
     def select(self, layer: Layer) -> torch.Tensor:
-        d0, tau_h = self._rows(layer.budget.shape[0], layer.budget.device)
+        d0, tau_h = self._rows(layer.max_nodes.shape[0], layer.max_nodes.device)
         exists = layer.candidates.q > 0
         return dynatree_gate(
-            layer.p, exists, layer.parent_p, layer.candidates.confidence, remaining(layer), d0, tau_h,
+            layer.p, exists, layer.parent_p, layer.candidates.confidence, nodes_left(layer), d0, tau_h,
             layer.depth - 1, self.d_max, self.branches, self.tau_l, self.tau, self.rho_stop, self.rho_deep,
         )
 

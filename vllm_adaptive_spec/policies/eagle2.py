@@ -24,7 +24,7 @@ class Eagle2Policy(TreePolicy):
         "depth": integer(8, 1, 64),
         "entropy_top_m": integer(0, 0, MAX_M),
     }
-    grows_past_budget = True
+    grows_past_max_nodes = True
 
     def __init__(self, top_k: int = 10, depth: int = 8, entropy_top_m: int = 0) -> None:
         self.top_k = top_k
@@ -32,18 +32,18 @@ class Eagle2Policy(TreePolicy):
         self.fanout = top_k
         self.entropy_top_m = entropy_top_m
 
-    def depth_limit(self, budget: int) -> int:
+    def depth_limit(self, max_nodes: int) -> int:
         return self.depth
 
-    def max_fed_nodes(self, budget: int) -> int:
+    def max_fed_nodes(self, max_nodes: int) -> int:
         return self.top_k * (self.depth - 1)
 
-    def layer_width(self, budget: int) -> int:
+    def layer_width(self, max_nodes: int) -> int:
         return self.top_k
 
     def select(self, layer: Layer) -> torch.Tensor:
-        width = torch.full_like(layer.budget, self.top_k)
+        width = torch.full_like(layer.max_nodes, self.top_k)
         return best_of_layer(layer, layer.p > 0, width)
 
-    def finish(self, p: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
-        return top_by_path_probability(p, valid, budget)
+    def finish(self, p: torch.Tensor, valid: torch.Tensor, max_nodes: torch.Tensor) -> torch.Tensor:
+        return top_by_path_probability(p, valid, max_nodes)

@@ -13,7 +13,7 @@ from vllm_adaptive_spec.trees.tree import DraftTree
 class RetrievalPolicy(TreePolicy):
     """Take every retrieved continuation whose path probability ``p`` is at
     least ``min_p``, then prune the least likely subtrees (lowest ``p``)
-    until the tree fits the budget.
+    until the tree holds ``N`` nodes at most.
 
     Decision: ``min_p`` (not in the paper) drafts only what the evidence
     supports; with the retrieval drafter's calibrated ``q``, ``p`` is the
@@ -22,7 +22,7 @@ class RetrievalPolicy(TreePolicy):
 
     name = "retrieval"
     PARAMS = {"min_p": fraction(0.05)}
-    grows_past_budget = True
+    grows_past_max_nodes = True
     chooses_trees = chooses_tensors = True
     fanout = 0  # the retrieval drafter's trie decides
 
@@ -33,28 +33,28 @@ class RetrievalPolicy(TreePolicy):
     def floor(self) -> float:
         return self.min_p
 
-    def depth_limit(self, budget: int) -> int:
+    def depth_limit(self, max_nodes: int) -> int:
         return 1 << 30  # the drafter's max_depth decides
 
-    def max_fed_nodes(self, budget: int) -> int:
+    def max_fed_nodes(self, max_nodes: int) -> int:
         return 0
 
     def select(self, layer: Layer) -> torch.Tensor:
         return (layer.candidates.q > 0) & (layer.p >= self.min_p)
 
-    def finish(self, p: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
-        return top_by_path_probability(p, valid, budget)
+    def finish(self, p: torch.Tensor, valid: torch.Tensor, max_nodes: torch.Tensor) -> torch.Tensor:
+        return top_by_path_probability(p, valid, max_nodes)
 
-    def choose(self, tree: DraftTree, budget: int) -> DraftTree:
+    def choose(self, tree: DraftTree, max_nodes: int) -> DraftTree:
         """From a whole candidate tree: the nodes with ``p >= min_p`` (closed
         under ancestors, as ``p`` never rises along a path), then the
-        ``budget`` of highest ``p`` (ties: the earlier node)."""
+        ``max_nodes`` of highest ``p`` (ties: the earlier node)."""
         p = tree.path_probabilities()
-        return tree.subset([i for i, value in enumerate(p) if value >= self.min_p]).keep_best(budget)
+        return tree.subset([i for i, value in enumerate(p) if value >= self.min_p]).keep_best(max_nodes)
 
-    def choose_tensors(self, trees, budget: torch.Tensor, width: int):
+    def choose_tensors(self, trees, max_nodes: torch.Tensor, width: int):
         """:meth:`choose` for a batch of whole candidate trees on their device
         (``retrieval_tensors.CandidateTrees`` grown at ``floor >= min_p``, so
-        ``min_p`` is already applied): each one's ``budget`` [B] best nodes in
+        ``min_p`` is already applied): each one's ``max_nodes`` [B] best nodes in
         ``width`` slots."""
-        return trees.best(budget, width)
+        return trees.best(max_nodes, width)

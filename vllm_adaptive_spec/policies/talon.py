@@ -6,7 +6,7 @@ import torch
 
 from kernels.tree_gating import talon_gate
 from vllm_adaptive_spec.config_schema import Param, integer
-from vllm_adaptive_spec.policies.base import TreePolicy, remaining
+from vllm_adaptive_spec.policies.base import TreePolicy, nodes_left
 from vllm_adaptive_spec.trees.candidates import Layer
 
 
@@ -23,12 +23,12 @@ class TalonPolicy(TreePolicy):
     a parent can place at most ``1 / mu`` children above the gate).
 
     Decision: not offered for the retrieval drafter. There ``q`` is a
-    calibrated chance of acceptance, and the relative gate fills the budget
+    calibrated chance of acceptance, and the relative gate fills the tree to ``N``
     whatever the absolute evidence: replaying the target's greedy answers at
     N=16, TALON verified 9.2 nodes per step for tau 2.02 where the retrieval
     policy verified 5.2 for tau 1.95 (0.11 against 0.18 accepted tokens per
     verified node). The gate, the
-    root's top-``K`` and the budget cut are one fused operation for the batch
+    root's top-``K`` and the cut to ``N`` are one fused operation for the batch
     (``kernels.tree_gating``)."""
 
     name = "talon"
@@ -43,9 +43,9 @@ class TalonPolicy(TreePolicy):
         self.top_k, self.mu, self.k_c, self.max_depth = top_k, mu, k_c, max_depth
         self.fanout = max(top_k, k_c)
 
-    def depth_limit(self, budget: int) -> int:
+    def depth_limit(self, max_nodes: int) -> int:
         return self.max_depth
 
     def select(self, layer: Layer) -> torch.Tensor:
         exists = (layer.candidates.q > 0) & (layer.p > 0)
-        return talon_gate(layer.p, exists, remaining(layer), layer.depth == 1, self.top_k, self.mu, self.k_c)
+        return talon_gate(layer.p, exists, nodes_left(layer), layer.depth == 1, self.top_k, self.mu, self.k_c)

@@ -6,8 +6,8 @@
   rows only (``draft_layers.RaggedLayers``). Where every row costs (the CPU)
   a padded row would be a row paid for nothing.
 * :class:`UniformSteps` (``trees.uniform_widths``): every decoding request of a
-  drafting step has ``1 + W`` rows, ``W`` one of a few widths; the load
-  budget chooses the width by the measured cost of each step shape
+  drafting step has ``1 + W`` rows, ``W`` one of a few widths; the
+  load budget chooses the width by the measured cost of each step shape
   (``cost_models.ShapeCost``); the layout comes from persistent tree buffers
   on the device (``tree_step.build_uniform_step``); a model drafter's layers run
   at fixed capacity with every forward in the draft model's persistent
@@ -68,7 +68,7 @@ class UniformSteps(RaggedSteps):
 
     def __init__(self, config, num_speculative_tokens: int, batch_sizes: tuple[int, ...], graphs: bool) -> None:
         super().__init__(config)
-        self.widths = step_widths(config.budget)
+        self.widths = step_widths(config.max_nodes)
         self.capacity = max(*self.widths, num_speculative_tokens)  # the widest step: vLLM's own rows too
         self.batch_sizes, self.graphs = batch_sizes, graphs
         # The rows a request of a uniform step can have: a captured graph's key each, where graphs replay.

@@ -32,7 +32,7 @@ class _Part(NamedTuple):
 
     drafter: object
     policy: object
-    budget: LoadBudget | None
+    load_budget: LoadBudget | None
     paused: bool
 
 
@@ -96,16 +96,17 @@ class Proposer:
         the one cost model. Decision: the paused part's drafting is not free
         (drafting every step, the trie's index and growth take 4% of the step
         time at batch 64, where its trees rarely pay), so it pauses on its
-        own measured cost, and its trees calibrate its own rho rather than
+        own measured cost, and its trees calibrate its own factor rather than
         the model's; the step's measured costs are shared. The fill's
         budget is the model's decision where the trie has nothing: its
         trees are judged against no drafting, not against the trie (which
         the drafter's own budget judges the merged trees against)."""
         if self.cost is None:
             return None, None, None
-        drafter_budget = LoadBudget(self.config.budget, self.cost, realized=getattr(self.drafter, "is_model", False))
-        paused = LoadBudget(self.config.budget, self.cost, realized=False) if self._paused_part[0] is not None else None
-        fill = LoadBudget(self.config.budget, self.cost, realized=True) if self._fill_drafter is not None else None
+        n = self.config.max_nodes
+        drafter_budget = LoadBudget(n, self.cost, realized=getattr(self.drafter, "is_model", False))
+        paused = LoadBudget(n, self.cost, realized=False) if self._paused_part[0] is not None else None
+        fill = LoadBudget(n, self.cost, realized=True) if self._fill_drafter is not None else None
         return drafter_budget, paused, fill
 
     def may_fill(self, decision: StepDecision) -> bool:
@@ -123,8 +124,8 @@ class Proposer:
             self._verified.discard(request_id)
             self.drafter.forget(request_id, finished=request_id in finished)
             self.policy.forget(request_id)
-            for budget in self._active_budgets():
-                budget.forget(request_id)
+            for load_budget in self._active_budgets():
+                load_budget.forget(request_id)
 
     def requests_held(self) -> dict[str, int]:
         """How many requests each part keeps state for: all zero once every
@@ -133,7 +134,7 @@ class Proposer:
             "trees": len(self.trees.keys() | self._from_paused_part | self._from_fill | self._verified),
             "drafter": self.drafter.requests_held(),
             "policy": self.policy.requests_held(),
-            "budget": sum(budget.requests_held() for budget in self._active_budgets()),
+            "load_budget": sum(b.requests_held() for b in self._active_budgets()),
         }
 
     def _active_budgets(self) -> list[LoadBudget]:
@@ -142,8 +143,8 @@ class Proposer:
     def depth_choices(self) -> dict[int, int]:
         """How many drafting steps the load budgets gave each draft depth (a
         model drafter's and its fill's; empty without one)."""
-        budgets = [budget for budget in (self.load_budget, self.fill_budget) if budget is not None]
-        counts = sum(budget.depth.choices for budget in budgets) if budgets else []
+        budgets = [b for b in (self.load_budget, self.fill_budget) if b is not None]
+        counts = sum(b.depth.choices for b in budgets) if budgets else []
         return {depth: int(count) for depth, count in enumerate(counts) if count}
 
     def clear_shared_datastore(self) -> int:
@@ -159,10 +160,10 @@ class Proposer:
             if self.recorder is not None:
                 self.recorder(tree, nodes)
             paused = request_id in self._from_paused_part
-            budget = (self.paused_budget if paused else self.fill_budget if request_id in self._from_fill
-                      else self.load_budget)
-            if budget is not None:
-                budget.observe_tree(tree, nodes, request_id)
+            load_budget = (self.paused_budget if paused else self.fill_budget if request_id in self._from_fill
+                           else self.load_budget)
+            if load_budget is not None:
+                load_budget.observe_tree(tree, nodes, request_id)
             if not paused:
                 self.policy.observe(request_id, tree, len(nodes))
 
@@ -210,14 +211,14 @@ class Proposer:
         drafter, policy = self._paused_part
         return None if drafter is None else _Part(drafter, policy, self.paused_budget, paused=True)
 
-    def _paused_part_trees(self, request_ids: list[str], budgets: list[int]) -> list[DraftTree] | None:
+    def _paused_part_trees(self, request_ids: list[str], max_nodes: list[int]) -> list[DraftTree] | None:
         """What the drafter's paused part would draft for these requests this
         step (prepared with the whole drafter), or None without one."""
         drafter, policy = self._paused_part
         if drafter is None:
             return None
         policy.begin(request_ids)
-        return grow(drafter, policy, torch.tensor(budgets), drafter.max_depth)[0]
+        return grow(drafter, policy, torch.tensor(max_nodes), drafter.max_depth)[0]
 
     def propose_trees(
         self,
@@ -273,13 +274,13 @@ class Proposer:
         drafts: list[list[int]] = [[] for _ in step.request_ids]
         if part is None:  # a paused step of a model drafter: no contexts to gather
             return drafts
-        active, budgets, contexts = self._drafting_requests(step, eligible)
+        active, max_nodes, contexts = self._drafting_requests(step, eligible)
         if not active:
             return drafts
         active_ids = [step.request_ids[i] for i in active]
         plain = sum(1 for sampled in step.sampled_token_ids if sampled) - len(active)
         lens = None if step.prompt_lens is None else [int(step.prompt_lens[i]) for i in active]
-        trees = self._isolated_trees(part, drafting, newcomers, active, active_ids, contexts, budgets, lens,
+        trees = self._isolated_trees(part, drafting, newcomers, active, active_ids, contexts, max_nodes, lens,
                                      plain, first_pass_seconds)
         drawn = [request_id for request_id, tree in zip(active_ids, trees) if len(tree)]
         if part.paused:
@@ -312,7 +313,7 @@ class Proposer:
         fill's budget against no drafting) for the requests the paused part
         (the trie) left without a tree (at most ``limit``); its first
         pass is run for those rows only, the others staying paused. With every
-        node verified (no budgets), every such request is filled. Decision:
+        node verified (no load budgets), every such request is filled. Decision:
         the trie's trees count as plain rows in the fill's cost, so a fill is
         judged as if the trie's extra rows were free, which they are not at
         large batches, where the fill's own budget then stops it."""
@@ -338,16 +339,17 @@ class Proposer:
 
     def _drafting_requests(self, step: _StepRequests, eligible: list[bool]) -> tuple[list[int], list[int], Contexts]:
         """The batch rows that draft (``eligible`` ones that sampled and have
-        room for a node), their node budgets and contexts (one gather from
+        room for a node), their node limits ``max_nodes`` and contexts (one gather from
         the token array)."""
         lengths = np.asarray(step.num_tokens[: len(step.request_ids)], dtype=np.int64)
-        budgets = np.minimum(self.config.budget, self.max_model_len - lengths - 1)
+        max_nodes = np.minimum(self.config.max_nodes, self.max_model_len - lengths - 1)
         sampled = np.array([bool(tokens) for tokens in step.sampled_token_ids], dtype=bool)
-        active = np.flatnonzero(sampled & np.asarray(eligible, dtype=bool) & (budgets > 0))
+        active = np.flatnonzero(sampled & np.asarray(eligible, dtype=bool) & (max_nodes > 0))
         pending = [step.sampled_token_ids[i] for i in active.tolist()] if step.sampled_pending else None
-        return active.tolist(), budgets[active].tolist(), Contexts.gather(step.token_ids, active, lengths[active], pending)
+        contexts = Contexts.gather(step.token_ids, active, lengths[active], pending)
+        return active.tolist(), max_nodes[active].tolist(), contexts
 
-    def _isolated_trees(self, part: _Part, drafting: bool, newcomers: bool, active, active_ids, contexts, budgets,
+    def _isolated_trees(self, part: _Part, drafting: bool, newcomers: bool, active, active_ids, contexts, max_nodes,
                         lens, plain: int, first_pass_seconds: float) -> list[DraftTree]:
         """:meth:`_grown`, where an exception costs trees, never the engine
         (``failures``): the step's requests are drafted together,
@@ -358,7 +360,7 @@ class Proposer:
 
         def alone(k: int) -> DraftTree:
             return self._grown(part, drafting, newcomers, [active[k]], [active_ids[k]], contexts.rows([k]),
-                               [budgets[k]], None if lens is None else [lens[k]], plain + len(active) - 1,
+                               [max_nodes[k]], None if lens is None else [lens[k]], plain + len(active) - 1,
                                first_pass_seconds)[0]
 
         def one_by_one() -> list[DraftTree]:
@@ -366,7 +368,7 @@ class Proposer:
                     for k in range(len(active))]
 
         def together() -> list[DraftTree]:
-            return self._grown(part, drafting, newcomers, active, active_ids, contexts, budgets, lens, plain,
+            return self._grown(part, drafting, newcomers, active, active_ids, contexts, max_nodes, lens, plain,
                                first_pass_seconds)
 
         if getattr(part.drafter, "is_model", False):
@@ -374,31 +376,33 @@ class Proposer:
         return self.failures.run("drafting a step's trees together", active_ids, together, one_by_one,
                                  then="drafting them one by one")
 
-    def _grown(self, part: _Part, drafting: bool, newcomers: bool, active, active_ids, contexts, budgets, lens,
+    def _grown(self, part: _Part, drafting: bool, newcomers: bool, active, active_ids, contexts, max_nodes, lens,
                plain: int, first_pass_seconds: float) -> list[DraftTree]:
         """The drafting requests' trees, grown within the load budget's floor
         and cut by its choice (where it is on); newcomers' probes as the
         budget's :meth:`~LoadBudget.probe` keeps them."""
         started = time.perf_counter()
-        drafter, policy, budget = part.drafter, part.policy, part.budget
+        drafter, policy, load_budget = part.drafter, part.policy, part.load_budget
         drafter.prepare(active_ids, contexts, active, lens)
         policy.begin(active_ids)
         model = getattr(drafter, "is_model", False)
-        depth = reachable_depth(policy, max(budgets), drafter.max_depth)
-        if model and budget is not None and not newcomers:
-            depth = budget.draft_depth(len(active), plain, depth)
-        model_depth = depth if model else 0  # what the budget learns a model drafter's depths from
-        floor = 0.0 if budget is None or newcomers else budget.floor(len(active), plain, model_depth)
-        trees, stats = grow(drafter, policy, torch.tensor(budgets), depth, floor)
+        depth = reachable_depth(policy, max(max_nodes), drafter.max_depth)
+        if model and load_budget is not None and not newcomers:
+            depth = load_budget.draft_depth(len(active), plain, depth)
+        model_depth = depth if model else 0  # what the load budget learns a model drafter's depths from
+        floor = 0.0 if load_budget is None or newcomers else load_budget.floor(len(active), plain, model_depth)
+        trees, stats = grow(drafter, policy, torch.tensor(max_nodes), depth, floor)
         passes = stats.draft_passes if model else 0
         self.stats.draft_passes += passes
-        if budget is None:
+        if load_budget is None:
             return trees
-        budget.observe_drafting(len(active), self.agree(first_pass_seconds + time.perf_counter() - started), passes)
+        drafting_seconds = self.agree(first_pass_seconds + time.perf_counter() - started)
+        load_budget.observe_drafting(len(active), drafting_seconds, passes)
         if newcomers:
-            return budget.probe(trees, active_ids, plain)
-        fallback = self._paused_part_trees(active_ids, budgets) if drafting else None
-        choice = budget.choose(trees, active_ids, fallback=fallback, plain=plain, fallback_budget=self.paused_budget,
-                               floor=floor, grown_depth=model_depth, passes=passes)
+            return load_budget.probe(trees, active_ids, plain)
+        fallback = self._paused_part_trees(active_ids, max_nodes) if drafting else None
+        choice = load_budget.choose(trees, active_ids, fallback=fallback, plain=plain,
+                                    fallback_budget=self.paused_budget, floor=floor, grown_depth=model_depth,
+                                    passes=passes)
         self.stats.trust_cuts += choice.trust_cut
         return choice.trees

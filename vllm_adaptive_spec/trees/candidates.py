@@ -1,6 +1,6 @@
 """What a drafter offers and a policy sees: the candidate children of a
 tree's frontier (:class:`Candidates`), a layer of them with its path
-probabilities and budget (:class:`Layer`), and what a drafter can do beyond
+probabilities and node limits (:class:`Layer`), and what a drafter can do beyond
 growing layer by layer (:class:`Growth`, :class:`Drafter`). The growth loop
 (:mod:`~vllm_adaptive_spec.trees.growth`) passes them between the two; the
 policies import them from here, so the loop may name the policies'
@@ -40,9 +40,10 @@ class Candidates:
 class Layer:
     """What a policy sees: the candidates, the frontier's path probabilities
     ``parent_p`` [B, F] (0 on empty slots), the candidates' ``depth`` (1 for
-    children of the root), the nodes already in each tree ``size`` [B] and the
-    node ``budget`` [B]. ``stop`` [B] starts False; a policy sets it for the
-    requests whose chosen layer is their last (it is not expanded).
+    children of the root), the nodes already in each tree ``size`` [B] and
+    the most nodes each tree may hold ``max_nodes`` [B]. ``stop`` [B] starts
+    False; a policy sets it for the requests whose chosen layer is their last
+    (it is not expanded).
     ``score`` [B, F, C]: what the final cut (``finish``) ranks the chosen
     candidates by; a policy may set it (C2T: its classifier's confidence),
     else it is ``p``. ``parent_score`` [B, F]: the frontier's scores."""
@@ -51,7 +52,7 @@ class Layer:
     parent_p: torch.Tensor
     depth: int
     size: torch.Tensor
-    budget: torch.Tensor
+    max_nodes: torch.Tensor
     stop: torch.Tensor | None = None
     parent_score: torch.Tensor | None = None
     score: torch.Tensor | None = None
@@ -61,7 +62,7 @@ class Layer:
 
     def __post_init__(self) -> None:
         if self.stop is None:
-            self.stop = torch.zeros_like(self.budget, dtype=torch.bool)
+            self.stop = torch.zeros_like(self.max_nodes, dtype=torch.bool)
         self.p = self.parent_p.unsqueeze(-1) * self.candidates.q
 
 

@@ -42,31 +42,31 @@ class GrowthStats:
 
 
 def grow(
-    drafter: Drafter, policy: TreePolicy, budget: torch.Tensor, max_depth: int, floor: float = 0.0
+    drafter: Drafter, policy: TreePolicy, max_nodes: torch.Tensor, max_depth: int, floor: float = 0.0
 ) -> tuple[list[DraftTree], GrowthStats]:
-    """Grow one tree per request (``budget`` [B] nodes at most each).
+    """Grow one tree per request (``max_nodes`` [B] nodes at most each).
     ``floor``: a path probability below which the caller keeps no node (the
     load budget's); a whole-tree drafter leaves such nodes out."""
-    batch = budget.shape[0]
+    batch = max_nodes.shape[0]
     whole = drafter.growth in (Growth.WHOLE_TREES, Growth.WHOLE_TENSORS)
     if drafter.growth is Growth.WHOLE_TENSORS and policy.chooses_tensors:
         candidates = drafter.candidate_tensors(max(policy.floor, floor))
-        chosen = policy.choose_tensors(candidates, budget.to(drafter.device), _largest(budget))
+        chosen = policy.choose_tensors(candidates, max_nodes.to(drafter.device), _largest(max_nodes))
         return chosen.to_trees(), GrowthStats()
     if whole and policy.chooses_trees:
         trees = drafter.candidate_trees(max(policy.floor, floor))
-        return [policy.choose(tree, n) if n > 0 else DraftTree() for tree, n in zip(trees, budget.tolist())], \
+        return [policy.choose(tree, n) if n > 0 else DraftTree() for tree, n in zip(trees, max_nodes.tolist())], \
             GrowthStats()
-    largest = _largest(budget)
+    largest = _largest(max_nodes)
     max_depth = reachable_depth(policy, largest, max_depth)
     if drafter.growth is Growth.FIXED_LAYERS and max_depth > 0:
-        fixed = grow_fixed(drafter, policy, budget.to(drafter.device), max_depth, policy.layer_width(largest), floor)
+        fixed = grow_fixed(drafter, policy, max_nodes.to(drafter.device), max_depth, policy.layer_width(largest), floor)
         return fixed.to_trees(), GrowthStats(draft_passes=max_depth)
-    layers = grow_layers(drafter, policy, budget, max_depth, floor=floor)
+    layers = grow_layers(drafter, policy, max_nodes, max_depth, floor=floor)
     stats = GrowthStats(draft_passes=layers.passes)
     if layers.depth == 0:
         return [DraftTree() for _ in range(batch)], stats
-    return assemble(layers, policy, budget).to_trees(), stats
+    return assemble(layers, policy, max_nodes).to_trees(), stats
 
 
 def reachable_depth(policy: TreePolicy, largest: int, max_depth: int) -> int:
@@ -76,15 +76,15 @@ def reachable_depth(policy: TreePolicy, largest: int, max_depth: int) -> int:
     return min(max_depth, policy.depth_limit(largest), largest)
 
 
-def _largest(budget: torch.Tensor) -> int:
-    """The largest of the budgets ``[B]`` (a host tensor), 0 for no request."""
-    return int(budget.max()) if budget.shape[0] else 0
+def _largest(max_nodes: torch.Tensor) -> int:
+    """The largest of the node limits ``max_nodes`` [B] (a host tensor), 0 for no request."""
+    return int(max_nodes.max()) if max_nodes.shape[0] else 0
 
 
-def grow_fixed(drafter: Drafter, policy: TreePolicy, budget: torch.Tensor, depth: int, width: int,
+def grow_fixed(drafter: Drafter, policy: TreePolicy, max_nodes: torch.Tensor, depth: int, width: int,
                floor: float = 0.0) -> "GrownTrees":
     """Growth at fixed capacity: ``depth`` layers of
-    ``width`` slots per request (``budget`` [B] nodes each at most), the
+    ``width`` slots per request (``max_nodes`` [B] nodes each at most), the
     chosen candidates packed to the left and the rest invalid, layers past a
     request's last growing nothing, no value read back. The shapes depend on
     the batch, the width and the depth only, so the loop can be replayed from
@@ -94,10 +94,10 @@ def grow_fixed(drafter: Drafter, policy: TreePolicy, budget: torch.Tensor, depth
     to the capacity. :func:`grow` grows this way, on the drafter's
     ``device``, for a drafter of :class:`Growth` ``FIXED_LAYERS`` (a model
     drafter whose draft loop reads nothing back: ``step/draft_layers.FixedLayers``)."""
-    return assemble(grow_layers(drafter, policy, budget, depth, width, floor), policy, budget)
+    return assemble(grow_layers(drafter, policy, max_nodes, depth, width, floor), policy, max_nodes)
 
 
-def grow_layers(drafter: Drafter, policy: TreePolicy, budget: torch.Tensor, depth: int, width: int | None = None,
+def grow_layers(drafter: Drafter, policy: TreePolicy, max_nodes: torch.Tensor, depth: int, width: int | None = None,
                 floor: float = 0.0):
     """Up to ``depth`` layers side by side (:class:`Layers`). ``width`` None:
     each layer as wide as its widest request's choice, and growth stops
@@ -105,25 +105,25 @@ def grow_layers(drafter: Drafter, policy: TreePolicy, budget: torch.Tensor, dept
     a layer and ``depth`` layers, with no value read (:func:`grow_fixed`).
 
     ``floor``: the load budget's path-probability floor. A frontier node
-    below it is not expanded: the budget keeps no node below the floor, and
+    below it is not expanded: the load budget keeps no node below the floor, and
     path probabilities only fall along a path, so none of its descendants
     could be kept either. This is what stops a confident-but-short tree's
     growth early (the draft passes it saves are most of a model drafter's
-    cost), without changing the tree the budget keeps (up to float rounding at the floor)."""
-    batch, device = budget.shape[0], budget.device
+    cost), without changing the tree the load budget keeps (up to float rounding at the floor)."""
+    batch, device = max_nodes.shape[0], max_nodes.device
     grown, size, offset = [], torch.zeros(batch, dtype=torch.long, device=device), 0
     handles = slot = torch.full((batch, 1), ROOT, dtype=torch.long, device=device)
     p = score = torch.ones(batch, 1, device=device)
-    live = (budget > 0).unsqueeze(1)
+    live = (max_nodes > 0).unsqueeze(1)
     passes = 0
     for index in range(depth):
-        if not policy.grows_past_budget:
-            live = live & (size < budget).unsqueeze(1)
+        if not policy.grows_past_max_nodes:
+            live = live & (size < max_nodes).unsqueeze(1)
         if width is None and not bool(live.any()):
             break
         candidates = drafter.expand(handles, live)
         passes += 1
-        layer = Layer(candidates, torch.where(live, p, 0.0), index + 1, size, budget, parent_score=score)
+        layer = Layer(candidates, torch.where(live, p, 0.0), index + 1, size, max_nodes, parent_score=score)
         chosen = (policy.select(layer) & (candidates.q > 0) & live.unsqueeze(-1)).flatten(1)
         layer_width = int(chosen.sum(1).max()) if width is None else width
         if layer_width == 0:
@@ -213,12 +213,12 @@ class Layers(NamedTuple):
     passes: int = 0  # the drafter's expansions (draft passes)
 
 
-def assemble(layers: Layers, policy: TreePolicy, budget: torch.Tensor) -> GrownTrees:
+def assemble(layers: Layers, policy: TreePolicy, max_nodes: torch.Tensor) -> GrownTrees:
     """The trees of ``depth`` grown layers: the nodes the policy keeps whose
     ancestors are kept (slot order is breadth-first, every parent before its
     children), renumbered, by tensor operations."""
     batch, total = layers.tokens.shape
-    keep = policy.finish(layers.score, layers.valid, budget) & layers.valid
+    keep = policy.finish(layers.score, layers.valid, max_nodes) & layers.valid
     kept = keep.clone()
     for _ in range(layers.depth - 1):  # closed under ancestors: a round a layer
         parent_kept = torch.where(layers.parents >= 0, kept.gather(1, layers.parents.clamp(min=0)), True)

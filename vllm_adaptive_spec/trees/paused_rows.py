@@ -3,7 +3,7 @@ in which the load budget paused drafting.
 
 An EAGLE-3 head reads the target's auxiliary hidden states of position ``p``
 (with token ``p + 1``) in the step that produced them, and never again. While
-the load budget pauses drafting (``budget.py``) no draft pass runs, so each
+the load budget pauses drafting (``budget/pause_control.py``) no draft pass runs, so each
 paused request's rows (input token and hidden states) are kept, and the next
 drafting step feeds them first to complete the head's KV.
 

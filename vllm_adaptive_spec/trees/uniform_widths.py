@@ -12,7 +12,7 @@ without a tree in such a step gets ``W`` placeholders (vLLM's sampler takes
 its token from its first row, as for vLLM's own placeholders). Adaptivity
 stays in which nodes fill the slots and which width a step uses.
 
-Decision: widths 2, 4, 8, 16 and the node budget ``N``: each halving of
+Decision: widths 2, 4, 8, 16 and ``N``: each halving of
 padding rows beyond 16 buys little on a GPU, where rows up to about 64 cost
 almost nothing (``../shared/gpu/README.md``), and five widths keep the
 captured graphs few.
@@ -26,9 +26,9 @@ PAD = -1
 WIDTHS = (2, 4, 8, 16)
 
 
-def step_widths(budget: int) -> tuple[int, ...]:
-    """The widths a step may use with a node budget of ``budget``."""
-    return tuple(sorted({width for width in WIDTHS if width < budget} | {budget}))
+def step_widths(max_nodes: int) -> tuple[int, ...]:
+    """The widths a step may use when a tree holds ``max_nodes`` at most."""
+    return tuple(sorted({width for width in WIDTHS if width < max_nodes} | {max_nodes}))
 
 
 def step_width(longest: int, widths: tuple[int, ...]) -> int:
