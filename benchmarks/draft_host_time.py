@@ -17,10 +17,11 @@ within 10% of batch 8).
 
 Drafters: ``retrieval`` (the trie), ``retrieval-tensors`` (``matcher:
 tensors``), ``eagle3`` (the project's head, EAGLE-2 tree at depth 8, ``N =
---nodes``, ``load_budget: fixed``, ``draft_loop: ragged``), ``eagle3-fixed``
-(the same, ``draft_loop: fixed``: every layer ``B x F`` rows, nothing read back),
-``hybrid`` (the head's EAGLE-2 tree merged with the trie matcher's, ragged) and
-``hybrid-fixed`` (merged with the tensor matcher's children, ``draft_loop: fixed``).
+--nodes``, ``load_budget: fixed``, ``step_shape: ragged``), ``eagle3-fixed``
+(the same in uniform steps, ``step_shape: uniform``: every layer ``B x F``
+rows, nothing read back), ``hybrid`` (the head's EAGLE-2 tree merged with the
+trie matcher's, ragged) and ``hybrid-fixed`` (merged with the tensor matcher's
+children, ``step_shape: uniform``).
 
 Reproduce (about 4 minutes on 2 CPU cores)::
 
@@ -43,18 +44,18 @@ from benchmarks.options import add_batches, add_output, add_workload
 from benchmarks.report import write_report
 
 
-MODEL_DRAFTERS = {  # name -> the tree config's drafter, its draft loop and the hybrid's matcher
+MODEL_DRAFTERS = {  # name -> the tree config's drafter, its step_shape and the hybrid's matcher
     "eagle3": ("eagle3", "ragged", {}),
-    "eagle3-fixed": ("eagle3", "fixed", {}),
+    "eagle3-fixed": ("eagle3", "uniform", {}),
     "hybrid": ("hybrid", "ragged", {"matcher": "trie"}),
-    "hybrid-fixed": ("hybrid", "fixed", {"matcher": "tensors"}),
+    "hybrid-fixed": ("hybrid", "uniform", {"matcher": "tensors"}),
 }
 
 
 def spec_of(drafter: str, nodes: int, head: str) -> dict:
     if drafter in MODEL_DRAFTERS:
-        kind, loop, matcher = MODEL_DRAFTERS[drafter]
-        tree = {"drafter": kind, "policy": "eagle2", "depth": 8, "load_budget": "fixed", "draft_loop": loop, **matcher}
+        kind, shape, matcher = MODEL_DRAFTERS[drafter]
+        tree = {"drafter": kind, "policy": "eagle2", "depth": 8, "load_budget": "fixed", "step_shape": shape, **matcher}
         return {"method": "adaptive_tree", "num_speculative_tokens": nodes, "model": head, "tree": tree}
     matcher = {"retrieval": "trie", "retrieval-tensors": "tensors"}[drafter]
     tree = {"drafter": "retrieval", "matcher": matcher, "load_budget": "fixed"}

@@ -16,7 +16,7 @@ step, per spec.
 
 Reproduce (about 2 minutes on 2 CPU cores; the run of 2026-11-28 in
 ``benchmarks/results/history.md`` adds a third spec, the chain with
-``"draft_loop": "fixed"``)::
+its layers at fixed capacity)::
 
     H=heads/smollm2-135m-eagle3
     .venv/bin/vllm-adaptive-spec bench step-ops --batch-size 1 \\

@@ -87,7 +87,7 @@ METHODS = {
     "tree-eagle3": lambda args: _tree(args, "eagle3", "eagle2", args.tree_nodes, _head(args)),
     "c2t-eagle3": lambda args: _tree(args, "eagle3", "c2t", args.tree_nodes, _head(args)),
     "tree-hybrid": lambda args: _tree(args, "hybrid", "eagle2", args.tree_nodes, _head(args)),
-    # The hybrid on the device's path: the tensor matcher (``draft_loop`` auto: fixed where uniform steps are on).
+    # The hybrid on the device's path: the tensor matcher (its layers at fixed capacity where steps are uniform).
     "tree-hybrid-tensors": lambda args: _tree(args, "hybrid", "eagle2", args.tree_nodes, _head(args),
                                               matcher="tensors"),
     "chain-draft-lm": lambda args: _tree(args, "draft_model", "chain", args.chain_k, _draft_lm(args)),

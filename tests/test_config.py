@@ -154,3 +154,20 @@ def test_hybrid_settings_reach_both_sides():
     assert (drafter.retrieval.max_depth, drafter.retrieval.l_max, drafter.shared is not None) == (5, 4, True)
     with pytest.raises(TreeConfigError, match=r"\['tree'\]\['base'\] must be one of 'draft_model', 'eagle3', got 'medusa'"):
         parse_tree_config({"num_speculative_tokens": 8, "model": "head", "tree": {"drafter": "hybrid", "base": "medusa"}})
+
+
+@pytest.mark.parametrize("old, shape", [
+    ({"uniform_steps": "on"}, "uniform"), ({"uniform_steps": "off"}, "ragged"), ({"uniform_steps": "auto"}, "auto"),
+    ({"draft_loop": "fixed"}, "uniform"), ({"draft_loop": "ragged"}, "ragged"),
+    ({"uniform_steps": "on", "draft_loop": "auto"}, "uniform"), ({"uniform_steps": "off", "draft_loop": "ragged"}, "ragged"),
+])
+def test_the_two_settings_step_shape_replaced_read_as_it_with_a_warning(caplog, old, shape):
+    """``uniform_steps`` and ``draft_loop`` both decided whether a step takes
+    the shape CUDA graphs replay; ``step_shape`` decides it alone, and a
+    config written with the old keys still runs, warned once per key."""
+    with caplog.at_level("WARNING", logger="vllm.adaptive_spec"):
+        config = parse_tree_config(spec(**old))
+    assert config.step_shape == shape
+    warned = [r.getMessage() for r in caplog.records if "is replaced by 'step_shape'" in r.getMessage()]
+    assert len(warned) == len(old) and all(f"[{key!r}]" in line for key, line in zip(old, warned))
+    assert "uniform_steps" not in config.to_dict() and "draft_loop" not in config.to_dict()

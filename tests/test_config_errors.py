@@ -39,15 +39,14 @@ def build_config(demo_model, speculative_config):
         ({"num_speculative_tokens": 0, "tree": GOOD_TREE}, r"\['num_speculative_tokens'\] must be an integer from 1 to 128"),
         ({"num_speculative_tokens": 8}, r"\['tree'\] must be a dict"),
         ({"num_speculative_tokens": 8, "model": "x", "tree": GOOD_TREE}, r"\['model'\] is not used by tree drafter 'retrieval'"),
-        (
-            {"num_speculative_tokens": 8, "tree": {**GOOD_TREE, "draft_loop": "fixed"}},
-            r"\['tree'\]\['draft_loop'\] 'fixed' runs a draft model's layers at fixed capacity; drafter 'retrieval' cannot",
-        ),
-        (
-            {"num_speculative_tokens": 8, "model": "x", "tree": {"drafter": "hybrid", "draft_loop": "fixed"}},
-            r"drafter 'hybrid' cannot \(use one of 'draft_model', 'eagle3', or 'hybrid' with 'matcher': 'tensors'",
-        ),
-        ({"num_speculative_tokens": 8, "tree": {**GOOD_TREE, "draft_loop": "padded"}}, r"\['tree'\]\['draft_loop'\] must be one of 'auto', 'ragged', 'fixed', got 'padded'"),
+        ({"num_speculative_tokens": 8, "tree": {**GOOD_TREE, "step_shape": "padded"}},
+         r"\['tree'\]\['step_shape'\] must be one of 'auto', 'ragged', 'uniform', got 'padded'"),
+        ({"num_speculative_tokens": 8, "tree": {**GOOD_TREE, "draft_loop": "padded"}},
+         r"\['tree'\]\['draft_loop'\] must be one of 'auto', 'fixed', 'ragged', got 'padded' \(it is replaced by 'step_shape'\)"),
+        ({"num_speculative_tokens": 8, "tree": {**GOOD_TREE, "step_shape": "ragged", "uniform_steps": "on"}},
+         r"gives 'step_shape' and \['uniform_steps'\], which it replaces; give 'step_shape' only"),
+        ({"num_speculative_tokens": 8, "tree": {**GOOD_TREE, "uniform_steps": "on", "draft_loop": "ragged"}},
+         r"\['uniform_steps', 'draft_loop'\] disagree \(\['ragged', 'uniform'\]\); give 'step_shape' only"),
     ],
 )
 def test_bad_config_is_refused_before_the_engine_starts(demo_model, spec, message):

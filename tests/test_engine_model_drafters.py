@@ -169,14 +169,14 @@ def test_hybrid_greedy_equals_no_speculation(datastore, demo_model, prompt_ids, 
     passes do not pay): the retrieval trie drafts then, and the head alone
     for the requests the trie leaves without a tree (the fill). Without the
     shared datastore it runs on the device's path: the tensor matcher's
-    children, the layers at fixed capacity (``draft_loop: fixed``), nothing
-    read back until the trees, and steady steps' first passes padded to the
-    step's width; their roots must equal those of ragged passes (catch-ups,
+    children, uniform steps with the layers at fixed capacity (``step_shape:
+    uniform``), nothing read back until the trees, and steady steps' first
+    passes padded to the step's width; their roots must equal those of ragged passes (catch-ups,
     prompts) from the same context. Every forward there is also padded to a
     multiple of 8 rows through the head's persistent buffers, as a CUDA
     graph's capture size pads it. With the datastore of finished outputs
     (the trie matcher's), the layers are ragged."""
-    device_path = {"matcher": "tensors", "draft_loop": "fixed"} if datastore == "off" else {}
+    device_path = {"matcher": "tensors", "step_shape": "uniform"} if datastore == "off" else {}
     graph_padding = {"pad_draft_passes": 8} if datastore == "off" else {}
     spec = adaptive("hybrid", HEAD, 24, policy="eagle2", top_k=4, depth=6, datastore=datastore, **device_path)
     run = _serial_then_batched(tmp_path, demo_model, prompt_ids, baseline, spec, [3, 2], record_roots=True,
@@ -229,13 +229,13 @@ def test_target_drafting_for_itself_is_accepted_in_full(demo_model, prompt_ids, 
 
 
 def test_a_draft_lms_padded_first_pass_keeps_its_draft_kv_whole(demo_model, prompt_ids, baseline, tmp_path):
-    """The target drafting for itself with the layers at fixed capacity
-    (``draft_loop: fixed``): steady steps' first passes are padded to the
+    """The target drafting for itself in uniform steps, the layers at fixed
+    capacity (``step_shape: uniform``): steady steps' first passes are padded to the
     step's width plus the token after the chain, and every forward to a
     multiple of 8 rows (a graph's capture size); a padding row that wrote
     KV, or a root read from the wrong row, would make its drafts stop
     matching the target."""
-    spec = adaptive("draft_model", demo_model, 4, policy="chain", draft_loop="fixed")
+    spec = adaptive("draft_model", demo_model, 4, policy="chain", step_shape="uniform")
     run = _run(tmp_path, demo_model, prompt_ids[:5], spec, record_roots=True, pad_draft_passes=8)
     assert run.token_ids == baseline.token_ids[:5]
     assert sum(padded for *_, padded in run.roots) > 0 and run.padded_draft_passes > 0

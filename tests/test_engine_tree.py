@@ -199,8 +199,8 @@ def _homogeneity_pvalue(a: list[int], b: list[int]) -> float:
 # name -> (speculative config, seeds sampled with it)
 SAMPLED_TREES = {
     "retrieval-32": ({**TREE, "num_speculative_tokens": 32}, 300),
-    # The uniform step a GPU runs (``uniform_steps: on``): padding rows sampled and never accepted.
-    "retrieval-16-uniform": ({**TREE, "tree": {**TREE["tree"], "uniform_steps": "on"}}, 200),
+    # The uniform step a GPU runs (``step_shape: uniform``): padding rows sampled and never accepted.
+    "retrieval-16-uniform": ({**TREE, "tree": {**TREE["tree"], "step_shape": "uniform"}}, 200),
     # A seed policy on a model drafter merged with retrieval: TALON's gated tree from the
     # project's EAGLE-3 head and the retrieval trie (Talon's hybrid), finished outputs shared.
     "hybrid-talon-6": ({"method": "adaptive_tree", "num_speculative_tokens": 6,

@@ -1,5 +1,5 @@
 """The uniform step (a CUDA engine's default) run end to end on the CPU
-engine, forced on with ``uniform_steps: on``: every decoding request of a
+engine, forced on with ``step_shape: uniform``: every decoding request of a
 drafting step has ``1 + W`` rows, the trees laid out from the persistent
 tree buffers, the width chosen by the load budget over the measured step
 shapes, a model drafter's layers in the fixed draft loop with every forward
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.engine
 
 def _spec(drafter: str, budget: int, model: str | None = None, **tree) -> dict:
     spec = {"method": "adaptive_tree", "num_speculative_tokens": budget,
-            "tree": {"drafter": drafter, "uniform_steps": "on", **tree}}
+            "tree": {"drafter": drafter, "step_shape": "uniform", **tree}}
     return spec if model is None else {**spec, "model": model}
 
 

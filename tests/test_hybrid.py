@@ -157,7 +157,7 @@ def test_uniform_steps_give_both_budgets_the_width_choice_over_one_cost_model():
     from vllm_adaptive_spec.config import TreeConfig
 
     proposer = proposer_for(TreeConfig("hybrid", "dynatree", 8, {"l_max": 2, "evidence_prior": 0.0}, {"window": 1},
-                                       uniform_steps="on"))
+                                       step_shape="uniform"))
     model, trie = proposer.load_budget, proposer.paused_budget
     assert proposer.mode.uniform and proposer.mode.widths == (2, 4, 8)
     assert isinstance(proposer.cost, ShapeCost) and model.cost is trie.cost is proposer.cost

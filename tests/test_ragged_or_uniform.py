@@ -32,11 +32,11 @@ def engine(device: str, graphs: CUDAGraphMode | None, spec_tokens: int = 16, max
     ("auto", "cpu", None, False),
     ("auto", "cuda", CUDAGraphMode.NONE, False),
     ("auto", "cuda", CUDAGraphMode.FULL_AND_PIECEWISE, True),
-    ("on", "cpu", None, True),
-    ("off", "cuda", CUDAGraphMode.FULL_AND_PIECEWISE, False),
+    ("uniform", "cpu", None, True),
+    ("ragged", "cuda", CUDAGraphMode.FULL_AND_PIECEWISE, False),
 ])
 def test_the_mode_follows_the_setting_the_platform_and_the_graphs(setting, device, graphs, uniform):
-    config = TreeConfig("eagle3", "eagle2", 16, uniform_steps=setting)
+    config = TreeConfig("eagle3", "eagle2", 16, step_shape=setting)
     mode = resolve(config, engine(device, graphs))
     assert mode.uniform == uniform
     cost = mode.cost_model(StepCostFit())
@@ -51,7 +51,7 @@ def test_the_mode_follows_the_setting_the_platform_and_the_graphs(setting, devic
 
 
 def test_a_uniform_mode_pads_drafts_to_its_widths_and_keeps_vllms_own_rows():
-    mode = resolve(TreeConfig("retrieval", "retrieval", 16, uniform_steps="on"), engine("cpu", None, 20))
+    mode = resolve(TreeConfig("retrieval", "retrieval", 16, step_shape="uniform"), engine("cpu", None, 20))
     assert mode.widths == (2, 4, 8, 16) and mode.tree_rows == {3, 5, 9, 17, 21} and mode.capacity == 20
     assert mode.scheduled([[5, 6, 7], []], [True, True], 4096) == [[5, 6, 7, -1], [-1, -1, -1, -1]]
     ragged = resolve(TreeConfig("retrieval", "retrieval", 16), engine("cpu", None))
@@ -60,12 +60,13 @@ def test_a_uniform_mode_pads_drafts_to_its_widths_and_keeps_vllms_own_rows():
 
 def test_the_fixed_loop_only_for_drafters_that_grow_at_fixed_capacity():
     cpu = engine("cpu", None)
-    assert isinstance(resolve(TreeConfig("hybrid", "eagle2", 16, {"matcher": "trie"}, uniform_steps="on"), cpu)
-                      .draft_layers("cpu"), RaggedLayers)
-    assert isinstance(resolve(TreeConfig("eagle3", "eagle2", 16, uniform_steps="on", draft_loop="ragged"), cpu)
-                      .draft_layers("cpu"), RaggedLayers)
-    assert isinstance(resolve(TreeConfig("eagle3", "eagle2", 16, draft_loop="fixed"), cpu).draft_layers("cpu"),
-                      FixedLayers)
+    layers = {(drafter, params.get("matcher")): resolve(TreeConfig(drafter, "eagle2", 16, params, step_shape="uniform"),
+                                                         cpu).draft_layers("cpu")
+              for drafter, params in (("hybrid", {"matcher": "trie"}), ("hybrid", {"matcher": "tensors"}),
+                                      ("eagle3", {}), ("draft_model", {}))}
+    assert [type(v) for v in layers.values()] == [RaggedLayers, FixedLayers, FixedLayers, FixedLayers]
+    assert isinstance(resolve(TreeConfig("eagle3", "eagle2", 16, step_shape="ragged"), cpu).draft_layers("cpu"),
+                      RaggedLayers)
 
 
 def test_padded_draft_forwards_take_the_next_batch_size_and_count():

@@ -29,8 +29,8 @@ def last_tokens(prompt_ids, batch: int, cut: int) -> list[list[int]]:
     return [prompt_ids[k % len(prompt_ids)][-(cut if batch <= 8 else 48):] for k in range(batch)]
 
 
-def guarded_run(tmp_path, demo_model, prompt_ids, batch: int, nodes: int, uniform: str = "off") -> dict:
-    tree = {"drafter": "retrieval", "policy": "retrieval", "load_budget": "fixed", "uniform_steps": uniform}
+def guarded_run(tmp_path, demo_model, prompt_ids, batch: int, nodes: int, shape: str = "ragged") -> dict:
+    tree = {"drafter": "retrieval", "policy": "retrieval", "load_budget": "fixed", "step_shape": shape}
     run = run_engine_job(tmp_path, {
         "model": demo_model, "prompt_token_ids": last_tokens(prompt_ids, batch, 160),
         "max_tokens": MAX_TOKENS, "max_num_seqs": batch, "step_guard": True,
@@ -43,14 +43,14 @@ def signature(step: list) -> tuple:
     return tuple(tuple(op) for op in step)
 
 
-@pytest.mark.parametrize("uniform", ["off", "on"])
-def test_a_tree_step_reads_nothing_back_and_its_operations_do_not_grow(uniform, tmp_path, demo_model, prompt_ids):
-    small = guarded_run(tmp_path / "b8", demo_model, prompt_ids, batch=8, nodes=4, uniform=uniform)
-    large = guarded_run(tmp_path / "b64", demo_model, prompt_ids, batch=64, nodes=16, uniform=uniform)
+@pytest.mark.parametrize("shape", ["ragged", "uniform"])
+def test_a_tree_step_reads_nothing_back_and_its_operations_do_not_grow(shape, tmp_path, demo_model, prompt_ids):
+    small = guarded_run(tmp_path / "b8", demo_model, prompt_ids, batch=8, nodes=4, shape=shape)
+    large = guarded_run(tmp_path / "b64", demo_model, prompt_ids, batch=64, nodes=16, shape=shape)
     for run in (small, large):
         assert run["reads"] == []
         assert len(run["tree_steps"]) >= 3
-        assert (len(run["layouts"]) >= 3) == (uniform == "on")  # the uniform layout ran, and only there
+        assert (len(run["layouts"]) >= 3) == (shape == "uniform")  # the uniform layout ran, and only there
     # Every tree step of both runs dispatched one and the same list of operations, and so did
     # every uniform step's layout.
     for part in ("tree_steps", "layouts"):
@@ -61,20 +61,20 @@ def test_a_tree_step_reads_nothing_back_and_its_operations_do_not_grow(uniform, 
                                    if first.get(op) != other.get(op)} for other in others])
 
 
-def draft_run(tmp_path, demo_model, prompt_ids, batch: int, loop: str, max_tokens: int) -> dict:
+def draft_run(tmp_path, demo_model, prompt_ids, batch: int, shape: str, max_tokens: int) -> dict:
     tree = {"drafter": "eagle3", "policy": "eagle2", "top_k": 4, "depth": 5, "load_budget": "fixed",
-            "draft_loop": loop}
+            "step_shape": shape}
     return run_engine_job(tmp_path, {
         "model": demo_model, "prompt_token_ids": last_tokens(prompt_ids, batch, 96),
-        "max_tokens": max_tokens, "max_num_seqs": batch, "step_guard": loop == "fixed",
+        "max_tokens": max_tokens, "max_num_seqs": batch, "step_guard": shape == "uniform",
         "speculative_config": {"method": "adaptive_tree", "num_speculative_tokens": 16, "model": HEAD,
                                "tree": tree},
     })
 
 
 def test_a_fixed_draft_loop_reads_nothing_back_and_its_operations_do_not_grow(tmp_path, demo_model, prompt_ids):
-    """An EAGLE-3 head's draft loop at fixed capacity
-    (``draft_loop: fixed``: every layer ``B x F`` rows on the model's device)
+    """An EAGLE-3 head's draft loop at fixed capacity (``step_shape:
+    uniform``: every layer ``B x F`` rows on the model's device)
     reads no value back in its layouts, forwards and policy, and dispatches
     the same operations at batch 8 and 64 (the CPU's own draft attention left
     out: on a GPU the kernel reads the pages); so does its first pass over
@@ -82,9 +82,9 @@ def test_a_fixed_draft_loop_reads_nothing_back_and_its_operations_do_not_grow(tm
     start of its trees. EAGLE-2 chooses at most
     ``top_k`` nodes a layer, which the fixed width holds, so it grows the
     ragged loop's trees: the same output, nodes verified and accepted."""
-    small = draft_run(tmp_path / "b8", demo_model, prompt_ids, 8, "fixed", 10)
+    small = draft_run(tmp_path / "b8", demo_model, prompt_ids, 8, "uniform", 10)
     ragged = draft_run(tmp_path / "b8-ragged", demo_model, prompt_ids, 8, "ragged", 10)
-    large = draft_run(tmp_path / "b64", demo_model, prompt_ids, 64, "fixed", 5)
+    large = draft_run(tmp_path / "b64", demo_model, prompt_ids, 64, "uniform", 5)
     for run in (small.step_guard, large.step_guard):
         assert run["reads"] == []
         assert len(run["draft_loops"]) >= 3

@@ -12,6 +12,7 @@ error names the offending key and the valid choices.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,7 @@ from vllm_adaptive_spec.drafters.retrieval_tensors import make_retrieval
 from vllm_adaptive_spec.drafters.retrieval_trie import matcher_of
 from vllm_adaptive_spec.policies import POLICIES
 
+logger = logging.getLogger("vllm.adaptive_spec")
 METHOD = "adaptive_tree"
 MAX_NODES = 128  # vLLM's rejection-sampler layout caps drafts per request at 128.
 MAX_DRAFT_SLOTS = 512  # KV scratch a model drafter may use per request while growing
@@ -31,23 +33,26 @@ ENGINE_PARAMS = {
     "load_budget": Param(
         str, "adaptive", "one of 'adaptive', 'fixed'", lambda v: v in ("adaptive", "fixed")
     ),
-    # Width-bucketed uniform steps (``uniform_widths``): on with CUDA graphs, where a
-    # padded row costs almost nothing; off on the CPU, where every row costs.
-    "uniform_steps": Param(
-        str, "auto", "one of 'auto', 'on', 'off'", lambda v: v in ("auto", "on", "off")
-    ),
-    # How a model drafter's tree layers run (``step/draft_layers``): ``ragged``
-    # (the fed rows only) or ``fixed`` (every layer B x F rows, nothing read
-    # back); ``auto``: fixed where uniform steps are on, ragged elsewhere.
-    "draft_loop": Param(
-        str, "auto", "one of 'auto', 'ragged', 'fixed'", lambda v: v in ("auto", "ragged", "fixed")
+    # How drafting steps are shaped (``step/modes``): ``ragged``, a request's rows
+    # are its tree's and a model drafter's layers take the fed rows only; ``uniform``,
+    # every decoding request gets one of a few widths (``uniform_widths``) and a model
+    # drafter's layers run at fixed capacity (``step/draft_layers``), one shape a CUDA
+    # graph replays; ``auto``: uniform where CUDA graphs replay steps (a padded row
+    # costs almost nothing there), ragged elsewhere (the CPU, where every row costs).
+    "step_shape": Param(
+        str, "auto", "one of 'auto', 'ragged', 'uniform'", lambda v: v in ("auto", "ragged", "uniform")
     ),
     # Structured requests that get no tree draft the tokens their grammar
     # forces (``tree_scheduler.forced_tokens``: jump-forward), verified as a chain.
     "grammar_forcing": Param(bool, True, "true or false", lambda v: True),
 }
 DRAFTERS_NEEDING_MODEL = frozenset({"eagle3", "draft_model", "hybrid"})
-FIXED_LOOP_DRAFTERS = frozenset({"eagle3", "draft_model"})  # ``draft_loop: fixed``
+FIXED_LOOP_DRAFTERS = frozenset({"eagle3", "draft_model"})  # grow at fixed capacity in uniform steps
+# The two settings ``step_shape`` replaced, still read (with a warning): each value's shape.
+REPLACED_SETTINGS = {
+    "uniform_steps": {"auto": "auto", "on": "uniform", "off": "ragged"},
+    "draft_loop": {"auto": "auto", "ragged": "ragged", "fixed": "uniform"},
+}
 
 
 class TreeConfigError(ValueError):
@@ -62,8 +67,7 @@ class TreeConfig:
     drafter_params: dict[str, Any] = field(default_factory=dict)
     policy_params: dict[str, Any] = field(default_factory=dict)
     load_budget: str = "adaptive"
-    uniform_steps: str = "auto"
-    draft_loop: str = "auto"
+    step_shape: str = "auto"
     grammar_forcing: bool = True
 
     def to_dict(self) -> dict[str, Any]:
@@ -75,8 +79,7 @@ class TreeConfig:
             "drafter_params": dict(self.drafter_params),
             "policy_params": dict(self.policy_params),
             "load_budget": self.load_budget,
-            "uniform_steps": self.uniform_steps,
-            "draft_loop": self.draft_loop,
+            "step_shape": self.step_shape,
             "grammar_forcing": self.grammar_forcing,
         }
 
@@ -95,8 +98,8 @@ class TreeConfig:
 
     @property
     def fixed_loop_capable(self) -> bool:
-        """Whether the drafter can grow at fixed capacity (``draft_loop``
-        ``fixed``): a model drafter, or the hybrid over the tensor matcher."""
+        """Whether the drafter grows at fixed capacity in uniform steps: a
+        model drafter, or the hybrid over the tensor matcher."""
         return self.drafter in FIXED_LOOP_DRAFTERS or (
             self.drafter == "hybrid" and matcher_of(self.drafter_params) == "tensors")
 
@@ -130,11 +133,11 @@ def parse_tree_config(spec: dict[str, Any]) -> TreeConfig:
             f"(one of {_choices(DRAFTERS)}), got {tree!r}"
         )
     drafter, policy = _drafter_and_policy(spec, tree)
-    drafter_params, policy_params, engine = _params(tree, drafter, policy)
+    drafter_params, policy_params, engine = _params(_with_step_shape(tree), drafter, policy)
     if policy == "c2t" and not policy_params["classifier"]:
         policy_params["classifier"] = _default_classifier(spec["model"])
     config = TreeConfig(drafter, policy, max_nodes, drafter_params, policy_params, engine["load_budget"],
-                        engine["uniform_steps"], engine["draft_loop"], engine["grammar_forcing"])
+                        engine["step_shape"], engine["grammar_forcing"])
     _check_buildable(config)
     return config
 
@@ -171,6 +174,31 @@ def _drafter_and_policy(spec: dict[str, Any], tree: dict[str, Any]) -> tuple[str
             f"speculative_config['model'] is not used by tree drafter {drafter!r}; remove it"
         )
     return drafter, policy
+
+
+def _with_step_shape(tree: dict[str, Any]) -> dict[str, Any]:
+    """``tree`` with the settings ``step_shape`` replaced read as it (a
+    warning line each): given with it, or disagreeing, they are refused."""
+    replaced = [key for key in REPLACED_SETTINGS if key in tree]
+    if not replaced:
+        return tree
+    if "step_shape" in tree:
+        raise TreeConfigError(f"speculative_config['tree'] gives 'step_shape' and {replaced}, which it replaces; "
+                              "give 'step_shape' only")
+    tree, shapes = dict(tree), set()
+    for key in replaced:
+        value, shapes_of = tree.pop(key), REPLACED_SETTINGS[key]
+        if value not in shapes_of:
+            raise TreeConfigError(f"speculative_config['tree'][{key!r}] must be one of {_choices(shapes_of)}, "
+                                  f"got {value!r} (it is replaced by 'step_shape')")
+        logger.warning("speculative_config['tree'][%r] is replaced by 'step_shape': %r reads as 'step_shape': %r",
+                       key, value, shapes_of[value])
+        shapes.add(shapes_of[value])
+    chosen = shapes - {"auto"}
+    if len(chosen) > 1:
+        raise TreeConfigError(f"speculative_config['tree'] {replaced} disagree ({sorted(chosen)}); "
+                              "give 'step_shape' only")
+    return {**tree, "step_shape": chosen.pop() if chosen else "auto"}
 
 
 def _params(tree: dict[str, Any], drafter: str, policy: str) -> list[dict[str, Any]]:
@@ -210,15 +238,9 @@ def _default_classifier(model: str) -> str:
 
 
 def _check_buildable(config: TreeConfig) -> None:
-    """Settings each valid alone that do not go together: a fixed draft loop
-    without a draft model's layers, drafter or policy parameters their
-    constructors refuse, more draft slots than a tree may take."""
-    if config.draft_loop == "fixed" and not config.fixed_loop_capable:
-        raise TreeConfigError(
-            f"speculative_config['tree']['draft_loop'] 'fixed' runs a draft model's layers at fixed capacity; "
-            f"drafter {config.drafter!r} cannot (use one of {_choices(FIXED_LOOP_DRAFTERS)}, or 'hybrid' with "
-            "'matcher': 'tensors', or 'auto')"
-        )
+    """Settings each valid alone that do not go together: drafter or
+    policy parameters their constructors refuse, more draft slots than a
+    tree may take."""
     try:
         config.make_drafter()
         config.make_policy()

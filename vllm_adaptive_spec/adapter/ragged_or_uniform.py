@@ -1,8 +1,8 @@
 """The engine's step mode, decided once with the config and the engine:
 ragged or uniform steps (:mod:`~vllm_adaptive_spec.step.modes`).
-``uniform_steps`` chooses (``auto``: uniform where CUDA graphs replay steps,
-ragged elsewhere); :func:`resolve` is the one place that reads it, for the
-worker (proposer, runner, draft backend) and the scheduler alike.
+The ``step_shape`` setting chooses (``auto``: uniform where CUDA graphs
+replay steps, ragged elsewhere); :func:`resolve` is the one place that reads
+it, for the worker (proposer, runner, draft backend) and the scheduler alike.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ def graphs_replay(vllm_config, device_type: str) -> bool:
 
 
 def resolve(config, vllm_config) -> RaggedSteps | UniformSteps:
-    """The engine's step mode, from ``uniform_steps``, the platform and the graph mode."""
+    """The engine's step mode, from ``step_shape``, the platform and the graph mode."""
     graphs = graphs_replay(vllm_config, torch.device(vllm_config.device_config.device_type).type)
-    if config.uniform_steps == "off" or (config.uniform_steps == "auto" and not graphs):
+    if config.step_shape == "ragged" or (config.step_shape == "auto" and not graphs):
         return RaggedSteps(config)
     sizes = ()
     if graphs:

@@ -1,6 +1,6 @@
 """How a model drafter's tree layer reaches the draft model: two variants
 over one layout (``layer_layout.lay_out_layer``), chosen by the step mode
-(``ragged_or_uniform``) and the tree config's ``draft_loop``.
+(``ragged_or_uniform``, from the ``step_shape`` setting).
 
 * :class:`RaggedLayers` (ragged steps'): the forward takes the fed rows only, and
   a layer shaped like a chain goes to vLLM's own kernel. Finding those rows

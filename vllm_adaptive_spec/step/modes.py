@@ -16,7 +16,7 @@
   forwards padded as a graph's capture sizes would pad them.
 
 The adapter's ``ragged_or_uniform.resolve`` picks one from the config and
-the engine (``uniform_steps``), once; each mode's :meth:`RaggedSteps.layout`
+the engine (``step_shape``), once; each mode's :meth:`RaggedSteps.layout`
 gives the step's layout builder (:class:`RaggedLayout` or :class:`UniformLayout`).
 """
 
@@ -51,8 +51,8 @@ class RaggedSteps:
         return drafts
 
     def draft_layers(self, device) -> FixedLayers | RaggedLayers:
-        """A model drafter's tree layers: ragged unless ``draft_loop`` asks for the fixed loop."""
-        return FixedLayers(torch.device(device)) if self.config.draft_loop == "fixed" else RaggedLayers()
+        """A model drafter's tree layers: the fed rows only."""
+        return RaggedLayers()
 
     def layout(self, max_reqs: int, device) -> "RaggedLayout":
         return RaggedLayout()
@@ -83,11 +83,11 @@ class UniformSteps(RaggedSteps):
         return uniform_drafts(drafts, decoding, self.widths, max_tokens)
 
     def draft_layers(self, device) -> FixedLayers | RaggedLayers:
-        """The fixed loop where the drafter can grow at fixed capacity
-        (``draft_loop`` ``auto`` or ``fixed``); without graphs every draft
-        forward is padded to the plugin's batch sizes and staged in the draft
-        model's persistent buffers, the path a graph's replay takes."""
-        if self.config.draft_loop == "ragged" or not self.config.fixed_loop_capable:
+        """The fixed loop where the drafter can grow at fixed capacity;
+        without graphs every draft forward is padded to the plugin's batch
+        sizes and staged in the draft model's persistent buffers, the path a
+        graph's replay takes."""
+        if not self.config.fixed_loop_capable:
             return RaggedLayers()
         return FixedLayers(torch.device(device), padded=not self.graphs)
 
