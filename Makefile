@@ -14,7 +14,7 @@ demo: env
 	@$(PY) -m vllm_adaptive_spec.demo
 
 test: env
-	@$(PY) -m pytest $(PYTEST_ARGS)
+	@PY=$(PY) bash scripts/test_lanes.sh $(PYTEST_ARGS)
 
 # vLLM's `suffix` method needs Arctic Inference's suffix tree, built (once) by this
 # script; the benchmark runs it too when `suffix` is selected. Tests never need it.

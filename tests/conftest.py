@@ -186,6 +186,26 @@ def pytest_runtest_setup(item):
     _engine_allowed = item.get_closest_marker("engine") is not None
 
 
+# ``scripts/test_lanes.sh`` (``make test``) runs the suite in two pytest processes, one per
+# core; these modules are lane 1's, about half the suite's time on 2 cores, and every other module
+# is lane 0's. Modules that share a session fixture (the parity servers) stay in one lane.
+LANE_1 = frozenset({
+    "test_engine_tree.py", "test_gpu_script.py", "test_engine_uniform_steps.py", "test_engine_structured.py",
+    "test_serve_load.py", "test_engine_sampled_controls.py", "test_demo.py", "test_engine_request_isolation.py",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    """With ``TEST_LANE`` set, only that lane's modules run."""
+    lane = os.environ.get("TEST_LANE")
+    if lane is None:
+        return
+    kept = [item for item in items if (item.path.name in LANE_1) == (lane == "1")]
+    chosen = set(kept)
+    config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
+    items[:] = kept
+
+
 _popen_init = subprocess.Popen.__init__
 
 

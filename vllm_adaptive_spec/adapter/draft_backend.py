@@ -499,12 +499,12 @@ class PagedDraftBackend:
             positions=positions,
         )
         _, per_layer = native.build_per_group_and_layer_attn_metadata(metadata)
-        eager = mode == CUDAGraphMode.NONE and num_input == num_tokens
+        eager = mode == CUDAGraphMode.NONE and num_input == num_tokens and not self.layers.staged
         inputs = (tokens, positions, hidden) if eager else self._graph_inputs(tokens, positions, hidden, num_input)
         with set_forward_context(per_layer, native.vllm_config, num_tokens=num_input, num_tokens_across_dp=across_dp,
                                  cudagraph_runtime_mode=mode, slot_mapping=native._get_slot_mapping(num_input, slots)):
             normed, prenorm = self._forward(*inputs)
-        if num_input != num_tokens:  # the padding rows of a graph's capture size
+        if not eager:  # a staged pass's rows, less the padding of a capture size (the same operations with none)
             normed, prenorm = normed[:num_tokens], None if prenorm is None else prenorm[:num_tokens]
         if logit_rows is not None:
             normed = normed[logit_rows.to(device)]

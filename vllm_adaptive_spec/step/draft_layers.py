@@ -124,6 +124,7 @@ class RaggedLayers:
     """A layer's fed rows only, its scratch on the host."""
 
     fixed = False
+    staged = False  # forwards run eagerly where no graph replays
     device = torch.device("cpu")
     padded_passes = 0
 
@@ -209,6 +210,8 @@ class FixedLayers:
     def __init__(self, device: torch.device, padded: bool = False) -> None:
         self.device = device
         self.padded = padded  # pad every forward as graphs would, where none do (the CPU's uniform steps)
+        # Every forward staged in the persistent buffers, as a replay reads them, padded or not.
+        self.staged = padded
         self.padded_passes = 0
 
     def pass_rows(self, num_tokens: int, dispatched: int, limit: int) -> int:
