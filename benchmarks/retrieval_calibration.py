@@ -172,7 +172,7 @@ def replay(answers: list[dict], drafter_params: dict, policy_params: dict, nodes
     params = dict(policy_params)
     oracle = params.pop("oracle", False)
     chain = params.pop("chain", False)
-    load_budget = LoadBudget(budget) if params.pop("load_budget", False) else None
+    load_budget = LoadBudget(nodes) if params.pop("load_budget", False) else None
     drafter = RetrievalDrafter(**drafter_params)
     policy = ChainPolicy() if chain or oracle else RetrievalPolicy(**params)
     tally = Tally(cost)

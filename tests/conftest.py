@@ -191,13 +191,18 @@ def pytest_runtest_setup(item):
 # is lane 0's. Modules that share a session fixture (the parity servers) stay in one lane.
 LANE_1 = frozenset({
     "test_engine_tree.py", "test_gpu_script.py", "test_engine_uniform_steps.py", "test_engine_structured.py",
-    "test_serve_load.py", "test_engine_sampled_controls.py", "test_demo.py", "test_engine_request_isolation.py",
+    "test_serve_load.py", "test_demo.py", "test_engine_request_isolation.py",
 })
+
+
+# This process's lane, taken out of the environment so that a pytest the tests start (the GPU
+# script's collection of its tests) sees the whole suite.
+LANE = os.environ.pop("TEST_LANE", None)
 
 
 def pytest_collection_modifyitems(config, items):
     """With ``TEST_LANE`` set, only that lane's modules run."""
-    lane = os.environ.get("TEST_LANE")
+    lane = LANE
     if lane is None:
         return
     kept = [item for item in items if (item.path.name in LANE_1) == (lane == "1")]

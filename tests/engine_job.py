@@ -447,6 +447,11 @@ def serve() -> None:
     import vllm.model_executor.models.llama  # noqa: F401
     import vllm.v1.engine.core  # noqa: F401
     import vllm.v1.worker.cpu_worker  # noqa: F401
+    # The vLLM modules the plugin checks its hooks in at each engine's start (0.6 s of a child),
+    # imported here without installing anything.
+    from vllm_adaptive_spec.adapter import engine_hooks, missing_hooks
+
+    missing_hooks(engine_hooks("cpu"))
 
     gc.freeze()  # the imports' objects: the children's gc.collect calls skip them
 
