@@ -202,13 +202,11 @@ LANE = os.environ.pop("TEST_LANE", None)
 
 def pytest_collection_modifyitems(config, items):
     """With ``TEST_LANE`` set, only that lane's modules run."""
-    lane = LANE
-    if lane is None:
+    if LANE is None:
         return
-    kept = [item for item in items if (item.path.name in LANE_1) == (lane == "1")]
-    chosen = set(kept)
-    config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
-    items[:] = kept
+    mine = [(item.path.name in LANE_1) == (LANE == "1") for item in items]
+    config.hook.pytest_deselected(items=[item for item, kept in zip(items, mine) if not kept])
+    items[:] = [item for item, kept in zip(items, mine) if kept]
 
 
 _popen_init = subprocess.Popen.__init__

@@ -47,7 +47,7 @@ def test_the_mode_follows_the_setting_the_platform_and_the_graphs(setting, devic
     # Graph keys only where graphs replay; without them a uniform step's draft forwards are padded here.
     replayed = uniform and graphs not in (None, CUDAGraphMode.NONE)
     assert bool(mode.graph_tree_rows) == replayed
-    assert getattr(layers, "padded", False) == (uniform and not replayed)
+    assert layers.padded == (uniform and not replayed)
 
 
 def test_a_uniform_mode_pads_drafts_to_its_widths_and_keeps_vllms_own_rows():

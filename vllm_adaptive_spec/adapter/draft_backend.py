@@ -499,7 +499,7 @@ class PagedDraftBackend:
             positions=positions,
         )
         _, per_layer = native.build_per_group_and_layer_attn_metadata(metadata)
-        eager = mode == CUDAGraphMode.NONE and num_input == num_tokens and not self.layers.staged
+        eager = mode == CUDAGraphMode.NONE and num_input == num_tokens and not self.layers.padded
         inputs = (tokens, positions, hidden) if eager else self._graph_inputs(tokens, positions, hidden, num_input)
         with set_forward_context(per_layer, native.vllm_config, num_tokens=num_input, num_tokens_across_dp=across_dp,
                                  cudagraph_runtime_mode=mode, slot_mapping=native._get_slot_mapping(num_input, slots)):

@@ -124,7 +124,7 @@ class RaggedLayers:
     """A layer's fed rows only, its scratch on the host."""
 
     fixed = False
-    staged = False  # forwards run eagerly where no graph replays
+    padded = False  # forwards run eagerly where no graph replays
     device = torch.device("cpu")
     padded_passes = 0
 
@@ -209,9 +209,9 @@ class FixedLayers:
 
     def __init__(self, device: torch.device, padded: bool = False) -> None:
         self.device = device
-        self.padded = padded  # pad every forward as graphs would, where none do (the CPU's uniform steps)
-        # Every forward staged in the persistent buffers, as a replay reads them, padded or not.
-        self.staged = padded
+        # Pad every forward as graphs would, where none do (the CPU's uniform steps), each one
+        # staged in the persistent buffers as a replay reads them, padded or not.
+        self.padded = padded
         self.padded_passes = 0
 
     def pass_rows(self, num_tokens: int, dispatched: int, limit: int) -> int:
