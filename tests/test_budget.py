@@ -450,10 +450,12 @@ def test_speculation_that_always_pays_keeps_the_full_tree():
 
 
 def _fitted(branch_seconds: float) -> LoadBudget:
-    """Steps of 0 to 4 trees, some branching, each branching one costing ``branch_seconds``."""
+    """Steps of 0 to 4 trees, some branching, each branching one costing
+    ``branch_seconds``: enough of them that the branching column's prior
+    (``cost_fit.PRIOR_STEPS``) weighs under 5% beside them."""
     budget = LoadBudget(max_nodes=8, half_life=1e9)
     rng = np.random.default_rng(3)
-    for _ in range(60):
+    for _ in range(400):
         trees = int(rng.integers(0, 5))
         branching = int(rng.integers(0, trees + 1))
         rows = 4 + trees * int(rng.integers(1, 9))
@@ -462,10 +464,32 @@ def _fitted(branch_seconds: float) -> LoadBudget:
 
 
 def test_a_branching_trees_extra_cost_is_fitted_apart_from_its_rows():
-    assert _fitted(0.02).fit.branch_cost() == pytest.approx(0.02)
-    assert _fitted(0.02).fit.cost() == pytest.approx((0.05, 0.0005, 0.0005))
+    assert _fitted(0.02).fit.branch_cost() == pytest.approx(0.02, rel=0.05)
+    assert _fitted(0.02).fit.cost() == pytest.approx((0.05, 0.0005, 0.0005), rel=0.05)
     assert _fitted(0.0).fit.branch_cost() == pytest.approx(0.0, abs=1e-9)
     assert LoadBudget(max_nodes=8).fit.branch_cost() == 0.0  # unknown before any step
+
+
+def test_one_slow_branching_step_does_not_price_branching():
+    """Batch 1, chains on most steps: the first branching tree's step is
+    20 ms slower (a one-time cost, or noise). Read from that step alone,
+    branching would cost 20 ms, and the budget would verify no branching tree
+    again to learn otherwise; the column's prior keeps it near 0 until the
+    steps say more, and a real cost of 5 ms a branching tree is then found."""
+    rng = np.random.default_rng(4)
+    fit = StepCostFit(half_life=200)
+
+    def step(branching: int, extra: float = 0.0) -> None:
+        rows = 1 + int(rng.integers(1, 17))
+        fit.observe(rows, 0.04 + 0.001 * rows + 0.005 * branching + extra + rng.normal(0, 5e-4), 0, 1, branching)
+
+    for _ in range(100):
+        step(0)
+    step(1, extra=0.02)
+    assert fit.branch_cost() < 0.003, fit.solve()
+    for _ in range(300):
+        step(int(rng.random() < 0.3))
+    assert fit.branch_cost() == pytest.approx(0.005, rel=0.2), fit.solve()
 
 
 def test_branches_kept_only_when_they_pay_for_their_extra_cost():
