@@ -25,18 +25,19 @@ without trees.
 
 Decision (a prior on the branching column): ``per_branching`` starts at 0
 with the weight of ``PRIOR_STEPS`` steps of one branching tree each (a ridge
-term on its column), so it is read from many steps, not the first few.
-Without it one engine's fit read it as 8 ms after its first branching tree
-and 12-33 ms through batch 1 and 8, while its steps with and without a
-branching tree at equal rows differed by under 1 ms (3 rows: 40.2 against
-39.6 ms; 17 rows: 51.2 against 52.0 ms): a few branching steps, each also a
-large tree at batch 1 where rows cost least, set the column, and the budget,
-pricing branching that high, verified almost no branching tree again, so no
-step could correct it. Another engine's steps, replayed, gave 0. The prior
-weighs little beside a column the steps vary (a retrieval tree branches on
-some steps, not others), so a cost that is there is still found. ``per_tree``
-has no prior: where every step verifies trees, the budget's rare control
-steps are what tells it from ``fixed``, and a prior would outweigh them.
+term on its column), so it is read from many steps, not the first few. One
+engine's fit read it as 8 ms after its first branching tree and 12-33 ms
+through batch 1 and 8, while another engine of the same settings measured
+under 1 ms between its steps with and without a branching tree at equal
+rows (3 rows: 40.2 against 39.6 ms; 17 rows: 51.2 against 52.0 ms), and its
+steps, replayed into a fresh fit, gave 0. At batch 1 a branching tree is
+also a large tree, where rows cost least, so a few such steps can set the
+column; and a column priced that high keeps branching trees out, so no later
+step corrects it. The prior weighs little beside a column the steps vary (a
+retrieval tree branches on some steps, not others), so a cost that is there
+is still found. ``per_tree`` has no prior: where every step verifies trees,
+the budget's rare control steps are what tells it from ``fixed``, and a
+prior would outweigh them.
 """
 
 from __future__ import annotations
