@@ -191,7 +191,7 @@ def pytest_runtest_setup(item):
 # is lane 0's. Modules that share a session fixture (the parity servers) stay in one lane.
 LANE_1 = frozenset({
     "test_engine_tree.py", "test_gpu_script.py", "test_engine_uniform_steps.py", "test_engine_structured.py",
-    "test_serve_load.py", "test_demo.py", "test_engine_request_isolation.py",
+    "test_serve_load.py", "test_demo.py",
 })
 
 
