@@ -61,7 +61,7 @@ from vllm_adaptive_spec.budget.load_budget import LoadBudget
 from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.drafters.retrieval_trie import RetrievalDrafter
 from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy
-from vllm_adaptive_spec.trees.growth import grow
+from vllm_adaptive_spec.step.growth import grow
 from vllm_adaptive_spec.trees.tree import ROOT, DraftTree
 
 # The trie's drafting time a step at batch 1 (step profile, `grow`), the load budget's drafting cost.

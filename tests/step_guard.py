@@ -123,7 +123,7 @@ def install(worker) -> None:
 
     tree_step.uniform_layout = _guarded(tree_step.uniform_layout, record, "layouts")  # a uniform step's device layout
     if runner._draft_backend is not None:
-        from vllm_adaptive_spec.trees import growth
+        from vllm_adaptive_spec.step import growth
 
         growth.grow_layers = _guarded(growth.grow_layers, record, "draft_loops")
         backend = runner._draft_backend

@@ -11,7 +11,7 @@ import torch
 
 from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy, top_by_path_probability
 from vllm_adaptive_spec.trees.candidates import Candidates, Growth
-from vllm_adaptive_spec.trees.growth import grow
+from vllm_adaptive_spec.step.growth import grow
 from vllm_adaptive_spec.trees.tree import ROOT, DraftTree
 
 

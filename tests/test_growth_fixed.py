@@ -17,7 +17,7 @@ from test_model_drafter import TableBackend
 from vllm_adaptive_spec.drafters.model import Eagle3Drafter
 from vllm_adaptive_spec.policies import C2TPolicy, ChainPolicy, DeaglePolicy, DynaTreePolicy, Eagle2Policy, TalonPolicy
 from vllm_adaptive_spec.trees.candidates import Candidates, Growth
-from vllm_adaptive_spec.trees.growth import grow, grow_fixed
+from vllm_adaptive_spec.step.growth import grow, grow_fixed
 
 VOCAB = 1024  # C2T's classifier reads a top-1000 entropy
 CLASSIFIER = Path(__file__).parent.parent / "heads" / "smollm2-135m-eagle3" / "c2t_classifier.json"

@@ -15,7 +15,7 @@ from vllm_adaptive_spec.drafters.hybrid import NO_TRIE_NODE, HybridDrafter, merg
 from vllm_adaptive_spec.drafters.model import Eagle3Drafter
 from vllm_adaptive_spec.policies import ChainPolicy, DynaTreePolicy, Eagle2Policy, TalonPolicy
 from vllm_adaptive_spec.trees.candidates import Candidates
-from vllm_adaptive_spec.trees.growth import grow, grow_fixed
+from vllm_adaptive_spec.step.growth import grow, grow_fixed
 
 
 def grow_hybrid(backend, policy, budget, contexts, **retrieval):

@@ -12,7 +12,7 @@ import torch
 from kernels.draft_distribution import DraftDistribution, draft_distribution_reference
 from vllm_adaptive_spec.drafters.model import Eagle3Drafter
 from vllm_adaptive_spec.policies import ChainPolicy, Eagle2Policy
-from vllm_adaptive_spec.trees.growth import grow
+from vllm_adaptive_spec.step.growth import grow
 
 VOCAB = 7
 

@@ -1,5 +1,5 @@
-"""The package's shape (no engine): no import cycle between its modules
-(function-level and ``TYPE_CHECKING`` imports included), no module
+"""The package's shape (no engine): no import cycle between its modules or its
+folders (function-level and ``TYPE_CHECKING`` imports included), no module
 name used in two folders, no tracked text file that cites an issue number or
 a work period by its count (the measured history included); and the docs'
 code map names every module, their tables' cells short."""
@@ -67,6 +67,31 @@ def test_no_import_cycle_in_the_package():
     graph = import_graph()
     assert "vllm_adaptive_spec.adapter.tree_scheduler" in graph["vllm_adaptive_spec.adapter.runner"]
     assert cycle(graph) is None, " -> ".join(cycle(graph))
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` between the package's folders and top-level modules
+    (``vllm_adaptive_spec.trees``, ``kernels.tree_gating``, ...)."""
+    def folder(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    folders: dict[str, set[str]] = {folder(name): set() for name in graph}
+    for name, targets in graph.items():
+        folders[folder(name)] |= {folder(t) for t in targets} - {folder(name)}
+    return folders
+
+
+def test_imports_between_folders_run_one_way():
+    """A folder never imports one that imports it back, even through
+    others: the core reads from the bottom up (trees, then policies and the
+    budget, drafters, the step, the adapter)."""
+    folders = folder_graph(import_graph())
+    assert "vllm_adaptive_spec.trees" in folders["vllm_adaptive_spec.step"]
+    assert folders["vllm_adaptive_spec.trees"] == set()
+    assert cycle(folders) is None, " -> ".join(cycle(folders))
+    planted = folder_graph({"p.trees.growth": {"p.policies.base"}, "p.policies.base": {"p.trees.candidates"},
+                            "p.trees.candidates": set()})
+    assert cycle(planted) == ["p.policies", "p.trees", "p.policies"]
 
 
 def test_imports_include_type_checking_and_function_level_ones():

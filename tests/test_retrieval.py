@@ -12,7 +12,7 @@ from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.drafters.retrieval_trie import RetrievalDrafter
 from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy
 from vllm_adaptive_spec.trees.candidates import Growth
-from vllm_adaptive_spec.trees.growth import grow
+from vllm_adaptive_spec.step.growth import grow
 from vllm_adaptive_spec.trees.tree import DraftTree
 
 CONTEXT = [1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 3]

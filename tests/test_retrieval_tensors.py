@@ -27,7 +27,7 @@ from vllm_adaptive_spec.drafters.retrieval_tensors import (
     longest_matches,
 )
 from vllm_adaptive_spec.policies import ChainPolicy, RetrievalPolicy
-from vllm_adaptive_spec.trees.growth import grow
+from vllm_adaptive_spec.step.growth import grow
 from vllm_adaptive_spec.trees.tree import DraftTree
 
 PROMPTS = Path(__file__).parent.parent / "vllm_adaptive_spec" / "data" / "prompts.jsonl"

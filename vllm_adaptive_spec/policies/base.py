@@ -4,7 +4,7 @@
 
 A policy turns each layer of the drafter's candidates into the next layer of
 the tree, or stops (docs/algorithms.md sections 2-6). The growth loop
-(:func:`vllm_adaptive_spec.trees.growth.grow`) calls ``select`` once per draft
+(:func:`vllm_adaptive_spec.step.growth.grow`) calls ``select`` once per draft
 pass for the whole batch; ``finish`` trims the grown trees. Policies with
 state per request (DynaTree's history tuning) keep it keyed by request id:
 ``begin`` before a step's growth, ``observe`` after its verification and

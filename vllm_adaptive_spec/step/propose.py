@@ -22,7 +22,7 @@ from vllm_adaptive_spec.budget.pause_control import StepDecision
 from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.step.failures import Failures
 from vllm_adaptive_spec.step.tree_stats import TreeStats
-from vllm_adaptive_spec.trees.growth import grow, reachable_depth
+from vllm_adaptive_spec.step.growth import grow, reachable_depth
 from vllm_adaptive_spec.trees.tree import DraftTree
 
 

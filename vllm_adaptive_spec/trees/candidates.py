@@ -2,9 +2,8 @@
 tree's frontier (:class:`Candidates`), a layer of them with its path
 probabilities and node limits (:class:`Layer`), and what a drafter can do beyond
 growing layer by layer (:class:`Growth`, :class:`Drafter`). The growth loop
-(:mod:`~vllm_adaptive_spec.trees.growth`) passes them between the two; the
-policies import them from here, so the loop may name the policies'
-interface without an import cycle."""
+(:mod:`~vllm_adaptive_spec.step.growth`), above both, passes them between
+the two; drafters and policies import them from here."""
 
 from __future__ import annotations
 

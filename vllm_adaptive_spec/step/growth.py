@@ -24,16 +24,14 @@ are read back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from vllm_adaptive_spec.policies.base import TreePolicy
 from vllm_adaptive_spec.trees.candidates import Candidates, Drafter, Growth, Layer
 from vllm_adaptive_spec.trees.tree import ROOT, DraftTree
-
-if TYPE_CHECKING:
-    from vllm_adaptive_spec.policies.base import TreePolicy
 
 
 @dataclass
