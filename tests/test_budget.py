@@ -314,10 +314,10 @@ def _alternating(worth_trees: int) -> list[bool]:
 
 def test_drafting_that_loses_on_balance_pauses_though_it_wins_every_other_step():
     """Every other step keeps one node that pays a little more than the
-    step's drafting (+1.6% committed, with the margin), the steps between
-    keep none and lose the drafting time (-7.9%): drafting loses on balance,
+    step's drafting and its row (+3.6% committed), the steps between keep
+    none and lose the drafting time (-6.5%): drafting loses on balance,
     never twice in a row. It pauses at the end of its first window; drafting
-    that wins on balance (three such nodes, +19.5% every other step) never
+    that wins on balance (three such nodes, +22.7% every other step) never
     pauses."""
     losing = _alternating(worth_trees=1)
     assert all(losing[:8]) and not losing[8], losing[:16]
@@ -347,25 +347,25 @@ def _after_a_lucky_streak(accepted: list[int], realized: bool = True) -> list[bo
     return drafted
 
 
-def test_drafting_judged_by_what_it_commits_with_a_margin_not_by_what_it_expects():
-    """A drafter that expects +150% a step and commits 1.6 tokens a step
-    (+2.5% over no drafting by the modelled costs, -6% with what drafting
-    adds taken 1.25 times) breaks even at best: its first window pauses it.
-    Committing 2 tokens a step (+18% with the margin) it drafts on. A
-    retrieval drafter's windows (``realized`` False) are judged on the
-    expectation: the same steps never pause it."""
-    break_even = _after_a_lucky_streak([1, 1, 0, 1, 0])
-    assert all(break_even[:8]) and not any(break_even[8:]), break_even
+def test_drafting_judged_by_what_it_commits_not_by_what_it_expects():
+    """A drafter that expects +150% a step and commits 1.5 tokens a step in
+    its 0.064 s (-4% against 0.041 s a token without drafting) loses: its
+    first window pauses it. Committing 1.6 tokens a step (+2.5%) or 2 (+28%)
+    it drafts on. A retrieval drafter's windows (``realized`` False) are
+    judged on the expectation: the losing steps never pause it."""
+    losing = _after_a_lucky_streak([1, 0])
+    assert all(losing[:8]) and not any(losing[8:]), losing
+    assert all(_after_a_lucky_streak([1, 1, 0, 1, 0]))
     assert all(_after_a_lucky_streak([1]))
-    assert all(_after_a_lucky_streak([1, 1, 0, 1, 0], realized=False))
+    assert all(_after_a_lucky_streak([1, 0], realized=False))
 
 
 def test_a_drafter_that_spends_nearly_nothing_is_not_paused_for_the_steps_it_keeps_nothing():
     """A retrieval trie at batch 1 where a row costs a fifth of a step: 15
     steps in 16 find nothing worth verifying and cost 0.1 ms of drafting
-    (0.25% of the step), the 16th keeps one node, accepted (+60%). The
-    margin is a share of what drafting adds, so the empty steps cost next to
-    nothing and it drafts on (a flat 5% of every step would sum to -18% a
+    (0.25% of the step), the 16th keeps one node, accepted (+60%). Judged
+    by what drafting adds to each step, the empty steps cost next to nothing
+    and it drafts on (a flat 5% of every step would sum to -18% a
     window and pause it)."""
     budget = LoadBudget(max_nodes=8, pause_after=16, half_life=1e9)
     _feed_steps(budget, fixed=0.032, per_row=0.008)

@@ -12,9 +12,9 @@ verified trees' accepted nodes arrive through :meth:`accepted`.
   pauses before its end once its expected losses add up to one clear loss
   (``1 - clear_loss`` of a step), and at once on a step expected below
   ``clear_loss`` times the rate without drafting. With ``realized`` (model
-  drafters) a window is judged on the tokens its steps committed, what
-  drafting added to the modelled cost taken ``1 + margin`` times; a
-  retrieval drafter's stays on the expectation.
+  drafters) a window is judged on the tokens its steps committed in their
+  modelled time (the fitted step, a tree's own cost included, and the
+  measured drafting); a retrieval drafter's stays on the expectation.
 * **Pauses and probes.** A pause lasts ``pause_steps`` steps, doubling per
   pause that follows a losing probe (up to ``max_pause``), and at least as
   long as one more drafting step like the last costs ``probe_share`` of the
@@ -58,19 +58,16 @@ class PauseSettings:
     pause_steps: int = 16
     max_pause: int = 512
     probe_requests: int = 4
-    margin: float = 0.25
     probe_share: float = 0.01
     max_probe_pause: int = 8192
 
 
 class PendingStep(NamedTuple):
     """The last measured step, until its trees are verified: ``tokens``
-    committed so far, its modelled ``seconds``, a plain step's
-    ``plain_seconds`` of them, and the rate ``without`` drafting."""
+    committed so far, its modelled ``seconds``, and the rate ``without`` drafting."""
 
     tokens: float
     seconds: float
-    plain_seconds: float
     without: float
 
 
@@ -131,18 +128,16 @@ class PauseControl:
         if (probing and gain < 0.0) or with_drafting < clear_loss * without or self._window_gain < clear_loss - 1.0:
             self._pause()
         elif self.realized:
-            self._pending = PendingStep(float(tokens), seconds, plain_seconds, without)
+            self._pending = PendingStep(float(tokens), seconds, without)
         else:
             self._close_window(self._window_gain)
 
     def settle(self) -> None:
-        """Judge the last measured step by its realized relative gain, what
-        drafting added to its modelled cost taken ``1 + margin`` times."""
+        """Judge the last measured step by its realized relative gain."""
         if self._pending is None:
             return
-        tokens, seconds, plain_seconds, without = self._pending
+        tokens, seconds, without = self._pending
         self._pending = None
-        seconds = plain_seconds + (1.0 + self.settings.margin) * max(seconds - plain_seconds, 0.0)
         realized = tokens / seconds if seconds > 0.0 else 0.0
         self._window_realized += realized / without - 1.0 if without > 0.0 else 0.0
         self._close_window(self._window_realized)
