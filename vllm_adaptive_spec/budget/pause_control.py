@@ -15,6 +15,9 @@ verified trees' accepted nodes arrive through :meth:`accepted`.
   drafters) a window is judged on the tokens its steps committed in their
   modelled time (the fitted step, a tree's own cost included, and the
   measured drafting); a retrieval drafter's stays on the expectation.
+  Decision: no margin on what drafting adds. One of 25% took about 6
+  points off an EAGLE-3 head's realized gain at batch 1 and lost a window
+  in six by noise, each loss doubling the next pause (docs/load_budget.md).
 * **Pauses and probes.** A pause lasts ``pause_steps`` steps, doubling per
   pause that follows a losing probe (up to ``max_pause``), and at least as
   long as one more drafting step like the last costs ``probe_share`` of the
