@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from test_tree import random_bfs_tree
 
-from vllm_adaptive_spec.budget.cost_fit import StepCostFit
+from vllm_adaptive_spec.budget.cost_fit import BRANCHING, PRIOR_STEPS, StepCostFit, solve_spd
 from vllm_adaptive_spec.budget.load_budget import COLD_TRIALS, LoadBudget
 from vllm_adaptive_spec.budget.node_allocation import allocate
 from vllm_adaptive_spec.trees.tree import DraftTree
@@ -78,6 +78,51 @@ def test_cost_fit_is_solved_again_after_each_new_step():
     for rows in range(1, 11):  # the same rows now cost twice as much; the fit moves toward it
         fit.observe(rows, 0.02 + 0.002 * rows)
     assert fit.cost()[1] == pytest.approx(0.0015)
+
+
+def test_the_small_solve_matches_numpy_whatever_the_columns_units():
+    """The fit's plain-Python Cholesky solve against numpy's, on systems
+    whose columns differ in scale by up to a million, as the step's columns
+    do (one, decode rows, prompt tokens, trees)."""
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        n = int(rng.integers(1, 6))
+        x = rng.random((40, n)) * 10.0 ** rng.integers(0, 7, n)
+        gram, rhs = x.T @ x, x.T @ rng.random(40)
+        got = solve_spd(gram.tolist(), rhs.tolist())
+        assert got == pytest.approx(np.linalg.solve(gram, rhs).tolist(), rel=1e-6)
+
+
+def test_a_column_that_repeats_another_leaves_the_fit():
+    """Every step verified one tree: the trees column is the constant column
+    again, so the system is degenerate and the fit leaves that column out
+    (``per_tree`` 0, ``fixed`` holding the tree's cost); one step in 100
+    without a tree is enough to tell them apart."""
+    x = np.column_stack([np.ones(100), np.arange(1, 101) % 9 + 1, np.ones(100)])
+    assert solve_spd((x.T @ x).tolist(), (x.T @ np.ones(100)).tolist()) is None
+    fit = StepCostFit(half_life=1e9)
+    for rows in range(1, 41):
+        fit.observe(rows + 1, 0.03 + 0.002 * (rows + 1) + 0.005, trees=1)
+    assert fit.tree_cost() == 0.0 and fit.cost()[0] == pytest.approx(0.035)
+    fit.observe(2, 0.03 + 0.002 * 2)
+    assert fit.tree_cost() == pytest.approx(0.005) and fit.cost()[0] == pytest.approx(0.03)
+
+
+def test_the_fit_is_the_decayed_least_squares_of_its_steps():
+    """Every column seen and told apart: the fit is numpy's solution of the
+    decayed normal equations with the branching column's prior."""
+    rng = np.random.default_rng(6)
+    fit, decay = StepCostFit(half_life=50), 0.5 ** (1 / 50)
+    gram, moment = np.zeros((5, 5)), np.zeros(5)
+    for _ in range(300):
+        rows, prefill, trees = int(rng.integers(1, 40)), int(rng.choice([0, 0, 0, 512])), int(rng.integers(0, 5))
+        branching = int(rng.integers(0, trees + 1))
+        seconds = 0.03 + 0.002 * rows + 0.0002 * prefill + 0.001 * trees + 0.002 * branching + rng.normal(0, 1e-3)
+        fit.observe(rows + prefill, seconds, prefill, trees, branching)
+        x = np.array([1.0, rows, prefill, trees, branching])
+        gram, moment = gram * decay + np.outer(x, x), moment * decay + x * seconds
+    expected = np.linalg.solve(gram + np.diag([0.0] * BRANCHING + [PRIOR_STEPS]), moment)
+    assert list(fit.solve()) == pytest.approx(expected.tolist(), rel=1e-6)
 
 
 def test_cost_fit_tells_prompt_tokens_from_decode_rows():

@@ -38,17 +38,56 @@ retrieval tree branches on some steps, not others), so a cost that is there
 is still found. ``per_tree`` has no prior: where every step verifies trees,
 the budget's rare control steps are what tells it from ``fixed``, and a
 prior would outweigh them.
+
+Decision (plain Python, no numpy): the regression is a 5 x 5 system, solved
+once per engine step on the host right after the forward. There each numpy
+call costs tens of microseconds (the forward has left the host's caches
+cold), far more than its arithmetic: the numpy solve (a condition number by
+SVD, then the solve, up to four column subsets) took about 0.2 ms a step on
+a 2-core AMD EPYC, a quarter of the retrieval drafter's whole drafting
+phase at batch 1. A Cholesky factorisation in floats does the same work in
+a few dozen microseconds. A column subset is degenerate where a column is
+(almost) a combination of the others: its Cholesky pivot, with the columns
+scaled to unit diagonal, below ``COLLINEAR`` (a correlation above
+1 - 1e-10 with the others), independent of the columns' units.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
-
-import numpy as np
 
 COLUMNS = 5  # 1, decode rows, prompt tokens, trees, branching trees
 BRANCHING = 4  # the branching trees column
 PRIOR_STEPS = 8.0  # see "Decision (a prior on the branching column)"
+COLLINEAR = 1e-10  # a scaled Cholesky pivot below this: the column adds nothing the others lack
+
+
+def solve_spd(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
+    """``x`` with ``matrix x = rhs`` for a symmetric positive semi-definite
+    ``matrix`` (lists of floats), or None where a column is (almost) a
+    combination of the others (see "Decision (plain Python, no numpy)")."""
+    n = len(rhs)
+    if any(matrix[i][i] <= 0.0 for i in range(n)):
+        return None
+    scale = [1.0 / math.sqrt(matrix[i][i]) for i in range(n)]
+    lower = [[0.0] * n for _ in range(n)]
+    for i in range(n):
+        for j in range(i + 1):
+            total = matrix[i][j] * scale[i] * scale[j] - sum(lower[i][k] * lower[j][k] for k in range(j))
+            if i == j:
+                if total < COLLINEAR:
+                    return None
+                lower[i][i] = math.sqrt(total)
+            else:
+                lower[i][j] = total / lower[j][j]
+    y = [0.0] * n
+    for i in range(n):
+        y[i] = (rhs[i] * scale[i] - sum(lower[i][k] * y[k] for k in range(i))) / lower[i][i]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (y[i] - sum(lower[k][i] * x[k] for k in range(i + 1, n))) / lower[i][i]
+    return [x[i] * scale[i] for i in range(n)]
 
 
 class Fit(NamedTuple):
@@ -67,8 +106,8 @@ class StepCostFit:
 
     def __init__(self, half_life: float = 200.0) -> None:
         self.decay = 0.5 ** (1.0 / half_life)
-        self.gram = np.zeros((COLUMNS, COLUMNS))  # decayed X^T X and X^T t
-        self.moment = np.zeros(COLUMNS)
+        self.gram = [[0.0] * COLUMNS for _ in range(COLUMNS)]  # decayed X^T X and X^T t
+        self.moment = [0.0] * COLUMNS
         self.steps_seen = 0
         self.max_rows = 0  # the most decode rows of any measured step
         self._solution: Fit | None = None
@@ -81,21 +120,24 @@ class StepCostFit:
         prompt chunks, the rest one row per decoding request and its tree
         nodes; ``trees`` requests verified a tree, ``branching`` of them a
         branching one), ``seconds`` of wall time."""
-        x = np.array([1.0, tokens - prefill_tokens, prefill_tokens, trees, branching])
+        x = (1.0, float(tokens - prefill_tokens), float(prefill_tokens), float(trees), float(branching))
         self.max_rows = max(self.max_rows, tokens - prefill_tokens)
-        self.gram = self.gram * self.decay + np.outer(x, x)
-        self.moment = self.moment * self.decay + x * seconds
+        decay = self.decay
+        for row, xi in zip(self.gram, x):
+            for j, xj in enumerate(x):
+                row[j] = row[j] * decay + xi * xj
+        self.moment = [m * decay + xi * seconds for m, xi in zip(self.moment, x)]
         self.steps_seen += 1
 
     def tree_spread(self) -> float:
         """How much the steps' numbers of trees vary: their (decayed)
         variance over their squared mean; infinite while no tree was seen.
         Near 0 the trees column cannot be told from the fixed cost."""
-        weight = self.gram[0, 0]
-        mean = self.gram[0, 3] / weight if weight > 0 else 0.0
+        weight = self.gram[0][0]
+        mean = self.gram[0][3] / weight if weight > 0 else 0.0
         if mean <= 0:
             return float("inf")
-        return max(self.gram[3, 3] / weight - mean * mean, 0.0) / (mean * mean)
+        return max(self.gram[3][3] / weight - mean * mean, 0.0) / (mean * mean)
 
     def solve(self) -> Fit | None:
         """The :class:`Fit` (each term >= 0, ``fixed + per_row > 0``),
@@ -111,15 +153,17 @@ class StepCostFit:
     def _solve(self) -> Fit | None:
         if self.steps_seen < self.MIN_STEPS:
             return None
-        seen = self.gram.diagonal() > 1e-9 * max(self.gram[0, 0], 1.0)
+        gram = self.gram
+        seen = [gram[c][c] > 1e-9 * max(gram[0][0], 1.0) for c in range(COLUMNS)]
         base = [0, 1] + ([2] if seen[2] else [])
         optional = [column for column in (3, 4) if seen[column]]
         subsets = [optional, *([c] for c in optional if len(optional) > 1), []]
         for used in [base + subset for subset in subsets]:
-            gram = self.gram[np.ix_(used, used)] + np.diag([PRIOR_STEPS * (c == BRANCHING) for c in used])
-            if np.linalg.cond(gram) > 1e12:
+            matrix = [[gram[i][j] + PRIOR_STEPS * (i == j == BRANCHING) for j in used] for i in used]
+            solution = solve_spd(matrix, [self.moment[c] for c in used])
+            if solution is None:
                 continue
-            values = dict(zip(used, np.linalg.solve(gram, self.moment[used])))
+            values = dict(zip(used, solution))
             fixed, per_row = max(values[0], 0.0), max(values[1], 0.0)
             if fixed + per_row > 0.0:  # else no step would cost anything: not a usable fit
                 tree_terms = (max(values.get(c, 0.0), 0.0) for c in (3, 4))
@@ -130,7 +174,7 @@ class StepCostFit:
         """The (decayed) mean step time: known from the first step on, even
         while the fit cannot split it into its terms (every step the same
         shape); None before any step."""
-        return self.moment[0] / self.gram[0, 0] if self.steps_seen else None
+        return self.moment[0] / self.gram[0][0] if self.steps_seen else None
 
     def cost(self) -> tuple[float, float, float] | None:
         """``(fixed, per_row, per_prompt_token)``, or None while unknown."""
