@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-import numpy as np
 
 from vllm_adaptive_spec.budget.cost_fit import StepCostFit
 from vllm_adaptive_spec.budget.cost_table import StepCostTable
@@ -100,7 +99,7 @@ class LinearCost:
 
 
 def best_width(
-    p_hat: list[np.ndarray], plain: int, widths: tuple[int, ...], cost: Callable[[int], float | None]
+    p_hat: list[list[float]], plain: int, widths: tuple[int, ...], cost: Callable[[int], float | None]
 ) -> tuple[int, float]:
     """The width ``W`` (0: no node) of the highest expected rate, and that
     rate: ``(B + sum_r p_hat[r][:W].sum()) / cost(1 + W)``, ``B`` the
@@ -112,7 +111,7 @@ def best_width(
         seconds = cost(1 + width)
         if seconds is None or seconds <= 0.0:
             continue
-        rate = (batch + sum(float(v[:width].sum()) for v in p_hat)) / seconds
+        rate = (batch + sum(sum(v[:width]) for v in p_hat)) / seconds
         if rate > best_rate:
             best, best_rate = width, rate
     return best, best_rate
@@ -156,7 +155,7 @@ class ShapeCost:
         width, _ = best_width(p_hat, plain, self.widths, lambda rows: self.table.cost(batch, rows))
         plain_seconds = self.table.cost(batch, 1)
         seconds = (self.table.cost(batch, 1 + width) if width else plain_seconds) + per_draft * len(trees)
-        gain = batch + sum(float(v[:width].sum()) for v in p_hat)
+        gain = batch + sum(sum(v[:width]) for v in p_hat)
         return Planned([tree.keep_best(width) for tree in trees], gain / seconds, seconds, plain_seconds, False)
 
     def tree_seconds(self, batch: int, trees: int, nodes: float, depth: int) -> float:

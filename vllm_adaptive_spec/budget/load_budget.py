@@ -228,7 +228,7 @@ class LoadBudget:
         trial; a step that keeps none is judged on the mean step time."""
         trial = self.cold_trials < COLD_TRIALS and any(len(v) for v in p_hat)
         self.cold_trials += trial
-        wanted = [max(int((v >= self.cold_min_p).sum()), int(trial and len(v) > 0)) for v in p_hat]
+        wanted = [max(sum(value >= self.cold_min_p for value in v), int(trial and len(v) > 0)) for v in p_hat]
         confident = within(p_hat, wanted, self.room(len(trees), plain))
         chosen = [t.keep_best(count) for t, count in zip(trees, confident)]
         step, per_draft = self.fit.mean_step(), self.draft_cost()

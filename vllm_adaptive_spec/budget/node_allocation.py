@@ -9,13 +9,16 @@ ratio of sums over nodes that each add ``p_hat`` to ``G`` and ``per_row`` to
 ``C`` is maximised by keeping exactly the nodes with ``p_hat > per_row * G / C``
 at the optimum, found greedily by descending ``p_hat``; as ``p`` never rises
 along a path, each tree's kept set is closed under ancestors.
+
+Decision (plain Python lists, no numpy): a step's values are a few dozen to
+a few hundred floats, handled on the host right after the forward, where a
+numpy call costs tens of microseconds (``cost_fit``'s "Decision (plain
+Python, no numpy)"); sorting and summing lists of floats costs less.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
-
-import numpy as np
 
 from vllm_adaptive_spec.budget.cost_fit import Fit
 from vllm_adaptive_spec.trees.tree import DraftTree
@@ -24,15 +27,15 @@ MAX_FACTOR = 2.0  # the calibration's largest value (``calibration.Calibration``
 FLOOR_MARGIN = 0.8  # see :func:`floor`
 
 
-def expected(trees: list[DraftTree], factors: list[float], max_nodes: int) -> list[np.ndarray]:
+def expected(trees: list[DraftTree], factors: list[float], max_nodes: int) -> list[list[float]]:
     """Each tree's ``p_hat`` (path probability times its ``factor``) in keep
     order, descending, at most ``max_nodes`` of them."""
-    return [np.sort(np.asarray(t.path_probabilities(), dtype=np.float64))[::-1][:max_nodes] * factor
+    return [[float(p) * factor for p in sorted(t.path_probabilities(), reverse=True)[:max_nodes]]
             for t, factor in zip(trees, factors)]
 
 
 def allocate(
-    p_hat: list[np.ndarray], fixed: float, per_row: float, draft_seconds: float = 0.0, plain: int = 0
+    p_hat: list[list[float]], fixed: float, per_row: float, draft_seconds: float = 0.0, plain: int = 0
 ) -> list[int]:
     """Nodes to keep per request: ``p_hat[r]`` holds request ``r``'s expected
     acceptances in its keep order (descending); returns how many of each
@@ -43,34 +46,34 @@ def allocate(
     cost = fixed + draft_seconds + per_row * (batch + plain)
     if batch == 0:
         return []
-    values, owners, order = _pooled(p_hat)
-    kept = np.zeros(batch, dtype=np.int64)
-    for index in order:
-        value = values[index]
+    kept = [0] * batch
+    for value, owner in _pooled(p_hat):
         if value <= 0 or value * cost <= per_row * gain:
             break
         gain += value
         cost += per_row
-        kept[owners[index]] += 1
-    return kept.tolist()
+        kept[owner] += 1
+    return kept
 
 
-def _pooled(p_hat: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every request's values in one array, each value's request, and the
-    order of the values from the largest (stable among equals)."""
-    values = np.concatenate([np.asarray(v, dtype=np.float64) for v in p_hat])
-    owners = np.concatenate([np.full(len(v), r) for r, v in enumerate(p_hat)]).astype(np.int64)
-    return values, owners, np.argsort(-values, kind="stable")
+def _pooled(p_hat: list[list[float]]) -> list[tuple[float, int]]:
+    """Every request's values with their request, from the largest (in
+    request order among equals)."""
+    pooled = [(float(value), r) for r, values in enumerate(p_hat) for value in values]
+    pooled.sort(key=lambda pair: pair[0], reverse=True)  # stable: equals keep their order
+    return pooled
 
 
-def within(p_hat: list[np.ndarray], kept: list[int], room: int) -> list[int]:
+def within(p_hat: list[list[float]], kept: list[int], room: int) -> list[int]:
     """``kept`` cut to the ``room`` best nodes over all requests (each
     request's first ``kept[r]`` of ``p_hat[r]``, which are in descending
     order, so every request keeps a prefix of its own)."""
     if sum(kept) <= room:
         return list(kept)
-    _, owners, order = _pooled([v[:k] for v, k in zip(p_hat, kept)])
-    return np.bincount(owners[order[: max(room, 0)]], minlength=len(kept)).tolist()
+    counts = [0] * len(kept)
+    for _, owner in _pooled([v[:k] for v, k in zip(p_hat, kept)])[: max(room, 0)]:
+        counts[owner] += 1
+    return counts
 
 
 def at_least(tree: DraftTree, floor: float) -> DraftTree:
@@ -107,14 +110,14 @@ class NodePlan(NamedTuple):
     trust_cut: bool
 
 
-def plan_nodes(p_hat: list[np.ndarray], fit: Fit, per_draft: float, plain: int, room: int) -> NodePlan:
+def plan_nodes(p_hat: list[list[float]], fit: Fit, per_draft: float, plain: int, room: int) -> NodePlan:
     """The nodes to keep (:func:`allocate` within ``room``), then the trees
     whose nodes do not pay their tree's own cost ``per_tree`` dropped, twice, at
     the resulting rate."""
     n = len(p_hat)
 
     def expected_rate(kept: list[int]) -> float:
-        gain = n + plain + sum(float(v[:k].sum()) for v, k in zip(p_hat, kept))
+        gain = n + plain + sum(sum(v[:k]) for v, k in zip(p_hat, kept))
         seconds = (fit.fixed + per_draft * n + fit.per_row * (n + plain + sum(kept))
                    + fit.per_tree * sum(k > 0 for k in kept))
         return gain / seconds
@@ -124,7 +127,7 @@ def plan_nodes(p_hat: list[np.ndarray], fit: Fit, per_draft: float, plain: int, 
     cut = sum(kept) < sum(wanted)
     for _ in range(2):
         rate = expected_rate(kept)
-        kept = [k if float(v[:k].sum()) - fit.per_row * k * rate >= fit.per_tree * rate else 0
+        kept = [k if sum(v[:k]) - fit.per_row * k * rate >= fit.per_tree * rate else 0
                 for v, k in zip(p_hat, kept)]
     return NodePlan(kept, rate, expected_rate(kept), cut)
 
