@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-
 from vllm_adaptive_spec.budget.cost_fit import StepCostFit
 from vllm_adaptive_spec.budget.cost_table import StepCostTable
 from vllm_adaptive_spec.budget.node_allocation import modelled_seconds, plan_nodes, shaped
@@ -102,7 +101,7 @@ def best_width(
     p_hat: list[list[float]], plain: int, widths: tuple[int, ...], cost: Callable[[int], float | None]
 ) -> tuple[int, float]:
     """The width ``W`` (0: no node) of the highest expected rate, and that
-    rate: ``(B + sum_r p_hat[r][:W].sum()) / cost(1 + W)``, ``B`` the
+    rate: ``(B + sum_r sum(p_hat[r][:W])) / cost(1 + W)``, ``B`` the
     drafting requests and the ``plain`` others; widths of unknown cost are
     skipped. ``p_hat[r]`` is in keep order (descending); ``cost(1)`` must be known."""
     batch = len(p_hat) + plain
