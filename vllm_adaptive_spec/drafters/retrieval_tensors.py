@@ -223,7 +223,7 @@ class TensorRetrievalDrafter(RetrievalDrafter):
 
     def prepare(self, request_ids: list[str], contexts: Contexts, rows=None, prompt_lens=None) -> None:
         self._tokens = torch.from_numpy(contexts.tokens).to(self.device, torch.long, non_blocking=True)
-        self._lengths = torch.from_numpy(contexts.lengths).to(self.device, torch.long, non_blocking=True)
+        self._lengths = torch.tensor(contexts.lengths, dtype=torch.long).to(self.device, non_blocking=True)
         self._cached, self._whole = {}, None
 
     def candidate_tensors(self, floor: float = 0.0) -> CandidateTrees:

@@ -339,15 +339,17 @@ class Proposer:
 
     def _drafting_requests(self, step: _StepRequests, eligible: list[bool]) -> tuple[list[int], list[int], Contexts]:
         """The batch rows that draft (``eligible`` ones that sampled and have
-        room for a node), their node limits ``max_nodes`` and contexts (one gather from
-        the token array)."""
-        lengths = np.asarray(step.num_tokens[: len(step.request_ids)], dtype=np.int64)
-        max_nodes = np.minimum(self.config.max_nodes, self.max_model_len - lengths - 1)
-        sampled = np.array([bool(tokens) for tokens in step.sampled_token_ids], dtype=bool)
-        active = np.flatnonzero(sampled & np.asarray(eligible, dtype=bool) & (max_nodes > 0))
-        pending = [step.sampled_token_ids[i] for i in active.tolist()] if step.sampled_pending else None
-        contexts = Contexts.gather(step.token_ids, active, lengths[active], pending)
-        return active.tolist(), max_nodes[active].tolist(), contexts
+        room for a node), their node limits ``max_nodes`` and contexts (rows
+        of the token array). Plain lists: see ``drafters/contexts``."""
+        lengths = step.num_tokens[: len(step.request_ids)].tolist()
+        active, max_nodes = [], []
+        for row, (sampled, ok, length) in enumerate(zip(step.sampled_token_ids, eligible, lengths)):
+            limit = min(self.config.max_nodes, self.max_model_len - length - 1)
+            if sampled and ok and limit > 0:
+                active.append(row)
+                max_nodes.append(limit)
+        pending = [step.sampled_token_ids[i] for i in active] if step.sampled_pending else None
+        return active, max_nodes, Contexts.gather(step.token_ids, active, [lengths[i] for i in active], pending)
 
     def _isolated_trees(self, part: _Part, drafting: bool, newcomers: bool, active, active_ids, contexts, max_nodes,
                         lens, plain: int, first_pass_seconds: float) -> list[DraftTree]:

@@ -6,15 +6,14 @@ whole forward so far (about 13 such copies a step, before this module). A step's
 tensors go instead into one pinned buffer that travels in one non-blocking
 copy; PyTorch's pinned allocator keeps the buffer alive until the copy ran.
 Off CUDA the host tensors already are where the step needs them: nothing is
-packed or copied.
+copied.
 """
 
 from __future__ import annotations
 
 import functools
-import math
+import itertools
 
-import numpy as np
 import torch
 
 
@@ -24,18 +23,14 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _moved(host, device) if _is_cuda(device) else host
 
 
-def packed_to_device(parts: list, device: torch.device) -> list[torch.Tensor]:
-    """Host tensors or numpy arrays on ``device`` in one pinned, non-blocking
-    copy: packed as int64 into one buffer (by numpy, a copy each), split
-    there and reshaped (on CUDA bool parts come back as int64 0 / 1; the
-    caller casts). Off CUDA: the parts as tensors sharing their memory."""
-    if not _is_cuda(device):
-        return [torch.as_tensor(part) for part in parts]
-    flat = torch.from_numpy(np.concatenate([np.asarray(part, dtype=np.int64).reshape(-1) for part in parts]
-                                           if parts else [np.empty(0, dtype=np.int64)]))
-    moved = _moved(flat, device)
-    sizes = [math.prod(part.shape) for part in parts]
-    return [piece.view(tuple(part.shape)) for piece, part in zip(moved.split(sizes), parts)]
+def packed_to_device(parts: list[list[int]], shapes: list[tuple[int, ...]], device: torch.device) -> list[torch.Tensor]:
+    """Flat lists of ints on ``device`` as int64 tensors of ``shapes``: one
+    host tensor made from them all (one conversion, whatever the step's
+    size), in one pinned, non-blocking copy on CUDA, then split and
+    reshaped (bool parts come back as 0 / 1; the caller casts)."""
+    host = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.int64)
+    moved = _moved(host, device) if _is_cuda(device) else host
+    return [piece.view(shape) for piece, shape in zip(moved.split([len(part) for part in parts]), shapes)]
 
 
 def _moved(host: torch.Tensor, device) -> torch.Tensor:

@@ -16,12 +16,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from vllm_adaptive_spec.step.transfer import packed_to_device, to_device
-from vllm_adaptive_spec.trees.packed_ranges import packed_ranges
-from vllm_adaptive_spec.trees.tree import DraftTree, HostTrees, TreeBatch
+from vllm_adaptive_spec.trees.row_layout import RowLayout, lay_out_rows
+from vllm_adaptive_spec.trees.tree import DraftTree, TreeBatch
 from vllm_adaptive_spec.trees.tree_buffers import TreeBuffers
 from vllm_adaptive_spec.trees.tree_tensors import TreeTensors, row_visibility
 
@@ -165,73 +164,58 @@ def build_step(
     device: torch.device,
     paddings: list[int] | None = None,
 ) -> TreeStep:
-    """Lay out the trees of one step. A request's tree occupies ``1 + n`` of
-    its query rows (root, then nodes), followed by its ``paddings`` rows (the
-    ``-1`` drafts of a uniform step, ``uniform_widths``), which see the rows up
-    to the root and which no row sees; earlier rows (if any) are causal, and
-    every tree row sees them all. Only the requests whose tree branches need
-    the tree path of the attention (:class:`AttentionRows`).
-    Built on the host as numpy arrays for all requests at once (no loop over
-    them); everything the device needs arrives in one pinned, non-blocking
+    """Lay out the trees of one step (``row_layout``: which rows a tree
+    takes, which rows each sees, its ``paddings``); only the requests whose
+    tree branches need the tree path of the attention
+    (:class:`AttentionRows`). Built on the host in plain lists; everything
+    the device needs arrives in one conversion and one pinned, non-blocking
     copy (:func:`~vllm_adaptive_spec.step.transfer.packed_to_device`)."""
-    host = HostTrees.of(trees)
-    starts, lengths = np.asarray(query_starts, dtype=np.int64), np.asarray(query_lens, dtype=np.int64)
-    before = lengths - 1 - host.num_nodes - (0 if paddings is None else np.asarray(paddings, dtype=np.int64))
-    query_rows = packed_ranges(starts, lengths)
-    request = np.repeat(np.arange(len(trees)), lengths)
-    query_mask = _row_masks(host, request, query_rows - starts[request], before, int(lengths.max()))
-    roots = starts + before
-    valid = host.valid
-    node_offsets = host.depths()[valid] - 1 - np.nonzero(valid)[1]
-    parts = [np.asarray(batch_indices, dtype=np.int64), host.tokens, host.parents, host.num_nodes, host.ancestors,
-             query_rows, np.concatenate([[0], np.cumsum(lengths)]), query_mask,
-             packed_ranges(roots + 1, host.num_nodes), node_offsets, roots]
-    branching = np.flatnonzero(host.branches())
-    if branching.size:
-        mine, widest = np.isin(request, branching), int(lengths[branching].max())
-        parts += [parts[0][branching], query_rows[mine], np.concatenate([[0], np.cumsum(lengths[branching])]),
-                  query_mask[mine, :widest]]
-    moved = packed_to_device(parts, device)
-    indices, tokens, parents, num_nodes, ancestors_d, rows_d, query_start_loc, mask_d, n_rows, n_offsets = moved[:10]
+    host = lay_out_rows(trees, query_starts, query_lens, paddings or [0] * len(trees))
+    batch, nodes, width = len(trees), host.nodes, host.width
+    parts = [(batch_indices, (batch,)), (host.tokens, (batch, nodes)), (host.parents, (batch, nodes)),
+             (host.num_nodes, (batch,)), (host.ancestors, (batch, nodes, nodes)), (host.query_rows, (-1,)),
+             (host.query_start_loc, (batch + 1,)), (host.query_mask, (-1, width)), (host.node_rows, (-1,)),
+             (host.node_offsets, (-1,)), (host.roots, (batch,))]
+    if host.branching:
+        parts += _branching_parts(host, batch_indices, query_lens)
+    moved = packed_to_device([part for part, _ in parts], [shape for _, shape in parts], device)
+    indices, tokens, parents, num_nodes, ancestors, rows, query_start_loc, mask, node_rows, node_offsets, roots = moved[:11]
     attention = None
-    if branching.size:
+    if host.branching:
         b_indices, b_rows, b_starts, b_mask = moved[11:]
         attention = AttentionRows(batch_indices=b_indices, query_rows=b_rows, query_start_loc=b_starts.to(torch.int32),
-                                  query_mask=b_mask.bool(), max_query_len=widest)
+                                  query_mask=b_mask.bool(), max_query_len=b_mask.shape[1])
     return TreeStep(
         batch_indices=indices,
         trees=trees,
         tree_batch=TreeBatch(tokens, parents, num_nodes),
-        ancestors=ancestors_d.bool(),
-        query_rows=rows_d,
+        ancestors=ancestors.bool(),
+        query_rows=rows,
         query_start_loc=query_start_loc.to(torch.int32),
-        query_mask=mask_d.bool(),
+        query_mask=mask.bool(),
         host_batch_indices=list(batch_indices),
         host_first_rows=list(query_starts),
-        host_root_rows=roots.tolist(),
-        node_rows=n_rows,
-        node_offsets=n_offsets,
-        root_rows=moved[10],
+        host_root_rows=host.roots,
+        node_rows=node_rows,
+        node_offsets=node_offsets,
+        root_rows=roots,
         attention=attention,
     )
 
 
-def _row_masks(host: HostTrees, request: np.ndarray, local: np.ndarray, before: np.ndarray, width: int) -> np.ndarray:
-    """[T, width] which of its request's query rows each row sees (row
-    ``local`` of request ``request``; ``before``: each request's rows ahead
-    of its root): causal, except in the tree's block (the root, then each
-    node seeing the root, its ancestors and itself) and for the padding rows
-    after it (they see the rows up to the root)."""
-    row, column = local[:, None], np.arange(width)[None, :]
-    first, size = before[request][:, None], 1 + host.num_nodes[request][:, None]
-    nodes = host.tokens.shape[1]
-    block = np.zeros((len(host.num_nodes), 1 + nodes, 1 + nodes), dtype=bool)
-    block[:, :, 0] = True
-    block[:, 1:, 1:] = host.ancestors
-    in_tree = (row >= first) & (row < first + size) & (column >= first) & (column < first + size)
-    seen = block[request[:, None], np.clip(row - first, 0, nodes), np.clip(column - first, 0, nodes)]
-    mask = np.where(in_tree, seen, column <= row)
-    return mask & ~((row >= first + size) & (column > first))
+def _branching_parts(host: RowLayout, batch_indices: list[int], query_lens: list[int]) -> list[tuple[list[int], tuple]]:
+    """The branching requests' rows for :class:`AttentionRows`: their batch
+    indices, query rows, row offsets and masks, cut to their widest request."""
+    widest = max(query_lens[k] for k in host.branching)
+    firsts = host.query_start_loc
+    rows, starts, mask = [], [0], []
+    for k in host.branching:
+        rows.extend(host.query_rows[firsts[k]: firsts[k + 1]])
+        starts.append(starts[-1] + query_lens[k])
+        for row in range(firsts[k], firsts[k + 1]):
+            mask.extend(host.query_mask[row * host.width: row * host.width + widest])
+    return [([batch_indices[k] for k in host.branching], (len(host.branching),)), (rows, (-1,)),
+            (starts, (len(host.branching) + 1,)), (mask, (-1, widest))]
 
 
 def build_uniform_step(
