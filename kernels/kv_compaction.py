@@ -26,6 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.cpu_library import native_library
+
 try:
     import triton
     import triton.language as tl
@@ -55,7 +57,7 @@ def compact_kv_cpu(
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
 ) -> None:
-    """Vectorised torch, the path off CUDA: the pairs that move, then per
+    """Vectorised torch, the path off CUDA where the native library is not built: the pairs that move, then per
     layer every source gathered and scattered (the in-order result, as
     above). Off CUDA the slots are already on the host, so finding the moving
     pairs costs no wait; a step with none returns at once. Measured on 2 CPU
@@ -196,9 +198,16 @@ def compact_kv(
 ) -> None:
     """In place, every layer: the Triton kernel on CUDA (one launch per group
     of layers that share a shape, dtype and strides, e.g. the target's and a
-    draft model's of another head size), :func:`compact_kv_cpu` elsewhere."""
+    draft model's of another head size); elsewhere the native CPU op
+    (``kv_compaction_cpu.cpp``, in :mod:`kernels.cpu_library`: every layer in
+    one call, 60 index copies for the demo model's 30 layers in torch), or
+    :func:`compact_kv_cpu` where the library is not built."""
     if not _on_gpu(key_caches[0]):
-        compact_kv_cpu(key_caches, value_caches, src_slots, dst_slots)
+        lib = native_library()
+        if lib is None:
+            compact_kv_cpu(key_caches, value_caches, src_slots, dst_slots)
+        else:
+            lib.compact_kv([*key_caches, *value_caches], src_slots, dst_slots)
         return
     groups: dict[tuple, list[int]] = {}
     for layer, (key, value) in enumerate(zip(key_caches, value_caches)):

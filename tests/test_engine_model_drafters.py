@@ -15,7 +15,7 @@ from collections import defaultdict
 import pytest
 
 from conftest import HEAD, chat_token_ids, run_engine_job
-from kernels.tree_attention_cpu import SETTING
+from kernels.cpu_library import SETTING
 from vllm_adaptive_spec.prompts import load_prompts, one_per_category
 
 pytestmark = pytest.mark.engine

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from kernels.cpu_library import library, machine_isa
 from kernels.kv_compaction import compact_kv, compact_kv_reference, compact_kv_cpu, compact_kv_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -108,6 +109,11 @@ def slot_ids(key_cache):
     return key_cache[:, :, 0, 0].flatten().long().tolist()
 
 
+def compact_kv_native(key_caches, value_caches, src, dst):
+    """The native CPU op (``kv_compaction_cpu.cpp``) of this machine's library."""
+    library(machine_isa()).compact_kv([*key_caches, *value_caches], src, dst)
+
+
 # Row 0 overlaps (slot 2 is pair 0's source and pair 1's destination); row 1 has
 # a no-op pair (5 -> 5) and a copy; row 2 is all padding.
 SRC = torch.tensor([[2, 3, -1], [5, 7, -1], [-1, -1, -1]])
@@ -115,11 +121,12 @@ DST = torch.tensor([[1, 2, -1], [5, 6, -1], [-1, -1, -1]])
 EXPECTED = [0, 2, 3, 3, 4, 5, 7, 7]
 
 
-@pytest.mark.parametrize("impl", [compact_kv_reference, compact_kv_triton, compact_kv_cpu, compact_kv],
-                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("impl", [compact_kv_reference, compact_kv_triton, compact_kv_cpu, compact_kv,
+                                  compact_kv_native], ids=lambda f: f.__name__)
 def test_hand_computed_overlap(impl):
-    key, value = (c.to(DEVICE) for c in slot_id_caches())
-    impl([key], [value], SRC.to(DEVICE), DST.to(DEVICE))
+    device = "cpu" if impl is compact_kv_native else DEVICE
+    key, value = (c.to(device) for c in slot_id_caches())
+    impl([key], [value], SRC.to(device), DST.to(device))
     assert slot_ids(key) == EXPECTED
     assert torch.equal(value, -key)
 
@@ -135,6 +142,29 @@ def test_cpu_path_matches_reference(seed):
     compact_kv_cpu(actual[:1], actual[1:], src, dst)
     assert all(torch.equal(a, e) for a, e in zip(actual, expected))
     assert not all(torch.equal(a, o) for a, o in zip(actual, originals))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_cpu_op_matches_reference(seed, dtype):
+    """The native op on random accepted paths, keys a strided view (vLLM's
+    ``vec`` layout keeps a page's keys transposed), several layers of two
+    head sizes in one call."""
+    gen = torch.Generator().manual_seed(seed)
+    src, dst, num_blocks, _ = make_rows(gen, num_requests=6, tree_size=7, block_size=4)
+    layers = [make_caches(gen, num_blocks, 4, 2, head_dim, dtype, transposed=(True, False)) for head_dim in (16, 16, 24)]
+    expected, actual = [[c.clone() for c in layer] for layer in layers], [[c.clone() for c in layer] for layer in layers]
+    for key, value in expected:
+        compact_kv_reference([key], [value], src, dst)
+    compact_kv_native([k for k, _ in actual], [v for _, v in actual], src, dst)
+    assert all(torch.equal(a, e) for layer, want in zip(actual, expected) for a, e in zip(layer, want))
+    assert not all(torch.equal(a, o) for layer, orig in zip(actual, layers) for a, o in zip(layer, orig))
+
+
+def test_native_cpu_op_refuses_a_slot_outside_the_cache():
+    key, value = slot_id_caches()
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        compact_kv_native([key], [value], torch.tensor([[key.shape[0] * key.shape[1]]]), torch.tensor([[0]]))
 
 
 def test_out_of_order_copy_would_differ():

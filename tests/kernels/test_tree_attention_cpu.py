@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels import cpu_library
 from kernels import tree_attention_cpu as native
 from kernels.tree_attention import tree_attention_reference
 from vllm_adaptive_spec.adapter.cpu_cache_layout import cache_views
@@ -122,18 +123,18 @@ def test_a_strided_query_and_a_cache_view():
 
 
 def test_the_setting_picks_the_path(monkeypatch):
-    native.native_op.cache_clear()
+    cpu_library.native_library.cache_clear()
     try:
-        monkeypatch.setenv(native.SETTING, "torch")
+        monkeypatch.setenv(cpu_library.SETTING, "torch")
         assert native.native_op() is None
-        native.native_op.cache_clear()
-        monkeypatch.setenv(native.SETTING, "native")
+        cpu_library.native_library.cache_clear()
+        monkeypatch.setenv(cpu_library.SETTING, "native")
         assert native.native_op() is not None
-        monkeypatch.setenv(native.SETTING, "fast")
+        monkeypatch.setenv(cpu_library.SETTING, "fast")
         with pytest.raises(ValueError, match="auto, native or torch"):
-            native.setting()
+            cpu_library.setting()
     finally:
-        native.native_op.cache_clear()
+        cpu_library.native_library.cache_clear()
 
 
 def test_unsupported_shapes_are_refused():
@@ -147,7 +148,7 @@ def test_unsupported_shapes_are_refused():
 def _without_a_compiler(setting: str, tmp_path) -> subprocess.CompletedProcess:
     """Ask for the op in a fresh process whose compiler is ``false`` and whose
     extension cache is empty."""
-    env = {**os.environ, "CXX": "false", "TORCH_EXTENSIONS_DIR": str(tmp_path), native.SETTING: setting}
+    env = {**os.environ, "CXX": "false", "TORCH_EXTENSIONS_DIR": str(tmp_path), cpu_library.SETTING: setting}
     code = "from kernels import tree_attention_cpu as n; print('op:', n.native_op())"
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)

@@ -98,7 +98,7 @@ class TreeRunnerMixin:
         if self.uses_mrope:
             raise ValueError("adaptive_tree does not support M-RoPE models yet")
         self.rejection_sampler = TreeVerifier(self.sampler, mode, self._after_acceptance,
-                                              lambda indices: [self.input_batch.req_ids[i] for i in indices])
+                                              lambda indices: [self.input_batch.req_ids[i] for i in indices], device)
         self._step_started = time.perf_counter()
         self._discarded_generators: dict[int, torch.Tensor] = {}
         self._branching_trees = 0  # this step's requests whose tree branches

@@ -36,11 +36,13 @@ from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
+from kernels.tree_acceptance_cpu import native_accept
 from vllm_adaptive_spec.adapter.tree_history import RowHistories
 from vllm_adaptive_spec.adapter.tree_logits_processors import apply_row_logit_bias, apply_row_min_p, has_logit_bias
 from vllm_adaptive_spec.step import tree_step
 from vllm_adaptive_spec.step.failures import Failures
 from vllm_adaptive_spec.step.transfer import to_device
+from vllm_adaptive_spec.trees.tree import TreeBatch
 from vllm_adaptive_spec.trees.verify import PAD, Acceptance, accept, sample_with_noise
 
 
@@ -178,6 +180,16 @@ def specific_token_logprobs(sampler, values: torch.Tensor, tokens: torch.Tensor,
                            gathered.selected_token_ranks)
 
 
+def acceptance_for(device) -> Callable[[TreeBatch, torch.Tensor, torch.Tensor], Acceptance]:
+    """How a step's trees are accepted on ``device``: :func:`accept`, or on
+    the CPU the native op where it is built (``kernels/tree_acceptance_cpu``:
+    the same result, one call instead of accept's torch operations)."""
+    op = native_accept() if torch.device(device).type == "cpu" else None
+    if op is None:
+        return accept
+    return lambda tree, row_tokens, ancestors: Acceptance(*op(tree.tokens, tree.parents, tree.num_nodes, row_tokens))
+
+
 def first_rows(metadata) -> torch.Tensor:
     """Each request's first logits row, on the device without a host list:
     request ``i`` owns ``1 + drafts`` rows, so it starts at the drafts of the
@@ -199,15 +211,17 @@ def rejected(first_tokens: torch.Tensor, width: int) -> Acceptance:
 class TreeVerifier(torch.nn.Module):
     """``on_accept(step, acceptance)`` runs right after acceptance (KV
     compaction and statistics), in the same engine step;
-    ``request_ids(batch indices)`` names requests for the log. A failure in
+    ``request_ids(batch indices)`` names requests for the log; ``device``:
+    where the step runs, which picks how trees are accepted (:func:`acceptance_for`). A failure in
     the tree rows' work costs the step's trees, not the engine (``failures``,
     ``request_options``): each tree request then emits the token vLLM's
     sampler drew from its first row, as if it had drafted nothing."""
 
     def __init__(self, sampler, logprobs_mode: str, on_accept: Callable[[tree_step.TreeStep, Acceptance], None],
-                 request_ids: Callable[[list[int]], list[str]]):
+                 request_ids: Callable[[list[int]], list[str]], device="cpu"):
         super().__init__()
         self.sampler = sampler
+        self.accept = acceptance_for(device)
         self.logprobs_mode = logprobs_mode
         self.on_accept = on_accept
         self.request_ids = request_ids
@@ -249,8 +263,7 @@ class TreeVerifier(torch.nn.Module):
             logprobs = self._logprobs(logits, starts, output, step, acceptance, sampling_metadata)
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
 
-    @staticmethod
-    def _accepted_trees(metadata, logits, sampling_metadata, step) -> Acceptance:
+    def _accepted_trees(self, metadata, logits, sampling_metadata, step) -> Acceptance:
         """Each tree's accepted path: every tree row's target (processed as
         vLLM's sampler processes a row, ``tree_row_targets``) walked by ``accept``."""
         device = logits.device
@@ -266,7 +279,7 @@ class TreeVerifier(torch.nn.Module):
         # follow them); a tree's empty slots repeat its last node's target.
         offsets = torch.arange(tree_batch.width + 1, device=device)
         local = torch.minimum(offsets.unsqueeze(0), tree_batch.num_nodes.unsqueeze(1))
-        return accept(tree_batch, targets[first.unsqueeze(1) + local], step.ancestors)
+        return self.accept(tree_batch, targets[first.unsqueeze(1) + local], step.ancestors)
 
     @staticmethod
     def _plain_rows(metadata, starts) -> torch.Tensor:
