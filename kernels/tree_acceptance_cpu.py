@@ -10,7 +10,7 @@ Decision: the reference is some thirty-five torch operations over a few
 dozen nodes, one graph-safe sequence with no host read, which the GPU keeps.
 On the CPU each of them is a dispatch on a host whose caches the forward has
 just left cold: together 0.27 ms of every verified step at batch 1 on a
-2-core AMD EPYC, where one native call does the same arithmetic.
+2-core Intel Xeon, where one native call does the same arithmetic.
 """
 
 from __future__ import annotations

@@ -92,3 +92,58 @@ def test_the_layout_dispatches_the_same_operations_at_every_batch_size():
         starts = [sum(lengths[:k]) for k in range(batch)]
         counts.append(dispatched(build_step, list(range(batch)), trees, starts, lengths, torch.device("cpu")))
     assert counts[0] == counts[1]
+
+
+def _is_ancestor(tree: DraftTree, node: int, other: int) -> bool:
+    """Whether ``other`` is ``node`` or one of its ancestors."""
+    while node != -1:
+        if node == other:
+            return True
+        node = tree.parents[node]
+    return False
+
+
+def _sees(tree: DraftTree, before: int, row: int, column: int) -> bool:
+    """Whether a request's query row ``row`` sees its row ``column``, by the
+    definition: causal before the root, the root and padding rows up to the
+    root, a node up to the root and its own ancestors-or-self."""
+    if row < before:
+        return column <= row
+    node, other = row - before - 1, column - before - 1
+    if 0 <= node < len(tree) and 0 <= other < len(tree):
+        return _is_ancestor(tree, node, other)
+    return column <= before
+
+
+def test_random_steps_follow_the_definition():
+    """Random trees (chains and branching ones, rows before the root, padding
+    rows) laid out as the definition says, row by row and node by node."""
+    rng = torch.Generator().manual_seed(0)
+
+    def draw(high: int) -> int:
+        return int(torch.randint(0, high, (1,), generator=rng))
+
+    for _ in range(200):
+        batch = 1 + draw(6)
+        trees, befores, paddings = [], [], []
+        for _ in range(batch):
+            n = 1 + draw(10)
+            parents = [-1 if i == 0 or draw(3) == 0 else (i - 1 if draw(2) else draw(i)) for i in range(n)]
+            trees.append(DraftTree(list(range(n)), parents, [0.5] * n))
+            befores.append(draw(3))
+            paddings.append(draw(3))
+        lengths = [b + 1 + len(t) + p for b, t, p in zip(befores, trees, paddings)]
+        starts = [sum(lengths[:k]) + 2 * k for k in range(batch)]
+        step = build_step(list(range(batch)), trees, starts, lengths, torch.device("cpu"), paddings)
+        mask, width, first = step.query_mask.tolist(), max(lengths), 0
+        for tree, before, length in zip(trees, befores, lengths):
+            for row in range(length):
+                assert mask[first + row] == [_sees(tree, before, row, c) and c < length for c in range(width)]
+            first += length
+        depths = [d for tree in trees for d in tree.depths()]
+        assert step.node_offsets.tolist() == [d - 1 - i for tree in trees for i, d in enumerate(tree.depths())]
+        assert len(depths) == step.node_rows.numel()
+        branching = [k for k, tree in enumerate(trees) if tree.parents != list(range(-1, len(tree) - 1))]
+        assert (step.attention is None) == (not branching)
+        if branching:
+            assert step.attention.batch_indices.tolist() == branching
