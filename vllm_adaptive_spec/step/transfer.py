@@ -11,6 +11,7 @@ copied.
 
 from __future__ import annotations
 
+import array
 import functools
 import itertools
 
@@ -27,8 +28,10 @@ def packed_to_device(parts: list[list[int]], shapes: list[tuple[int, ...]], devi
     """Flat lists of ints on ``device`` as int64 tensors of ``shapes``: one
     host tensor made from them all (one conversion, whatever the step's
     size), in one pinned, non-blocking copy on CUDA, then split and
-    reshaped (bool parts come back as 0 / 1; the caller casts)."""
-    host = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.int64)
+    reshaped (bool parts come back as 0 / 1; the caller casts). The ints
+    go through an ``array`` (filled in C, shared without a copy), which
+    converts a step's thousand ints in about half ``torch.tensor``'s time."""
+    host = torch.frombuffer(array.array("q", itertools.chain.from_iterable(parts)), dtype=torch.int64)
     moved = _moved(host, device) if _is_cuda(device) else host
     return [piece.view(shape) for piece, shape in zip(moved.split([len(part) for part in parts]), shapes)]
 
