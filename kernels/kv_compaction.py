@@ -57,12 +57,13 @@ def compact_kv_cpu(
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
 ) -> None:
-    """Vectorised torch, the path off CUDA where the native library is not built: the pairs that move, then per
-    layer every source gathered and scattered (the in-order result, as
-    above). Off CUDA the slots are already on the host, so finding the moving
-    pairs costs no wait; a step with none returns at once. Measured on 2 CPU
-    cores (30 layers, 2 moves a request): 0.39 / 0.63 / 2.5 ms at batch 1 /
-    8 / 64, against 0.59 / 4.6 / 40 ms for the reference's loop."""
+    """Vectorised torch, the path off CUDA where the native library is not
+    built: the pairs that move, then per layer every source gathered and
+    scattered (the in-order result, as above). Off CUDA the slots are
+    already on the host, so finding the moving pairs costs no wait; a step
+    with none returns at once. Measured on 2 CPU cores (30 layers, 2 moves
+    a request): 0.39 / 0.63 / 2.5 ms at batch 1 / 8 / 64, against 0.59 /
+    4.6 / 40 ms for the reference's loop."""
     live = (src_slots >= 0) & (src_slots != dst_slots)
     src, dst = src_slots[live], dst_slots[live]
     if src.numel() == 0:

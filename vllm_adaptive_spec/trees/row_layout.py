@@ -55,7 +55,7 @@ def lay_out_rows(trees: list[DraftTree], starts: list[int], lengths: list[int], 
     for k, (tree, start, length, padding) in enumerate(zip(trees, starts, lengths, paddings)):
         n = len(tree)
         before = length - 1 - n - padding  # rows ahead of the root
-        ancestors, depths = _ancestors(tree.parents, nodes)
+        ancestors = _ancestors(tree.parents, nodes)
         out.tokens.extend(tree.tokens + [-1] * (nodes - n))
         out.parents.extend(tree.parents + [ROOT] * (nodes - n))
         out.num_nodes.append(n)
@@ -66,24 +66,22 @@ def lay_out_rows(trees: list[DraftTree], starts: list[int], lengths: list[int], 
         out.query_start_loc.append(out.query_start_loc[-1] + length)
         out.query_mask.extend(_row_mask(ancestors, before, n, length, width))
         out.node_rows.extend(range(start + before + 1, start + before + 1 + n))
-        out.node_offsets.extend(depth - 1 - node for node, depth in enumerate(depths))
+        out.node_offsets.extend(depth - 1 - node for node, depth in enumerate(tree.depths()))
         out.roots.append(start + before)
-        if any(parent != node - 1 for node, parent in enumerate(tree.parents)):
+        if tree.branches():
             out.branching.append(k)
     return out
 
 
-def _ancestors(parents: list[int], nodes: int) -> tuple[list[list[int]], list[int]]:
-    """Each node's ancestor-or-self row (``nodes`` wide, 0 / 1) and depth
-    (1 for the root's children); a parent comes before its children."""
+def _ancestors(parents: list[int], nodes: int) -> list[list[int]]:
+    """Each node's ancestor-or-self row (``nodes`` wide, 0 / 1); a parent
+    comes before its children."""
     rows: list[list[int]] = []
-    depths: list[int] = []
     for node, parent in enumerate(parents):
         row = [0] * nodes if parent == ROOT else rows[parent][:]
         row[node] = 1
         rows.append(row)
-        depths.append(1 if parent == ROOT else depths[parent] + 1)
-    return rows, depths
+    return rows
 
 
 def _row_mask(ancestors: list[list[int]], before: int, n: int, length: int, width: int) -> list[int]:

@@ -155,11 +155,10 @@ class TreeBatch:
 class HostTrees(NamedTuple):
     """A step's trees on the host, padded to width ``W`` as numpy arrays (the
     layout of :class:`TreeBatch`): ``tokens``/``parents`` [B, W] int64,
-    ``num_nodes`` [B], ``ancestors`` [B, W, W] bool (ancestor-or-self).
-    numpy, not torch: a step's layout is built on the host every step from
-    arrays of a few hundred elements, where a numpy operation costs about a
-    microsecond and a torch one several; the step's one copy to the device
-    takes them as they are (``step/transfer``)."""
+    ``num_nodes`` [B], ``ancestors`` [B, W, W] bool (ancestor-or-self):
+    what a uniform step's persistent buffers are written from
+    (``tree_buffers``) and :meth:`TreeBatch.from_trees` builds. A ragged
+    step's layout is built in plain lists (``row_layout``)."""
 
     tokens: np.ndarray
     parents: np.ndarray
@@ -180,19 +179,9 @@ class HostTrees(NamedTuple):
         parents[valid] = np.fromiter(itertools.chain.from_iterable(t.parents for t in trees), np.int64, total)
         return HostTrees(tokens, parents, counts, ancestors_of(parents, valid))
 
-    @property
-    def valid(self) -> np.ndarray:
-        """[B, W] which slots hold a node."""
-        return np.arange(self.tokens.shape[1]) < self.num_nodes[:, None]
-
     def depths(self) -> np.ndarray:
         """[B, W] each node's depth (1 for the root's children; 0 padding)."""
         return self.ancestors.sum(-1)
-
-    def branches(self) -> np.ndarray:
-        """[B] whether each tree branches (is not a chain from the root)."""
-        chain = np.arange(self.tokens.shape[1]) - 1
-        return (self.valid & (self.parents != chain)).any(1)
 
     def batch(self, device=None) -> TreeBatch:
         """As torch tensors (on ``device``; on the host they share the arrays)."""
