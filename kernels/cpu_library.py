@@ -8,8 +8,12 @@ acceptance (``tree_acceptance_cpu.cpp``) and the KV compaction
 :mod:`kernels.kv_compaction`), so that one build, one warning and one
 setting serve them all.
 
+The three sources compile as one unit (``cpu_library.cpp``): torch's
+headers and its registration templates are most of each source's compile
+time, so together they cost about what one does.
+
 Decision: compiled on first use with ``torch.utils.cpp_extension.load``
-(ATen and ``torch/library.h`` only, no pybind: about 10 s with g++ 12) into
+(ATen and ``torch/library.h`` only, no pybind: about 12 s with g++ 12 for the three) into
 torch's extension cache, rather than at install: a ``setup.py`` build would
 run in pip's isolated environment against another torch, and on the machine
 that builds rather than the one that runs. One library per instruction set
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import io
 import logging
 import os
@@ -35,8 +40,10 @@ from typing import NamedTuple
 import torch
 
 SETTING = "VLLM_ADAPTIVE_SPEC_CPU_ATTENTION"
+# The three kernels' sources, compiled as one unit (``cpu_library.cpp`` includes them).
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("tree_attention_cpu.cpp", "tree_acceptance_cpu.cpp",
                                                               "kv_compaction_cpu.cpp"))
+UNIT = Path(__file__).with_name("cpu_library.cpp")
 logger = logging.getLogger(__name__)
 
 
@@ -79,11 +86,13 @@ def library(isa: str):
 
     spec = BUILDS[isa]
     namespace = f"adaptive_tree_{isa}"
+    # torch rebuilds when the unit or the flags change; the digest makes a change to an included source one.
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:16]
     defines = [f"-DTREE_VEC={spec.vector}", f"-DTREE_MR={spec.tile_rows}", f"-DTREE_NV={spec.tile_vectors}",
-               f"-DTREE_NS={namespace}"]
+               f"-DTREE_NS={namespace}", f"-DTREE_SOURCES={digest}"]
     quiet = io.StringIO()  # the compiler's and torch's chatter: a failure is reported in one line below
     with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-        cpp_extension.load(name=f"adaptive_tree_cpu_{isa}", sources=[str(source) for source in SOURCES],
+        cpp_extension.load(name=f"adaptive_tree_cpu_{isa}", sources=[str(UNIT)],
                            extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *spec.flags, *defines],
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     return getattr(torch.ops, namespace)

@@ -9,7 +9,7 @@
 // through the strides. Built into the native CPU library
 // (kernels/cpu_library.py), under its namespace.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <cstdint>

@@ -9,7 +9,9 @@
 // root's, where none is). Built into the native CPU library beside the tree
 // attention (kernels/tree_attention_cpu.py), under its namespace.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <torch/library.h>
 
 #include <algorithm>

@@ -20,7 +20,8 @@
 // loader (kernels/tree_attention_cpu.py), one library per instruction set,
 // each registering its ops under its own namespace (TREE_NS).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
