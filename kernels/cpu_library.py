@@ -34,6 +34,7 @@ import hashlib
 import io
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -91,11 +92,29 @@ def library(isa: str):
     defines = [f"-DTREE_VEC={spec.vector}", f"-DTREE_MR={spec.tile_rows}", f"-DTREE_NV={spec.tile_vectors}",
                f"-DTREE_NS={namespace}", f"-DTREE_SOURCES={digest}"]
     quiet = io.StringIO()  # the compiler's and torch's chatter: a failure is reported in one line below
-    with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+    with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet), _environment_tools_first():
         cpp_extension.load(name=f"adaptive_tree_cpu_{isa}", sources=[str(UNIT)],
                            extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *spec.flags, *defines],
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     return getattr(torch.ops, namespace)
+
+
+@contextlib.contextmanager
+def _environment_tools_first():
+    """``PATH`` with this interpreter's own ``bin`` first, while torch builds.
+
+    Decision: ninja records a hash of each command it ran, and two ninja
+    versions (a virtual environment's from PyPI, the system's) do not read
+    each other's records: a process that found the other one on ``PATH``
+    (an activated environment, or not) rebuilt the cached library, about
+    9 s of a core each time the two alternated. With the environment's tools
+    first, every process of one environment builds with the same ninja."""
+    before = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), before])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = before
 
 
 @functools.cache
