@@ -2,18 +2,19 @@
 one library per instruction set, built on first use and cached.
 
 It holds the tree attention (``tree_attention_cpu.cpp``), the tree
-acceptance (``tree_acceptance_cpu.cpp``) and the KV compaction
-(``kv_compaction_cpu.cpp``), each beside its torch reference and module
+acceptance (``tree_acceptance_cpu.cpp``), the KV compaction
+(``kv_compaction_cpu.cpp``) and the retrieval drafter's index and tries
+(``retrieval_trie_cpu.cpp``), each beside its reference and module
 (:mod:`kernels.tree_attention_cpu`, :mod:`kernels.tree_acceptance_cpu`,
-:mod:`kernels.kv_compaction`), so that one build, one warning and one
-setting serve them all.
+:mod:`kernels.kv_compaction`, :mod:`kernels.retrieval_trie_cpu`), so that
+one build, one warning and one setting serve them all.
 
-The three sources compile as one unit (``cpu_library.cpp``): torch's
+The sources compile as one unit (``cpu_library.cpp``): torch's
 headers and its registration templates are most of each source's compile
 time, so together they cost about what one does.
 
 Decision: compiled on first use with ``torch.utils.cpp_extension.load``
-(ATen and ``torch/library.h`` only, no pybind: about 12 s with g++ 12 for the three) into
+(ATen and ``torch/library.h`` only, no pybind: about 12 s with g++ 12 for them all) into
 torch's extension cache, rather than at install: a ``setup.py`` build would
 run in pip's isolated environment against another torch, and on the machine
 that builds rather than the one that runs. One library per instruction set
@@ -43,7 +44,7 @@ import torch
 SETTING = "VLLM_ADAPTIVE_SPEC_CPU_ATTENTION"
 # The three kernels' sources, compiled as one unit (``cpu_library.cpp`` includes them).
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("tree_attention_cpu.cpp", "tree_acceptance_cpu.cpp",
-                                                              "kv_compaction_cpu.cpp"))
+                                                              "kv_compaction_cpu.cpp", "retrieval_trie_cpu.cpp"))
 UNIT = Path(__file__).with_name("cpu_library.cpp")
 logger = logging.getLogger(__name__)
 

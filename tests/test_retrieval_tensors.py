@@ -171,5 +171,6 @@ def test_auto_is_the_trie_and_the_tensors_refuse_what_they_cannot_match():
         RetrievalDrafter(matcher="tensors", datastore="shared")
     config = TreeConfig("retrieval", "retrieval", 16, {"matcher": "tensors"}, {})
     assert isinstance(config.make_drafter("cpu"), TensorRetrievalDrafter)
-    assert type(TreeConfig("retrieval", "retrieval", 16).make_drafter("cpu")) is RetrievalDrafter
+    assert isinstance(TreeConfig("retrieval", "retrieval", 16).make_drafter("cpu"), RetrievalDrafter)
+    assert type(TreeConfig("retrieval", "retrieval", 16).make_drafter("cuda")) is RetrievalDrafter
     np.testing.assert_array_equal(np.diff(kappa_table().numpy()[1:]) < 0, True)  # kappa falls with evidence

@@ -39,8 +39,10 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.cpu_library import native_library
 from kernels.tree_gating import keep_best
 from vllm_adaptive_spec.drafters.contexts import Contexts
+from vllm_adaptive_spec.drafters.retrieval_native import NativeRetrievalDrafter
 from vllm_adaptive_spec.drafters.retrieval_trie import EVIDENCE_EXPONENT, RetrievalDrafter, matcher_of
 from vllm_adaptive_spec.trees.candidates import Candidates, Growth
 from vllm_adaptive_spec.trees.tree import ROOT, DraftTree
@@ -199,9 +201,15 @@ def _breadth_first(cont, first, q, p, kept, same) -> CandidateTrees:
 def make_retrieval(device_type: str = "cpu", **params) -> RetrievalDrafter:
     """The retrieval drafter of ``params`` for an engine on ``device_type``
     (where the tensor matcher keeps its tensors): the trie or the tensors,
-    as its ``matcher`` resolves."""
-    tensors = matcher_of(params) == "tensors"
-    return TensorRetrievalDrafter(device_type, **params) if tensors else RetrievalDrafter(**params)
+    as its ``matcher`` resolves; on the CPU the trie in native code where the
+    native library builds and the trie matches the request's own context
+    only (``retrieval_native``), else its Python reference."""
+    if matcher_of(params) == "tensors":
+        return TensorRetrievalDrafter(device_type, **params)
+    own_context = params.get("datastore", "off") == "off" and not params.get("corpus")
+    if device_type == "cpu" and own_context and native_library() is not None:
+        return NativeRetrievalDrafter(**params)
+    return RetrievalDrafter(**params)
 
 
 class TensorRetrievalDrafter(RetrievalDrafter):

@@ -69,7 +69,8 @@ MATCHERS = ("auto", "trie", "tensors")
 
 def resolve_matcher(matcher: str, datastore: str = "off", corpus: str = "") -> str:
     """Which implementation builds the trees (the same trees): ``trie`` (this
-    module: an incremental suffix index and lazy tries, in Python) or
+    module: an incremental suffix index and lazy tries, in Python; on the
+    CPU in native code, ``retrieval_native``, where it applies) or
     ``tensors`` (``retrieval_tensors``: batched tensor operations where the
     tokens are). ``auto`` is the trie on every platform: several times
     faster on the CPU (``benchmarks/results/history.md``, 2026-11-28); on
