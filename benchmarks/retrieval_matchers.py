@@ -1,7 +1,8 @@
-"""The retrieval drafter's two matchers timed side by side: the trie (an
-incremental suffix index and lazy tries, Python) and the tensors
-(``drafters/retrieval_tensors.py``), the same trees (checked here on every
-step too). Per step and batch size: ``prepare`` with each request's context
+"""The retrieval drafter's matchers timed side by side: the trie (an
+incremental suffix index and lazy tries) in Python and in native code
+(``drafters/retrieval_native.py``, where the native CPU library builds), and
+the tensors (``drafters/retrieval_tensors.py``), the same trees (checked here
+on every step too). Per step and batch size: ``prepare`` with each request's context
 one token longer, then the candidate trees at the retrieval policy's floor
 (0.05), as the proposer asks for them.
 
@@ -28,7 +29,9 @@ import torch
 from benchmarks.options import HELDOUT, add_batches, add_output
 from benchmarks.report import write_report
 from vllm_adaptive_spec.demo_model import ensure_demo_model
+from kernels.cpu_library import native_library
 from vllm_adaptive_spec.drafters.contexts import Contexts
+from vllm_adaptive_spec.drafters.retrieval_native import NativeRetrievalDrafter
 from vllm_adaptive_spec.drafters.retrieval_tensors import TensorRetrievalDrafter
 from vllm_adaptive_spec.drafters.retrieval_trie import RetrievalDrafter
 
@@ -51,6 +54,8 @@ def time_matchers(batch: int, steps: int, seed: int = 0) -> dict:
     full = streams(batch, steps + 1, seed)
     ids = [f"r{b}" for b in range(batch)]
     drafters = {"trie": RetrievalDrafter(), "tensors": TensorRetrievalDrafter("cpu")}
+    if native_library() is not None:
+        drafters["native"] = NativeRetrievalDrafter()
     seconds = {name: [] for name in drafters}
     for step in range(steps, -1, -1):
         contexts = Contexts.of([stream[: len(stream) - step] for stream in full])  # the proposer's gather
@@ -61,7 +66,7 @@ def time_matchers(batch: int, steps: int, seed: int = 0) -> dict:
             trees[name] = drafter.candidate_trees(0.05)
             if step < steps:  # the first step builds the trie's index from the whole prompt
                 seconds[name].append(time.perf_counter() - started)
-        if trees["trie"] != trees["tensors"]:
+        if any(trees[name] != trees["trie"] for name in drafters):
             raise AssertionError(f"the matchers' trees differ at batch {batch}, step {steps - step}")
     nodes = sum(len(t) for t in trees["trie"]) / batch
     return {"batch": batch, "nodes_per_tree": nodes,
@@ -76,9 +81,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows = [time_matchers(b, args.steps) for b in args.batch_sizes]
-    lines = ["| batch | nodes/tree | trie ms/step | tensors ms/step |", "|---|---|---|---|"]
-    lines += [f"| {row['batch']} | {row['nodes_per_tree']:.1f} | {row['trie_ms']:.2f} | {row['tensors_ms']:.2f} |"
-              for row in rows]
+    names = [key[:-3] for key in rows[0] if key.endswith("_ms")]
+    lines = ["| batch | nodes/tree | " + " | ".join(f"{name} ms/step" for name in names) + " |",
+             "|---|---|" + "---|" * len(names)]
+    lines += [f"| {row['batch']} | {row['nodes_per_tree']:.1f} | " + " | ".join(f"{row[name + '_ms']:.3f}" for name in names)
+              + " |" for row in rows]
     write_report(args.out, "retrieval_matchers", {"steps": args.steps, "rows": rows}, "\n".join(lines))
 
 

@@ -216,6 +216,7 @@ def inject_failures(fail_for: dict[str, int]) -> None:
     """Make the plugin's per-request work raise (see ``fail_for`` above), in
     this process, where the in-process engine's scheduler and worker run."""
     from vllm_adaptive_spec.adapter import tree_scheduler, verifier
+    from vllm_adaptive_spec.drafters.retrieval_native import NativeRetrievalDrafter
     from vllm_adaptive_spec.drafters.retrieval_trie import RetrievalDrafter
 
     def failing(owner, name: str, place: str, fails) -> None:
@@ -232,9 +233,9 @@ def inject_failures(fail_for: dict[str, int]) -> None:
     def victim(place: str, request_id: str) -> bool:  # vLLM appends a suffix to the id a request is added with
         return request_id.split("-")[0] == str(fail_for[place])
 
-    if "drafting" in fail_for:
-        failing(RetrievalDrafter, "prepare", "drafting",
-                lambda self, ids, *a, **k: any(victim("drafting", i) for i in ids))
+    if "drafting" in fail_for:  # the trie matcher in Python or native, whichever the engine took
+        for drafter in (RetrievalDrafter, NativeRetrievalDrafter):
+            failing(drafter, "prepare", "drafting", lambda self, ids, *a, **k: any(victim("drafting", i) for i in ids))
     if "grammar_forcing" in fail_for:
         failing(tree_scheduler.TreeScheduler, "_forced", "grammar_forcing",
                 lambda self, grammar, request_id, limit: victim("grammar_forcing", request_id))
