@@ -82,22 +82,32 @@ def setting() -> str:
 
 
 @functools.cache
-def library(isa: str):
-    """Compile (or find cached) the library for ``isa`` and return its ops' namespace."""
+def module(isa: str):
+    """Compile (or find cached) the library for ``isa`` and import it: a
+    Python module (the retrieval tries' type) whose ops torch registers as it loads."""
     from torch.utils import cpp_extension
 
     spec = BUILDS[isa]
-    namespace = f"adaptive_tree_{isa}"
     # torch rebuilds when the unit or the flags change; the digest makes a change to an included source one.
     digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:16]
     defines = [f"-DTREE_VEC={spec.vector}", f"-DTREE_MR={spec.tile_rows}", f"-DTREE_NV={spec.tile_vectors}",
-               f"-DTREE_NS={namespace}", f"-DTREE_SOURCES={digest}"]
+               f"-DTREE_NS={namespace(isa)}", f"-DTREE_SOURCES={digest}"]
     quiet = io.StringIO()  # the compiler's and torch's chatter: a failure is reported in one line below
     with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet), _environment_tools_first():
-        cpp_extension.load(name=f"adaptive_tree_cpu_{isa}", sources=[str(UNIT)],
-                           extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *spec.flags, *defines],
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    return getattr(torch.ops, namespace)
+        return cpp_extension.load(name=f"adaptive_tree_cpu_{isa}", sources=[str(UNIT)],
+                                  extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *spec.flags, *defines],
+                                  extra_ldflags=["-fopenmp"], is_python_module=True, verbose=False)
+
+
+def namespace(isa: str) -> str:
+    """The torch ops namespace of ``isa``'s library."""
+    return f"adaptive_tree_{isa}"
+
+
+def library(isa: str):
+    """The ops of ``isa``'s library (built and loaded by :func:`module`)."""
+    module(isa)
+    return getattr(torch.ops, namespace(isa))
 
 
 @contextlib.contextmanager
@@ -116,6 +126,12 @@ def _environment_tools_first():
         yield
     finally:
         os.environ["PATH"] = before
+
+
+def native_module():
+    """This process's library as a Python module, or None where it uses the torch paths
+    (:func:`native_library`)."""
+    return None if native_library() is None else module(machine_isa())
 
 
 @functools.cache

@@ -9,24 +9,29 @@
 // n tokens); a match is checked token by token, so a hash collision costs a
 // comparison, never a wrong continuation. Tries: built lazily, as the
 // reference's, since only the nodes above the step's floor are read.
-// Built into the native CPU library (kernels/cpu_library.py).
+// Built into the native CPU library (kernels/cpu_library.py), whose Python
+// module holds it as the type RetrievalTries.
+//
+// Decision (a CPython type, not a torch custom class): the drafter calls it
+// twice a step on the host right after the forward, when the caches are
+// cold; there a torch custom class's first method call took about 80 us
+// (its schema and IValue machinery), more than the whole Python reference at
+// batch 1. A type with METH_FASTCALL methods reads its arguments straight
+// from the Python objects (lists, and the token array by the buffer protocol).
 
-#include <ATen/core/Tensor.h>
-#include <torch/custom_class.h>
-#include <torch/library.h>
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
+#include <stdexcept>
 #include <vector>
-
-#ifndef TREE_NS
-#define TREE_NS adaptive_tree_cpu
-#endif
 
 namespace {
 
@@ -129,38 +134,36 @@ struct Trie {
   }
 };
 
-class RetrievalTries : public torch::CustomClassHolder {
+void check(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument("retrieval tries: " + message);
+}
+
+// A 2-D int32 or int64 token array, rows `row_stride` elements apart.
+struct TokenArray {
+  const void* data;
+  bool wide;  // int64, else int32
+  int64_t rows, columns, row_stride;
+};
+
+class RetrievalTries {
  public:
   RetrievalTries(int64_t l_max, int64_t l_min, int64_t max_matches, int64_t max_depth, double evidence_prior)
       : l_max_(l_max), l_min_(l_min), max_matches_(max_matches), max_depth_(max_depth), prior_(evidence_prior) {}
 
-  // RetrievalDrafter.prepare: rows `rows` of `array` ([R, L] int32 or int64, the engine's tokens)
-  // up to `lengths`.
-  void prepare(std::vector<std::string> request_ids, at::Tensor array, std::vector<int64_t> rows,
-               std::vector<int64_t> lengths) {
-    TORCH_CHECK(array.dim() == 2 && (array.scalar_type() == at::kInt || array.scalar_type() == at::kLong) &&
-                    array.stride(1) == 1,
-                "retrieval tries: the token array must be 2-D int32 or int64 with unit stride in a row");
-    TORCH_CHECK(request_ids.size() == rows.size() && rows.size() == lengths.size(),
-                "retrieval tries: one row and one length per request");
+  // RetrievalDrafter.prepare: rows `rows` of `array` (the engine's tokens) up to `lengths`.
+  void prepare(const std::vector<std::string>& request_ids, const TokenArray& array,
+               const std::vector<int64_t>& rows, const std::vector<int64_t>& lengths) {
+    check(request_ids.size() == rows.size() && rows.size() == lengths.size(), "one row and one length per request");
     tries_.clear();
     tries_.reserve(request_ids.size());
-    if (array.scalar_type() == at::kInt)
-      prepare_rows(request_ids, array, array.data_ptr<int32_t>(), rows, lengths);
-    else
-      prepare_rows(request_ids, array, array.data_ptr<int64_t>(), rows, lengths);
-  }
-
-  template <typename T>
-  void prepare_rows(const std::vector<std::string>& request_ids, const at::Tensor& array, const T* base,
-                    const std::vector<int64_t>& rows, const std::vector<int64_t>& lengths) {
     for (size_t b = 0; b < request_ids.size(); ++b) {
-      TORCH_CHECK(rows[b] >= 0 && rows[b] < array.size(0) && lengths[b] >= 0 && lengths[b] <= array.size(1),
-                  "retrieval tries: a row or a length outside the token array");
-      const T* row = base + rows[b] * array.stride(0);
+      check(rows[b] >= 0 && rows[b] < array.rows && lengths[b] >= 0 && lengths[b] <= array.columns,
+            "a row or a length outside the token array");
       RequestIndex& index = indexes_[request_ids[b]];
-      if (!extends(row, lengths[b], index.tokens)) index = RequestIndex();
-      index.extend(row, static_cast<int64_t>(index.tokens.size()), lengths[b], l_max_, keys_);
+      if (array.wide)
+        update(index, static_cast<const int64_t*>(array.data) + rows[b] * array.row_stride, lengths[b]);
+      else
+        update(index, static_cast<const int32_t*>(array.data) + rows[b] * array.row_stride, lengths[b]);
       tries_.push_back(build(index));
     }
   }
@@ -197,10 +200,9 @@ class RetrievalTries : public torch::CustomClassHolder {
 
   // RetrievalDrafter.children: request b's children of node `handle` (-1: the root) as (tokens, q, handles).
   std::tuple<std::vector<int64_t>, std::vector<double>, std::vector<int64_t>> children(int64_t b, int64_t handle) {
-    TORCH_CHECK(b >= 0 && b < static_cast<int64_t>(tries_.size()), "retrieval tries: no request ", b, " this step");
+    check(b >= 0 && b < static_cast<int64_t>(tries_.size()), "no request " + std::to_string(b) + " this step");
     Trie& trie = tries_[b];
-    TORCH_CHECK(handle >= -1 && handle + 1 < static_cast<int64_t>(trie.depths.size()),
-                "retrieval tries: no node ", handle);
+    check(handle >= -1 && handle + 1 < static_cast<int64_t>(trie.depths.size()), "no node " + std::to_string(handle));
     std::vector<int64_t> tokens, handles;
     std::vector<double> qs;
     for (const Trie::Kid& kid : trie.children(handle + 1)) {
@@ -211,11 +213,18 @@ class RetrievalTries : public torch::CustomClassHolder {
     return {tokens, qs, handles};
   }
 
-  void forget(std::string request_id) { indexes_.erase(request_id); }
+  void forget(const std::string& request_id) { indexes_.erase(request_id); }
 
-  int64_t requests_held() { return static_cast<int64_t>(indexes_.size()); }
+  int64_t requests_held() const { return static_cast<int64_t>(indexes_.size()); }
 
  private:
+  // A request's index brought up to its row: reset where the row does not continue it, then extended.
+  template <typename T>
+  void update(RequestIndex& index, const T* row, int64_t length) {
+    if (!extends(row, length, index.tokens)) index = RequestIndex();
+    index.extend(row, static_cast<int64_t>(index.tokens.size()), length, l_max_, keys_);
+  }
+
   // retrieval_trie._extends: the row continues `tokens`, judged by their last CHECKED tokens.
   template <typename T>
   static bool extends(const T* row, int64_t length, const std::vector<int64_t>& tokens) {
@@ -263,14 +272,181 @@ class RetrievalTries : public torch::CustomClassHolder {
   std::vector<uint64_t> keys_;  // scratch
 };
 
+// ---------------------------------------------------------------- the Python type
+
+struct PyTries {
+  PyObject_HEAD RetrievalTries* tries;
+};
+
+// The Python error for a C++ one (bad input: ValueError; anything else: RuntimeError), or NULL.
+template <typename F>
+PyObject* guarded(F&& body) {
+  try {
+    return body();
+  } catch (const std::invalid_argument& error) {
+    PyErr_SetString(PyExc_ValueError, error.what());
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+  }
+  return nullptr;
+}
+
+std::vector<int64_t> int_list(PyObject* list, const char* what) {
+  check(PyList_Check(list), std::string(what) + " must be a list of ints");
+  std::vector<int64_t> out(PyList_GET_SIZE(list));
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i] = PyLong_AsLongLong(PyList_GET_ITEM(list, i));
+    if (out[i] == -1 && PyErr_Occurred()) throw std::invalid_argument(std::string(what) + " must be a list of ints");
+  }
+  return out;
+}
+
+std::vector<std::string> str_list(PyObject* list) {
+  check(PyList_Check(list), "request ids must be a list of str");
+  std::vector<std::string> out;
+  out.reserve(PyList_GET_SIZE(list));
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); ++i) {
+    Py_ssize_t size = 0;
+    const char* text = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(list, i), &size);
+    if (text == nullptr) throw std::invalid_argument("request ids must be a list of str");
+    out.emplace_back(text, size);
+  }
+  return out;
+}
+
+template <typename T>
+PyObject* py_list(const std::vector<T>& values) {
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(values.size()));
+  if (list == nullptr) return nullptr;
+  for (size_t i = 0; i < values.size(); ++i) {
+    PyObject* item = std::is_floating_point<T>::value ? PyFloat_FromDouble(static_cast<double>(values[i]))
+                                                      : PyLong_FromLongLong(static_cast<long long>(values[i]));
+    if (item == nullptr) {
+      Py_DECREF(list);
+      return nullptr;
+    }
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), item);
+  }
+  return list;
+}
+
+// A tuple of new references, or NULL (releasing those made) where one failed.
+PyObject* py_tuple(std::initializer_list<PyObject*> items) {
+  for (PyObject* item : items)
+    if (item == nullptr) {
+      for (PyObject* other : items) Py_XDECREF(other);
+      return nullptr;
+    }
+  PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(items.size()));
+  Py_ssize_t i = 0;
+  for (PyObject* item : items) PyTuple_SET_ITEM(tuple, i++, item);
+  return tuple;
+}
+
+int tries_init(PyTries* self, PyObject* args, PyObject* kwargs) {
+  long long l_max, l_min, max_matches, max_depth;
+  double prior;
+  if (!PyArg_ParseTuple(args, "LLLLd", &l_max, &l_min, &max_matches, &max_depth, &prior)) return -1;
+  delete self->tries;
+  self->tries = new RetrievalTries(l_max, l_min, max_matches, max_depth, prior);
+  return 0;
+}
+
+void tries_dealloc(PyTries* self) {
+  delete self->tries;
+  Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+// prepare(request_ids, array, rows, lengths): array is any 2-D int32 or int64 buffer (a numpy array).
+PyObject* tries_prepare(PyTries* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "prepare(request_ids, array, rows, lengths)");
+    return nullptr;
+  }
+  Py_buffer view;
+  if (PyObject_GetBuffer(args[1], &view, PyBUF_STRIDES | PyBUF_FORMAT) != 0) return nullptr;
+  PyObject* result = guarded([&]() -> PyObject* {
+    const std::string format = view.format ? view.format : "B";
+    const bool wide = view.itemsize == 8 && (format == "q" || format == "l" || format == "<q" || format == "<l");
+    const bool narrow = view.itemsize == 4 && (format == "i" || format == "<i");
+    check(view.ndim == 2 && (wide || narrow) && view.strides[1] == view.itemsize &&
+              view.strides[0] % view.itemsize == 0,
+          "the token array must be 2-D int32 or int64 with unit stride in a row");
+    const TokenArray array{view.buf, wide, view.shape[0], view.shape[1], view.strides[0] / view.itemsize};
+    self->tries->prepare(str_list(args[0]), array, int_list(args[2], "rows"), int_list(args[3], "lengths"));
+    Py_RETURN_NONE;
+  });
+  PyBuffer_Release(&view);
+  return result;
+}
+
+// candidate_trees(floor) -> (sizes, tokens, parents, q), flat lists.
+PyObject* tries_candidate_trees(PyTries* self, PyObject* floor) {
+  const double value = PyFloat_AsDouble(floor);
+  if (value == -1.0 && PyErr_Occurred()) return nullptr;
+  return guarded([&]() -> PyObject* {
+    auto [sizes, tokens, parents, q] = self->tries->candidate_trees(value);
+    return py_tuple({py_list(sizes), py_list(tokens), py_list(parents), py_list(q)});
+  });
+}
+
+// children(b, handle) -> (tokens, q, handles).
+PyObject* tries_children(PyTries* self, PyObject* const* args, Py_ssize_t nargs) {
+  long long b, handle;
+  if (nargs != 2 || ((b = PyLong_AsLongLong(args[0])) == -1 && PyErr_Occurred()) ||
+      ((handle = PyLong_AsLongLong(args[1])) == -1 && PyErr_Occurred())) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "children(b, handle)");
+    return nullptr;
+  }
+  return guarded([&]() -> PyObject* {
+    auto [tokens, q, handles] = self->tries->children(b, handle);
+    return py_tuple({py_list(tokens), py_list(q), py_list(handles)});
+  });
+}
+
+PyObject* tries_forget(PyTries* self, PyObject* request_id) {
+  Py_ssize_t size = 0;
+  const char* text = PyUnicode_AsUTF8AndSize(request_id, &size);
+  if (text == nullptr) return nullptr;
+  self->tries->forget(std::string(text, size));
+  Py_RETURN_NONE;
+}
+
+PyObject* tries_requests_held(PyTries* self, PyObject*) { return PyLong_FromLongLong(self->tries->requests_held()); }
+
+PyMethodDef tries_methods[] = {
+    {"prepare", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(tries_prepare)), METH_FASTCALL,
+     "prepare(request_ids, array, rows, lengths): update each request's index, build this step's tries"},
+    {"candidate_trees", reinterpret_cast<PyCFunction>(tries_candidate_trees), METH_O,
+     "candidate_trees(floor) -> (sizes, tokens, parents, q): the tries' nodes of path probability >= floor"},
+    {"children", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(tries_children)), METH_FASTCALL,
+     "children(b, handle) -> (tokens, q, handles): request b's trie children of a node (-1: the root)"},
+    {"forget", reinterpret_cast<PyCFunction>(tries_forget), METH_O, "forget(request_id): drop its index"},
+    {"requests_held", reinterpret_cast<PyCFunction>(tries_requests_held), METH_NOARGS, "requests with an index"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyTypeObject tries_type = [] {
+  PyTypeObject type{PyVarObject_HEAD_INIT(nullptr, 0)};
+  type.tp_name = "RetrievalTries";
+  type.tp_basicsize = sizeof(PyTries);
+  type.tp_flags = Py_TPFLAGS_DEFAULT;
+  type.tp_doc = "RetrievalTries(l_max, l_min, max_matches, max_depth, evidence_prior)";
+  type.tp_methods = tries_methods;
+  type.tp_init = reinterpret_cast<initproc>(tries_init);
+  type.tp_new = PyType_GenericNew;
+  type.tp_dealloc = reinterpret_cast<destructor>(tries_dealloc);
+  return type;
+}();
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(TREE_NS, m) {
-  m.class_<RetrievalTries>("RetrievalTries")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double>())
-      .def("prepare", &RetrievalTries::prepare)
-      .def("candidate_trees", &RetrievalTries::candidate_trees)
-      .def("children", &RetrievalTries::children)
-      .def("forget", &RetrievalTries::forget)
-      .def("requests_held", &RetrievalTries::requests_held);
+// Adds the type to the library's module (cpu_library.cpp); 0, or -1 with a Python error set.
+int add_retrieval_tries(PyObject* module) {
+  if (PyType_Ready(&tries_type) < 0) return -1;
+  Py_INCREF(&tries_type);
+  if (PyModule_AddObject(module, "RetrievalTries", reinterpret_cast<PyObject*>(&tries_type)) < 0) {
+    Py_DECREF(&tries_type);
+    return -1;
+  }
+  return 0;
 }

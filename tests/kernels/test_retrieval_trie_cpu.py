@@ -98,11 +98,13 @@ def test_a_hand_computed_trie():
 
 def test_bad_input_is_refused_with_a_clear_error():
     native = NativeRetrievalDrafter()
-    with pytest.raises(RuntimeError, match="outside the token array"):
+    with pytest.raises(ValueError, match="outside the token array"):
         native.prepare(["a"], Contexts(np.zeros((1, 4), dtype=np.int32), [0], [5]))
-    with pytest.raises(RuntimeError, match="int32 or int64"):
+    with pytest.raises(ValueError, match="int32 or int64"):
         native.prepare(["a"], Contexts(np.zeros((1, 4), dtype=np.float32), [0], [2]))
-    with pytest.raises(RuntimeError, match="no request 0"):
+    with pytest.raises(ValueError, match="int32 or int64"):  # every other column: not one row's tokens
+        native.prepare(["a"], Contexts(np.zeros((1, 8), dtype=np.int32)[:, ::2], [0], [2]))
+    with pytest.raises(ValueError, match="no request 0"):
         native.children(0, -1)
     with pytest.raises(ValueError, match="own context only"):
         NativeRetrievalDrafter(datastore="shared")

@@ -12,8 +12,6 @@ library's other ops).
 
 from __future__ import annotations
 
-import torch
-
 from kernels.retrieval_trie_cpu import native_tries
 from vllm_adaptive_spec.drafters.contexts import Contexts
 from vllm_adaptive_spec.drafters.retrieval_trie import RetrievalDrafter
@@ -33,7 +31,7 @@ class NativeRetrievalDrafter(RetrievalDrafter):
             raise RuntimeError("the native CPU library is not available (VLLM_ADAPTIVE_SPEC_CPU_ATTENTION)")
 
     def prepare(self, request_ids: list[str], contexts: Contexts, rows=None, prompt_lens=None) -> None:
-        self._native.prepare(list(request_ids), torch.from_numpy(contexts.array), contexts.indices, contexts.lengths)
+        self._native.prepare(list(request_ids), contexts.array, contexts.indices, contexts.lengths)
 
     def children(self, b: int, handle: int) -> list[tuple[int, float, int]]:
         return list(zip(*self._native.children(b, handle)))
