@@ -472,7 +472,15 @@ def serve() -> None:
 
 def _run_forked(request: dict) -> None:
     """The forked child: the job's environment and log, then exit (normally,
-    so vLLM's exit handlers stop any processes the engine started)."""
+    so vLLM's exit handlers stop any processes the engine started).
+
+    vLLM collects garbage explicitly as an engine starts and stops (seven
+    full collections, for a GPU's memory profile): a short-lived child
+    needs none of them, and they cost 0.8 s of each job's 3.4 s start on a
+    2-core machine; the interpreter's own collection still runs."""
+    import gc
+
+    gc.collect = lambda generation=2: 0
     os.environ.update(request.get("env", {}))
     sys.stdin.close()
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
