@@ -242,7 +242,9 @@ def _check_buildable(config: TreeConfig) -> None:
     policy parameters their constructors refuse, more draft slots than a
     tree may take."""
     try:
-        config.make_drafter()
+        # On the meta device: the check allocates nothing and builds nothing native (an engine's
+        # drafter, made in its worker for its device, may load the native CPU library).
+        config.make_drafter("meta")
         config.make_policy()
     except ValueError as exc:
         raise TreeConfigError(f"speculative_config['tree']: {exc}") from exc

@@ -121,3 +121,19 @@ def test_a_cpu_engine_takes_the_native_tries_where_they_apply(monkeypatch):
         assert type(make_retrieval("cpu")) is RetrievalDrafter
     finally:
         cpu_library.native_library.cache_clear()
+
+
+def test_validating_a_config_builds_nothing_native(monkeypatch):
+    """A server's front end parses the config; only the engine's worker, on its device, may build
+    or load the native library."""
+    from vllm_adaptive_spec.config import parse_tree_config
+    from vllm_adaptive_spec.drafters import retrieval_tensors
+
+    def refuse():
+        raise AssertionError("the config's validation reached the native library")
+
+    monkeypatch.setattr(retrieval_tensors, "native_library", refuse)
+    for tree in ({"drafter": "retrieval"}, {"drafter": "retrieval", "matcher": "tensors"}):
+        parse_tree_config({"method": "adaptive_tree", "num_speculative_tokens": 16, "tree": tree})
+    with pytest.raises(AssertionError, match="reached the native library"):
+        make_retrieval("cpu")
