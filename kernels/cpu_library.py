@@ -145,10 +145,10 @@ def native_library():
         return library(machine_isa())
     except Exception as error:  # no compiler, no ninja, a failed build: all leave the torch path
         if chosen == "native":
-            raise RuntimeError(f"{SETTING}=native, but the native CPU tree attention did not build: "
+            raise RuntimeError(f"{SETTING}=native, but the native CPU library did not build: "
                                f"{_first_line(error)}") from error
-        logger.warning("adaptive_tree: native CPU tree attention unavailable (%s); using the torch path "
-                       "(set %s=torch to skip the build)", _first_line(error), SETTING)
+        logger.warning("adaptive_tree: native CPU library unavailable (%s); using the torch paths and the "
+                       "Python trie (set %s=torch to skip the build)", _first_line(error), SETTING)
         return None
 
 
