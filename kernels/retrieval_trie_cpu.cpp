@@ -67,9 +67,11 @@ struct RequestIndex {
     }
   }
 
-  // Whether the n tokens ending at `end` equal the n tokens ending at the last position.
+  // Whether the n tokens ending at `end` equal the n tokens ending at the last position (false
+  // where fewer than n end there: only a hash collision across lengths points there).
   bool same_suffix(int64_t end, int64_t n) const {
     const int64_t last = static_cast<int64_t>(tokens.size()) - 1;
+    if (end < n - 1) return false;
     for (int64_t j = 0; j < n; ++j)
       if (tokens[end - j] != tokens[last - j]) return false;
     return true;
