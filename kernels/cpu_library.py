@@ -42,7 +42,7 @@ from typing import NamedTuple
 import torch
 
 SETTING = "VLLM_ADAPTIVE_SPEC_CPU_ATTENTION"
-# The three kernels' sources, compiled as one unit (``cpu_library.cpp`` includes them).
+# The native sources, compiled as one unit (``cpu_library.cpp`` includes them).
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("tree_attention_cpu.cpp", "tree_acceptance_cpu.cpp",
                                                               "kv_compaction_cpu.cpp", "retrieval_trie_cpu.cpp"))
 UNIT = Path(__file__).with_name("cpu_library.cpp")
