@@ -5,9 +5,9 @@
 // for node and bit for bit in q.
 //
 // Index: a request's tokens, and for every n-gram of n <= l_max the
-// positions where it ended, oldest first, under a 64-bit hash of (n, the
-// n tokens); a match is checked token by token, so a hash collision costs a
-// comparison, never a wrong continuation. Tries: built lazily, as the
+// positions where it ended, newest first, under a 64-bit hash of (n, the
+// n tokens) (RequestIndex); a match is checked token by token, so a hash
+// collision costs a comparison, never a wrong continuation. Tries: built lazily, as the
 // reference's, since only the nodes above the step's floor are read.
 // Built into the native CPU library (kernels/cpu_library.py), whose Python
 // module holds it as the type RetrievalTries.
@@ -44,28 +44,42 @@ uint64_t mix(uint64_t h, uint64_t value) {
   return h ^ (h >> 33);
 }
 
+// A request's tokens and, for every n-gram of n <= l_max, where it ended: each occurrence is a
+// slot, position * l_max + n - 1. An open-addressing table maps a key, hash(n, n-gram), to its
+// newest slot, and `earlier` links every slot to the one before it under the same key, so a
+// key's occurrences are read newest first with no list of their own. Decision: a list per key
+// cost a heap allocation per new n-gram (about 1 KB a context token over 8 lengths, and most of
+// `prepare`'s time at batch 64, its maps cold after the forward); the chains take
+// 8 bytes a slot and the table 16 bytes a bucket, at most half of them used.
 struct RequestIndex {
   std::vector<int64_t> tokens;
-  std::unordered_map<uint64_t, std::vector<int32_t>> ends;  // hash(n, n-gram) -> where it ended
+  std::vector<int64_t> earlier;   // slot -> the previous slot of its key, -1: none
+  std::vector<uint64_t> keys;     // bucket -> its key
+  std::vector<int64_t> newest;    // bucket -> its key's newest slot, -1: an empty bucket
+  int64_t filled = 0;             // buckets in use
 
-  // The keys of the n-grams ending at `end`, n = 1 .. min(l_max, end + 1), into `keys`.
-  void keys_at(int64_t end, int64_t l_max, std::vector<uint64_t>& keys) const {
-    keys.clear();
+  // The keys of the n-grams ending at `end`, n = 1 .. min(l_max, end + 1), into `out`.
+  void keys_at(int64_t end, int64_t l_max, std::vector<uint64_t>& out) const {
+    out.clear();
     uint64_t h = 0;
     for (int64_t n = 1; n <= l_max && n <= end + 1; ++n) {
       h = mix(h, static_cast<uint64_t>(tokens[end - n + 1]));
-      keys.push_back(mix(h, static_cast<uint64_t>(n)));
+      out.push_back(mix(h, static_cast<uint64_t>(n)));
     }
   }
 
   template <typename T>
-  void extend(const T* row, int64_t from, int64_t to, int64_t l_max, std::vector<uint64_t>& keys) {
+  void extend(const T* row, int64_t from, int64_t to, int64_t l_max, std::vector<uint64_t>& scratch) {
     for (int64_t i = from; i < to; ++i) {
       tokens.push_back(row[i]);
-      keys_at(i, l_max, keys);
-      for (uint64_t key : keys) ends[key].push_back(static_cast<int32_t>(i));
+      earlier.resize(static_cast<size_t>((i + 1) * l_max), -1);
+      keys_at(i, l_max, scratch);
+      for (size_t n = 0; n < scratch.size(); ++n) insert(scratch[n], i * l_max + static_cast<int64_t>(n));
     }
   }
+
+  // The newest slot under `key`, -1 for none.
+  int64_t latest(uint64_t key) const { return newest.empty() ? -1 : newest[bucket(key)]; }
 
   // Whether the n tokens ending at `end` equal the n tokens ending at the last position (false
   // where fewer than n end there: only a hash collision across lengths points there).
@@ -75,6 +89,41 @@ struct RequestIndex {
     for (int64_t j = 0; j < n; ++j)
       if (tokens[end - j] != tokens[last - j]) return false;
     return true;
+  }
+
+ private:
+  // The bucket holding `key`, or the empty one where it would go (linear probing).
+  size_t bucket(uint64_t key) const {
+    const size_t mask = newest.size() - 1;
+    size_t at = static_cast<size_t>(key) & mask;
+    while (newest[at] >= 0 && keys[at] != key) at = (at + 1) & mask;
+    return at;
+  }
+
+  void insert(uint64_t key, int64_t slot) {
+    if (2 * (filled + 1) > static_cast<int64_t>(newest.size())) grow();
+    const size_t at = bucket(key);
+    if (newest[at] < 0) {
+      keys[at] = key;
+      ++filled;
+    }
+    earlier[static_cast<size_t>(slot)] = newest[at];
+    newest[at] = slot;
+  }
+
+  // Twice the buckets (64 at first), every key moved over with its newest slot.
+  void grow() {
+    std::vector<uint64_t> old_keys = std::move(keys);
+    std::vector<int64_t> old_newest = std::move(newest);
+    const size_t size = std::max<size_t>(64, 2 * old_newest.size());
+    keys.assign(size, 0);
+    newest.assign(size, -1);
+    for (size_t b = 0; b < old_newest.size(); ++b)
+      if (old_newest[b] >= 0) {
+        const size_t at = bucket(old_keys[b]);
+        keys[at] = old_keys[b];
+        newest[at] = old_newest[b];
+      }
   }
 };
 
@@ -247,12 +296,9 @@ class RetrievalTries {
     if (n == 0) return trie;
     index.keys_at(n - 1, l_max_, keys_);
     for (int64_t k = std::min(l_max_, n); k >= l_min_; --k) {
-      const auto found = index.ends.find(keys_[k - 1]);
-      if (found == index.ends.end()) continue;
-      const std::vector<int32_t>& ends = found->second;
-      for (auto it = ends.rbegin(); it != ends.rend() && static_cast<int64_t>(trie.continuations.size()) < max_matches_;
-           ++it) {
-        const int64_t end = *it;
+      for (int64_t slot = index.latest(keys_[k - 1]);
+           slot >= 0 && static_cast<int64_t>(trie.continuations.size()) < max_matches_; slot = index.earlier[slot]) {
+        const int64_t end = slot / l_max_;
         if (end >= n - 1 || !index.same_suffix(end, k)) continue;
         const int64_t stop = std::min(n, end + 1 + max_depth_);
         trie.continuations.emplace_back(tokens.begin() + end + 1, tokens.begin() + stop);
