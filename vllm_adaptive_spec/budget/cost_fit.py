@@ -66,27 +66,40 @@ COLLINEAR = 1e-10  # a scaled Cholesky pivot below this: the column adds nothing
 def solve_spd(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
     """``x`` with ``matrix x = rhs`` for a symmetric positive semi-definite
     ``matrix`` (lists of floats), or None where a column is (almost) a
-    combination of the others (see "Decision (plain Python, no numpy)")."""
+    combination of the others (see "Decision (plain Python, no numpy)").
+    The loops are written out over local rows: generator sums cost twice as
+    much here."""
     n = len(rhs)
-    if any(matrix[i][i] <= 0.0 for i in range(n)):
+    diagonal = [matrix[i][i] for i in range(n)]
+    if min(diagonal) <= 0.0:
         return None
-    scale = [1.0 / math.sqrt(matrix[i][i]) for i in range(n)]
-    lower = [[0.0] * n for _ in range(n)]
+    scale = [1.0 / math.sqrt(value) for value in diagonal]
+    lower: list[list[float]] = []  # of the matrix scaled to unit diagonal
     for i in range(n):
-        for j in range(i + 1):
-            total = matrix[i][j] * scale[i] * scale[j] - sum(lower[i][k] * lower[j][k] for k in range(j))
-            if i == j:
-                if total < COLLINEAR:
-                    return None
-                lower[i][i] = math.sqrt(total)
-            else:
-                lower[i][j] = total / lower[j][j]
-    y = [0.0] * n
+        row, row_scale, given = [], scale[i], matrix[i]
+        for j in range(i):
+            above = lower[j]
+            total = given[j] * row_scale * scale[j]
+            for k in range(j):
+                total -= row[k] * above[k]
+            row.append(total / above[j])
+        pivot = 1.0 - sum(value * value for value in row)
+        if pivot < COLLINEAR:
+            return None
+        row.append(math.sqrt(pivot))
+        lower.append(row)
+    y: list[float] = []
     for i in range(n):
-        y[i] = (rhs[i] * scale[i] - sum(lower[i][k] * y[k] for k in range(i))) / lower[i][i]
+        row, total = lower[i], rhs[i] * scale[i]
+        for k in range(i):
+            total -= row[k] * y[k]
+        y.append(total / row[i])
     x = [0.0] * n
     for i in reversed(range(n)):
-        x[i] = (y[i] - sum(lower[k][i] * x[k] for k in range(i + 1, n))) / lower[i][i]
+        total = y[i]
+        for k in range(i + 1, n):
+            total -= lower[k][i] * x[k]
+        x[i] = total / lower[i][i]
     return [x[i] * scale[i] for i in range(n)]
 
 
