@@ -56,6 +56,8 @@ class DraftTree:
         ties, so the set is closed under ancestors), breadth-first."""
         if n >= len(self):
             return self
+        if n <= 0:
+            return DraftTree()
         p = self.path_probabilities()
         return self.subset(sorted(sorted(range(len(p)), key=lambda i: (-p[i], i))[:n]))
 
