@@ -18,9 +18,8 @@ stay untouched. Each request has ``1 + n`` logits rows (root, then its nodes).
   Decision: the argmax is vLLM's ``Sampler.greedy_sample`` (on the CPU
   vLLM's vectorised kernel, 2-3x faster than ``torch.argmax`` over the
   vocabulary), so a tree row's greedy token is the one vLLM would pick. A
-  greedy batch takes it over the step's rows in place where its trees hold
-  most of them, since copying those out costs more than the argmax, and over
-  the tree rows gathered where they are few (``IN_PLACE_SHARE``); sampled rows are gathered and
+  greedy batch takes it over all the step's rows in place, since copying the
+  tree rows out cost more than the argmax; sampled rows are gathered and
   drawn in chunks of whole requests (``MAX_CHUNK_ROWS``), so the step's
   scratch memory does not grow with the batch or the trees.
 * Logprobs of a committed token come from its parent's row.
@@ -49,14 +48,6 @@ from vllm_adaptive_spec.trees.verify import PAD, Acceptance, accept, sample_with
 
 _GREEDY_BELOW = 1e-5  # vLLM's sampler treats smaller temperatures as greedy
 
-
-IN_PLACE_SHARE = 0.4
-"""A greedy batch's tree rows are argmaxed where they lie, with the step's
-other rows, from this share of the step's rows up; below it they are
-gathered first. On the 2-core CPU, with the demo model's 49,152 logits a
-row, a row's argmax costs about 12 us and gathering it about 16 us, so
-gathering pays below 12 / 28 of the rows: at batch 64 with a few small trees
-the argmax over every row cost 0.86 ms a step against 0.16 ms gathered."""
 
 MAX_CHUNK_ROWS = 64
 """Tree rows whose targets are sampled at once. Sampling holds about six
@@ -97,10 +88,11 @@ def tree_row_targets(
     owns ``counts[k]`` consecutive logits rows from ``starts[request]``),
     request after request; ``histories``: the rows' histories, for penalties
     and bad words (None: no request reads one). A greedy batch without them
-    takes one argmax over the tree rows: over all the step's rows in place
-    where the tree rows are most of them, gathered first where they are few
-    (``IN_PLACE_SHARE``); otherwise the rows are gathered and processed chunk
-    by chunk (``row_chunks``)."""
+    takes one argmax over all the step's rows and
+    keeps the tree rows' (no copy of them: on the CPU copying a large step's
+    rows cost 5x the argmax, and the rows of requests without trees are one
+    each); otherwise the rows are gathered and processed chunk by chunk
+    (``row_chunks``)."""
     device = logits.device
 
     def rows_of(positions) -> list[int]:
@@ -108,10 +100,8 @@ def tree_row_targets(
 
     plain_rows = sampling_metadata.allowed_token_ids_mask is None and histories is None
     if sampling_metadata.all_greedy and plain_rows and not has_logit_bias(sampling_metadata, requests):
-        tree_rows = to_device(rows_of(range(len(requests))), torch.long, device)
-        if tree_rows.shape[0] < IN_PLACE_SHARE * logits.shape[0]:  # vLLM's CPU argmax takes float32 only
-            return Sampler.greedy_sample(logits[tree_rows].to(torch.float32))
-        return Sampler.greedy_sample(logits.to(torch.float32))[tree_rows]
+        every_row = Sampler.greedy_sample(logits.to(torch.float32))  # vLLM's CPU argmax takes float32 only
+        return every_row[to_device(rows_of(range(len(requests))), torch.long, device)]
     pieces, first_row = [], 0
     for chunk in row_chunks(counts, max_rows):
         owners = [requests[k] for k in chunk for _ in range(counts[k])]
