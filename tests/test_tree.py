@@ -140,3 +140,6 @@ def test_main_path_and_keep_best():
     assert tree.branches() and not tree.main_path().branches()
     assert tree.keep_best(3) == DraftTree([1, 2, 5], [-1, -1, 1], [0.6, 0.4, 1.0])
     assert tree.keep_best(0) == DraftTree() and tree.keep_best(9) is tree
+    # p >= 0.35: nodes 0, 1 and 4 (node 4's p 0.4 under node 1), closed under ancestors.
+    assert tree.at_least(0.35) == DraftTree([1, 2, 5], [-1, -1, 1], [0.6, 0.4, 1.0])
+    assert tree.at_least(0.3) is tree and tree.at_least(0.7) == DraftTree()

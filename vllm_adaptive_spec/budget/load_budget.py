@@ -56,7 +56,7 @@ from vllm_adaptive_spec.budget.calibration import Calibration
 from vllm_adaptive_spec.budget.cost_fit import StepCostFit
 from vllm_adaptive_spec.budget.cost_models import LinearCost, ShapeCost
 from vllm_adaptive_spec.budget.draft_depth import DraftDepth, kept_by_depth
-from vllm_adaptive_spec.budget.node_allocation import at_least, within
+from vllm_adaptive_spec.budget.node_allocation import within
 from vllm_adaptive_spec.budget.pause_control import PauseControl, PauseSettings, StepDecision
 from vllm_adaptive_spec.trees.tree import DraftTree
 
@@ -247,7 +247,7 @@ class LoadBudget:
         request's record faded by a step, and each tree's ``factor``."""
         self.pauses.settle()
         if floor > 0.0:
-            trees = [at_least(tree, floor) for tree in trees]
+            trees = [tree.at_least(floor) for tree in trees]
         ids = request_ids or [None] * len(trees)
         self.calibrated.fade(ids)
         return trees, ids, [self.calibration(request_id) for request_id in ids]

@@ -76,14 +76,6 @@ def within(p_hat: list[list[float]], kept: list[int], room: int) -> list[int]:
     return counts
 
 
-def at_least(tree: DraftTree, floor: float) -> DraftTree:
-    """The nodes of ``tree`` whose path probability is at least ``floor``
-    (closed under ancestors, as ``p`` never rises along a path); the tree
-    itself when that is all of them."""
-    kept = [i for i, p in enumerate(tree.path_probabilities()) if p >= floor]
-    return tree if len(kept) == len(tree) else tree.subset(kept)
-
-
 def floor(fit: Fit | None, cold_min_p: float, per_draft: float, requests: int, plain: int) -> float:
     """A path probability below which no node of a step with ``requests``
     drafting and ``plain`` other decoding requests is kept, whatever the

@@ -48,11 +48,8 @@ class RetrievalPolicy(TreePolicy):
     def choose(self, tree: DraftTree, max_nodes: int) -> DraftTree:
         """From a whole candidate tree: the nodes with ``p >= min_p`` (closed
         under ancestors, as ``p`` never rises along a path), then the
-        ``max_nodes`` of highest ``p`` (ties: the earlier node); the tree
-        itself where that is all of it (the trie's, grown at ``floor >= min_p``)."""
-        p = tree.path_probabilities()
-        kept = [i for i, value in enumerate(p) if value >= self.min_p]
-        return (tree if len(kept) == len(tree) else tree.subset(kept)).keep_best(max_nodes)
+        ``max_nodes`` of highest ``p`` (ties: the earlier node)."""
+        return tree.at_least(self.min_p).keep_best(max_nodes)
 
     def choose_tensors(self, trees, max_nodes: torch.Tensor, width: int):
         """:meth:`choose` for a batch of whole candidate trees on their device

@@ -61,6 +61,13 @@ class DraftTree:
         p = self.path_probabilities()
         return self.subset(sorted(sorted(range(len(p)), key=lambda i: (-p[i], i))[:n]))
 
+    def at_least(self, floor: float) -> "DraftTree":
+        """The nodes whose path probability is at least ``floor`` (closed
+        under ancestors, as ``p`` never rises along a path); the tree itself
+        when that is all of them."""
+        kept = [i for i, p in enumerate(self.path_probabilities()) if p >= floor]
+        return self if len(kept) == len(self) else self.subset(kept)
+
     def subset(self, kept: list[int]) -> "DraftTree":
         """The nodes ``kept`` (ascending, closed under ancestors), breadth-first."""
         index = {old: new for new, old in enumerate(kept)}
